@@ -1,0 +1,474 @@
+// Block codec and collective segments (hvd_sparse._C). Every per-element and per-block loop of
+// the allgather and Zen schemes lives here; Python only moves the resulting byte buffers through
+// Horovod's collectives.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "blocks.h"
+#include "segment.h"
+
+namespace hvd_sparse {
+namespace {
+
+const char* dtype_name(uint8_t d) {
+  switch (d) {
+    case kF32: return "float32";
+    case kF64: return "float64";
+    case kF16: return "float16";
+    case kBF16: return "bfloat16";
+    default: return "unknown";
+  }
+}
+
+uint8_t dtype_code(at::ScalarType s) {
+  switch (s) {
+    case at::kFloat: return kF32;
+    case at::kDouble: return kF64;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
+    default: throw std::invalid_argument(std::string("hvd_sparse codec: unsupported dtype ") +
+                                         c10::toString(s));
+  }
+}
+
+// A contiguous CPU tensor seen as raw blocks.
+struct Flat {
+  const uint8_t* data;
+  int64_t numel, bs, nblocks;
+  int width;
+  uint8_t dtype;
+};
+
+Flat flat_of(const at::Tensor& t, int64_t bs) {
+  TORCH_CHECK(t.device().is_cpu(), "hvd_sparse codec: tensor must be on the CPU");
+  TORCH_CHECK(t.is_contiguous(), "hvd_sparse codec: tensor must be contiguous");
+  TORCH_CHECK(bs > 0 && bs <= (1 << 24), "hvd_sparse codec: block size out of range");
+  uint8_t d = dtype_code(t.scalar_type());
+  return {static_cast<const uint8_t*>(t.data_ptr()), t.numel(), bs, num_blocks(t.numel(), bs),
+          dtype_size(d), d};
+}
+
+at::Tensor mask_of(const Flat& f) {
+  auto mask = at::empty({f.nblocks}, at::kByte);
+  uint8_t* m = mask.data_ptr<uint8_t>();
+  const int64_t bytes = f.bs * f.width;
+  at::parallel_for(0, f.nblocks, std::max<int64_t>(1, (1 << 20) / bytes), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t n = std::min(f.bs, f.numel - b * f.bs);
+      m[b] = block_nonzero(f.data + b * bytes, n, f.width);
+    }
+  });
+  return mask;
+}
+
+std::vector<uint32_t> nonzero_list(const at::Tensor& mask, int64_t nblocks) {
+  TORCH_CHECK(mask.scalar_type() == at::kByte && mask.is_contiguous() && mask.numel() == nblocks,
+              "hvd_sparse codec: mask must be a contiguous uint8 tensor with one entry per block");
+  TORCH_CHECK(nblocks < (int64_t(1) << 32), "hvd_sparse codec: too many blocks");
+  const uint8_t* m = mask.data_ptr<uint8_t>();
+  std::vector<uint32_t> idx;
+  idx.reserve(static_cast<size_t>(std::count_if(m, m + nblocks, [](uint8_t x) { return x != 0; })));
+  for (int64_t b = 0; b < nblocks; ++b)
+    if (m[b]) idx.push_back(static_cast<uint32_t>(b));
+  return idx;
+}
+
+// Copies blocks idx[k] of f to dst[k], zero-padding the tail block.
+void copy_blocks(const Flat& f, const uint32_t* idx, int64_t count, uint8_t* dst) {
+  const int64_t bytes = f.bs * f.width;
+  at::parallel_for(0, count, std::max<int64_t>(1, (1 << 18) / bytes), [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      int64_t b = idx[k];
+      int64_t n = std::min(f.bs, f.numel - b * f.bs) * f.width;
+      std::memcpy(dst + k * bytes, f.data + b * bytes, n);
+      if (n < bytes) std::memset(dst + k * bytes + n, 0, bytes - n);
+    }
+  });
+}
+
+uint64_t segment_bytes(uint8_t kind, uint64_t count, uint64_t positions, int64_t bs, int width) {
+  uint64_t head = kind == kIndexList ? align8(4 * count) : align8((positions + 7) / 8);
+  return align8(sizeof(SegHeader) + head + count * bs * width);
+}
+
+SegHeader make_header(const Flat& f, uint8_t kind, uint64_t count, uint32_t part, uint32_t nparts,
+                      uint64_t meta, uint64_t nbytes, uint64_t nnz_local) {
+  SegHeader h{};
+  h.magic = kSegMagic;
+  h.version = kSegVersion;
+  h.dtype = f.dtype;
+  h.kind = kind;
+  h.block_size = static_cast<uint32_t>(f.bs);
+  h.count = static_cast<uint32_t>(count);
+  h.part = part;
+  h.nparts = nparts;
+  h.numel = static_cast<uint64_t>(f.numel);
+  h.meta = meta;
+  h.nbytes = nbytes;
+  h.nnz_local = nnz_local;
+  return h;
+}
+
+// Block indices of each partition, ascending: the positions a partition bitmap refers to.
+std::vector<std::vector<uint32_t>> partition_positions(int64_t nblocks, uint32_t nparts) {
+  std::vector<std::vector<uint32_t>> pos(nparts);
+  for (auto& p : pos) p.reserve(static_cast<size_t>(nblocks / nparts + 16));
+  for (int64_t b = 0; b < nblocks; ++b) pos[partition_of(b, nparts)].push_back(static_cast<uint32_t>(b));
+  return pos;
+}
+
+// One parsed, validated segment.
+struct Seg {
+  const SegHeader* h;
+  const uint32_t* idx;          // ascending block indices
+  std::vector<uint32_t> owned;  // backing store when decoded from a bitmap
+  const uint8_t* vals;
+};
+
+// What every segment must agree on: this rank's view of the tensor.
+struct Expect {
+  uint8_t dtype;
+  int64_t bs, numel;
+  uint64_t meta;
+};
+
+[[noreturn]] void bad(int64_t s, const std::string& what) {
+  std::ostringstream os;
+  os << "rank " << s << ": " << what;
+  throw std::runtime_error(os.str());
+}
+
+// Parses nsegs segments from buf (one per rank, in rank order) and checks each against ex;
+// part_is_rank: segment s must cover partition s (Zen results). Bounds are checked before any
+// write, so a bad buffer never changes the output.
+std::vector<Seg> parse(const at::Tensor& buf, int64_t nsegs, const Expect& ex, int64_t want_part,
+                       bool part_is_rank) {
+  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(), "segment buffer must be uint8");
+  const uint8_t* base = buf.data_ptr<uint8_t>();
+  const uint64_t size = static_cast<uint64_t>(buf.numel());
+  const int64_t nblocks = num_blocks(ex.numel, ex.bs);
+  std::vector<Seg> segs(static_cast<size_t>(nsegs));
+  std::vector<std::vector<uint32_t>> positions;
+  uint64_t off = 0;
+  for (int64_t s = 0; s < nsegs; ++s) {
+    if (size - off < sizeof(SegHeader)) bad(s, "truncated segment (no header)");
+    const SegHeader* h = reinterpret_cast<const SegHeader*>(base + off);
+    if (h->magic != kSegMagic || h->version != kSegVersion) bad(s, "not an hvd_sparse segment");
+    if (h->dtype != ex.dtype || h->numel != static_cast<uint64_t>(ex.numel) || h->meta != ex.meta) {
+      std::ostringstream os;
+      os << "tensor mismatch across ranks: rank " << s << " has numel=" << h->numel
+         << " dtype=" << dtype_name(h->dtype) << " shape-hash=" << std::hex << h->meta << std::dec
+         << ", this rank has numel=" << ex.numel << " dtype=" << dtype_name(ex.dtype)
+         << " shape-hash=" << std::hex << ex.meta;
+      throw std::runtime_error(os.str());
+    }
+    if (h->block_size != static_cast<uint64_t>(ex.bs)) bad(s, "block size differs across ranks");
+    if (h->count > static_cast<uint64_t>(nblocks)) bad(s, "block count out of range");
+    if (want_part >= 0 && h->part != static_cast<uint64_t>(want_part)) bad(s, "wrong partition");
+    if (part_is_rank && h->part != static_cast<uint64_t>(s)) bad(s, "wrong partition");
+    if (h->nparts == 0 || h->part >= h->nparts) bad(s, "partition out of range");
+    Seg& g = segs[static_cast<size_t>(s)];
+    g.h = h;
+    uint64_t npos = 0;
+    if (h->kind == kPartitionBitmap) {
+      if (positions.empty()) positions = partition_positions(nblocks, h->nparts);
+      if (positions.size() != h->nparts) bad(s, "partition count differs across ranks");
+      npos = positions[h->part].size();
+    } else if (h->kind != kIndexList) {
+      bad(s, "unknown segment kind");
+    }
+    uint64_t nbytes = segment_bytes(h->kind, h->count, npos, ex.bs, dtype_size(ex.dtype));
+    if (h->nbytes != nbytes || nbytes > size - off) bad(s, "segment size is inconsistent or truncated");
+    const uint8_t* body = base + off + sizeof(SegHeader);
+    if (h->kind == kIndexList) {
+      g.idx = reinterpret_cast<const uint32_t*>(body);
+      for (uint32_t k = 0; k < h->count; ++k)
+        if (g.idx[k] >= nblocks || (k > 0 && g.idx[k] <= g.idx[k - 1]))
+          bad(s, "block indices out of range or not ascending");
+      g.vals = body + align8(4ull * h->count);
+    } else {
+      const auto& pos = positions[h->part];
+      for (uint64_t k = 0; k < npos; ++k)
+        if (body[k >> 3] >> (k & 7) & 1) g.owned.push_back(pos[k]);
+      if (g.owned.size() != h->count) bad(s, "bitmap population differs from block count");
+      g.idx = g.owned.data();
+      g.vals = body + align8((npos + 7) / 8);
+    }
+    off += nbytes;
+  }
+  if (off != size) throw std::runtime_error("trailing bytes after the last segment");
+  return segs;
+}
+
+template <typename A, typename V>
+void add_block(A* out, const uint8_t* src, int64_t n) {
+  const V* v = reinterpret_cast<const V*>(src);
+  for (int64_t i = 0; i < n; ++i) out[i] += static_cast<A>(static_cast<float>(v[i]));
+}
+template <>
+void add_block<double, double>(double* out, const uint8_t* src, int64_t n) {
+  const double* v = reinterpret_cast<const double*>(src);
+  for (int64_t i = 0; i < n; ++i) out[i] += v[i];
+}
+
+// Sums segs, in rank order for every element (so all ranks get identical bits), into the flat
+// accumulator out. Parallel over disjoint block ranges: no two threads touch one element.
+template <typename A, typename V>
+int64_t sum_segments(const std::vector<Seg>& segs, A* out, int64_t numel, int64_t bs) {
+  const int64_t nblocks = num_blocks(numel, bs);
+  const int64_t bytes = bs * static_cast<int64_t>(sizeof(V));
+  std::vector<uint8_t> seen(static_cast<size_t>(nblocks), 0);
+  at::parallel_for(0, nblocks, std::max<int64_t>(1, 4096 / bs * 64), [&](int64_t b0, int64_t b1) {
+    for (const Seg& g : segs) {
+      const uint32_t* end = g.idx + g.h->count;
+      const uint32_t* p = std::lower_bound(g.idx, end, static_cast<uint32_t>(b0));
+      for (; p != end && *p < b1; ++p) {
+        int64_t b = *p;
+        add_block<A, V>(out + b * bs, g.vals + (p - g.idx) * bytes, std::min(bs, numel - b * bs));
+        seen[static_cast<size_t>(b)] = 1;
+      }
+    }
+  });
+  return std::count(seen.begin(), seen.end(), uint8_t(1));
+}
+
+template <typename F>
+auto dispatch_wire(uint8_t dtype, F&& f) {
+  switch (dtype) {
+    case kF32: return f(float{});
+    case kF64: return f(double{});
+    case kF16: return f(c10::Half{});
+    default: return f(c10::BFloat16{});
+  }
+}
+
+py::tuple stats_tuple(const std::vector<Seg>& segs, int64_t uni) {
+  py::list counts, nnz;
+  for (const Seg& g : segs) {
+    counts.append(g.h->count);
+    nnz.append(g.h->nnz_local);
+  }
+  return py::make_tuple(counts, nnz, uni);
+}
+
+}  // namespace
+
+// ---- codec -------------------------------------------------------------------------------------
+
+at::Tensor block_mask(const at::Tensor& t, int64_t bs) { return mask_of(flat_of(t, bs)); }
+
+std::tuple<at::Tensor, at::Tensor> pack(const at::Tensor& t, int64_t bs,
+                                        c10::optional<at::Tensor> mask) {
+  Flat f = flat_of(t, bs);
+  auto idx = nonzero_list(mask ? *mask : mask_of(f), f.nblocks);
+  auto vals = at::empty({static_cast<int64_t>(idx.size()), bs}, t.options());
+  copy_blocks(f, idx.data(), static_cast<int64_t>(idx.size()), static_cast<uint8_t*>(vals.data_ptr()));
+  auto out_idx = at::empty({static_cast<int64_t>(idx.size())}, at::kInt);
+  std::memcpy(out_idx.data_ptr(), idx.data(), idx.size() * 4);
+  return {out_idx, vals};
+}
+
+void unpack(at::Tensor& out, const at::Tensor& idx, const at::Tensor& vals, int64_t bs) {
+  TORCH_CHECK(out.is_contiguous() && vals.is_contiguous() && idx.is_contiguous(), "unpack: contiguous tensors");
+  TORCH_CHECK(idx.scalar_type() == at::kInt && vals.scalar_type() == out.scalar_type(), "unpack: dtypes");
+  TORCH_CHECK(vals.numel() == idx.numel() * bs, "unpack: vals must be [len(idx), block_size]");
+  const int64_t numel = out.numel(), nblocks = num_blocks(numel, bs), k = idx.numel();
+  const int32_t* ix = idx.data_ptr<int32_t>();
+  for (int64_t i = 0; i < k; ++i)
+    TORCH_CHECK(ix[i] >= 0 && ix[i] < nblocks && (i == 0 || ix[i] > ix[i - 1]),
+                "unpack: block indices must be ascending and in range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "unpack", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* v = vals.data_ptr<scalar_t>();
+    at::parallel_for(0, k, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        int64_t b = ix[i], n = std::min(bs, numel - b * bs);
+        for (int64_t j = 0; j < n; ++j) o[b * bs + j] += v[i * bs + j];
+      }
+    });
+  });
+}
+
+// ---- allgather scheme ------------------------------------------------------------------------
+
+// One index-list segment holding the non-zero blocks of t.
+at::Tensor encode(const at::Tensor& t, int64_t bs, uint64_t meta, c10::optional<at::Tensor> mask) {
+  Flat f = flat_of(t, bs);
+  auto idx = nonzero_list(mask ? *mask : mask_of(f), f.nblocks);
+  const uint64_t count = idx.size();
+  const uint64_t nbytes = segment_bytes(kIndexList, count, 0, bs, f.width);
+  auto buf = at::empty({static_cast<int64_t>(nbytes)}, at::kByte);
+  uint8_t* p = buf.data_ptr<uint8_t>();
+  SegHeader h = make_header(f, kIndexList, count, 0, 1, meta, nbytes, count);
+  std::memcpy(p, &h, sizeof h);
+  uint8_t* body = p + sizeof h;
+  std::memset(body, 0, align8(4 * count));
+  std::memcpy(body, idx.data(), 4 * count);
+  uint8_t* vals = body + align8(4 * count);
+  copy_blocks(f, idx.data(), static_cast<int64_t>(count), vals);
+  std::memset(vals + count * bs * f.width, 0, p + nbytes - (vals + count * bs * f.width));
+  return buf;
+}
+
+// Validates nsegs concatenated segments and sums them into acc (float32, or float64 for float64
+// tensors; acc must hold numel elements, usually zeros). Returns (counts, nnz_local, union).
+py::tuple decode_sum(const at::Tensor& buf, at::Tensor& acc, int64_t bs, uint64_t meta, int64_t dtype,
+                     int64_t numel, int64_t nsegs, bool part_is_rank) {
+  Expect ex{static_cast<uint8_t>(dtype), bs, numel, meta};
+  TORCH_CHECK(acc.is_contiguous() && acc.numel() == numel, "decode_sum: accumulator size");
+  TORCH_CHECK(acc.scalar_type() == (dtype == kF64 ? at::kDouble : at::kFloat), "decode_sum: accumulator dtype");
+  std::vector<Seg> segs;
+  int64_t uni;
+  {
+    py::gil_scoped_release nogil;
+    segs = parse(buf, nsegs, ex, -1, part_is_rank);
+    uni = dispatch_wire(ex.dtype, [&](auto v) -> int64_t {
+      using V = decltype(v);
+      if constexpr (std::is_same_v<V, double>)
+        return sum_segments<double, V>(segs, acc.data_ptr<double>(), numel, bs);
+      else
+        return sum_segments<float, V>(segs, acc.data_ptr<float>(), numel, bs);
+    });
+  }
+  return stats_tuple(segs, uni);
+}
+
+// ---- Zen scheme ----------------------------------------------------------------------------
+
+// Splits the non-zero blocks of t by partition_of(): one segment per destination rank, in rank
+// order. Returns the buffer and the byte size of each rank's segment (the alltoall splits).
+std::tuple<at::Tensor, std::vector<int64_t>> zen_encode(const at::Tensor& t, int64_t bs, int64_t nparts,
+                                                        uint64_t meta, c10::optional<at::Tensor> mask) {
+  TORCH_CHECK(nparts >= 1, "zen_encode: nparts must be >= 1");
+  Flat f = flat_of(t, bs);
+  auto idx = nonzero_list(mask ? *mask : mask_of(f), f.nblocks);
+  const auto np = static_cast<uint32_t>(nparts);
+  std::vector<uint32_t> dest(idx.size());
+  std::vector<uint64_t> cnt(np, 0);
+  for (size_t k = 0; k < idx.size(); ++k) cnt[dest[k] = partition_of(idx[k], np)]++;
+  std::vector<int64_t> splits(np);
+  std::vector<uint64_t> off(np + 1, 0);
+  for (uint32_t p = 0; p < np; ++p) {
+    splits[p] = static_cast<int64_t>(segment_bytes(kIndexList, cnt[p], 0, bs, f.width));
+    off[p + 1] = off[p] + splits[p];
+  }
+  auto buf = at::zeros({static_cast<int64_t>(off[np])}, at::kByte);
+  uint8_t* base = buf.data_ptr<uint8_t>();
+  for (uint32_t p = 0; p < np; ++p) {
+    SegHeader h = make_header(f, kIndexList, cnt[p], p, np, meta, splits[p], idx.size());
+    std::memcpy(base + off[p], &h, sizeof h);
+  }
+  // Stable scatter: each destination's indices stay ascending; remember each block's slot.
+  std::vector<uint64_t> fill(np, 0);
+  std::vector<uint8_t*> slot(idx.size());
+  const int64_t bytes = bs * f.width;
+  for (size_t k = 0; k < idx.size(); ++k) {
+    uint32_t p = dest[k];
+    uint8_t* body = base + off[p] + sizeof(SegHeader);
+    reinterpret_cast<uint32_t*>(body)[fill[p]] = idx[k];
+    slot[k] = body + align8(4 * cnt[p]) + fill[p] * bytes;
+    fill[p]++;
+  }
+  at::parallel_for(0, static_cast<int64_t>(idx.size()), std::max<int64_t>(1, (1 << 18) / bytes),
+                   [&](int64_t k0, int64_t k1) {
+                     for (int64_t k = k0; k < k1; ++k) copy_blocks(f, &idx[k], 1, slot[k]);
+                   });
+  return {buf, splits};
+}
+
+// Sums the segments every rank sent for partition `part` and returns the result as one segment
+// (index list or partition bitmap, whichever is smaller) for the final allgather.
+at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t dtype, int64_t numel,
+                      int64_t nsegs, int64_t part, int64_t nparts, int64_t nnz_local) {
+  Expect ex{static_cast<uint8_t>(dtype), bs, numel, meta};
+  at::Tensor out;
+  {
+    py::gil_scoped_release nogil;
+    auto segs = parse(buf, nsegs, ex, part, false);
+    for (size_t s = 0; s < segs.size(); ++s)
+      if (segs[s].h->nparts != static_cast<uint64_t>(nparts)) bad(s, "partition count differs");
+    std::vector<uint32_t> uni;
+    for (const Seg& g : segs) uni.insert(uni.end(), g.idx, g.idx + g.h->count);
+    std::sort(uni.begin(), uni.end());
+    uni.erase(std::unique(uni.begin(), uni.end()), uni.end());
+    const int64_t nblocks = num_blocks(numel, bs), U = static_cast<int64_t>(uni.size());
+    const int width = dtype_size(ex.dtype);
+    uint64_t npos = 0;
+    for (int64_t b = 0; b < nblocks; ++b) npos += partition_of(b, nparts) == part;
+    const uint8_t kind = align8((npos + 7) / 8) < align8(4ull * U) ? kPartitionBitmap : kIndexList;
+    const uint64_t nbytes = segment_bytes(kind, U, npos, bs, width);
+    out = at::zeros({static_cast<int64_t>(nbytes)}, at::kByte);
+    uint8_t* p = out.data_ptr<uint8_t>();
+    Flat f{nullptr, numel, bs, nblocks, width, ex.dtype};
+    SegHeader h = make_header(f, kind, U, part, nparts, meta, nbytes, nnz_local);
+    std::memcpy(p, &h, sizeof h);
+    uint8_t* body = p + sizeof h;
+    if (kind == kIndexList) {
+      std::memcpy(body, uni.data(), 4 * U);
+    } else {
+      int64_t j = 0, k = 0;
+      for (int64_t b = 0; b < nblocks && j < U; ++b) {
+        if (partition_of(b, nparts) != part) continue;
+        if (uni[j] == b) { body[k >> 3] |= uint8_t(1u << (k & 7)); ++j; }
+        ++k;
+      }
+    }
+    uint8_t* vals = body + (kind == kIndexList ? align8(4ull * U) : align8((npos + 7) / 8));
+    dispatch_wire(ex.dtype, [&](auto v) {
+      using V = decltype(v);
+      using A = std::conditional_t<std::is_same_v<V, double>, double, float>;
+      // Accumulate the partition's union compactly, then round once to the wire dtype.
+      at::parallel_for(0, U, 16, [&](int64_t u0, int64_t u1) {
+        std::vector<A> acc(static_cast<size_t>(bs));
+        for (int64_t u = u0; u < u1; ++u) {
+          std::fill(acc.begin(), acc.end(), A(0));
+          for (const Seg& g : segs) {
+            const uint32_t* end = g.idx + g.h->count;
+            const uint32_t* q = std::lower_bound(g.idx, end, uni[u]);
+            if (q != end && *q == uni[u]) add_block<A, V>(acc.data(), g.vals + (q - g.idx) * bs * width, bs);
+          }
+          V* dst = reinterpret_cast<V*>(vals) + u * bs;
+          for (int64_t i = 0; i < bs; ++i) dst[i] = static_cast<V>(acc[i]);
+        }
+      });
+      return 0;
+    });
+  }
+  return out;
+}
+
+int64_t count_partition(int64_t nblocks, int64_t part, int64_t nparts) {
+  int64_t n = 0;
+  for (int64_t b = 0; b < nblocks; ++b) n += partition_of(b, nparts) == part;
+  return n;
+}
+
+}  // namespace hvd_sparse
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace hvd_sparse;
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.doc() = "hvd-sparse C++ core: block codec and collective segments";
+  m.def("block_mask", &block_mask, "uint8 mask of non-zero blocks", py::arg("t"), py::arg("block_size"), nogil());
+  m.def("pack", &pack, py::arg("t"), py::arg("block_size"), py::arg("mask") = py::none(), nogil());
+  m.def("unpack", &unpack, py::arg("out"), py::arg("idx"), py::arg("vals"), py::arg("block_size"), nogil());
+  m.def("encode", &encode, py::arg("t"), py::arg("block_size"), py::arg("meta"), py::arg("mask") = py::none(),
+        nogil());
+  m.def("decode_sum", &decode_sum, py::arg("buf"), py::arg("acc"), py::arg("block_size"), py::arg("meta"),
+        py::arg("dtype"), py::arg("numel"), py::arg("nsegs"), py::arg("part_is_rank") = false);
+  m.def("zen_encode", &zen_encode, py::arg("t"), py::arg("block_size"), py::arg("nparts"), py::arg("meta"),
+        py::arg("mask") = py::none(), nogil());
+  m.def("zen_reduce", &zen_reduce, py::arg("buf"), py::arg("block_size"), py::arg("meta"), py::arg("dtype"),
+        py::arg("numel"), py::arg("nsegs"), py::arg("part"), py::arg("nparts"), py::arg("nnz_local"));
+  m.def("partition_of", [](int64_t b, int64_t n) { return partition_of(b, n); });
+  m.def("count_partition", &count_partition);
+  m.attr("SEGMENT_HEADER_BYTES") = sizeof(SegHeader);
+}

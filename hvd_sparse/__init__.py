@@ -1,0 +1,19 @@
+"""hvd-sparse: sparse gradient synchronization for Horovod.
+
+    import horovod.torch as hvd, hvd_sparse
+    hvd.init(); hvd_sparse.init()
+    out = hvd_sparse.allreduce(t, name="emb", op=hvd.Average, scheme="auto")
+"""
+from .basics import init, is_initialized, shutdown
+from .compression import Compression, SparseCompressor
+from .errors import HvdSparseError
+from .metrics import metrics, reset_metrics
+from .mpi_ops import allreduce, allreduce_async, poll, synchronize
+from .optimizer import DistributedOptimizer
+
+__all__ = [
+    "Compression", "DistributedOptimizer", "HvdSparseError", "SparseCompressor", "allreduce",
+    "allreduce_async", "init", "is_initialized", "metrics", "poll", "reset_metrics", "shutdown",
+    "synchronize",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,58 @@
+"""Process-wide state: ``init`` and ``shutdown``."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import horovod.torch as hvd
+
+from . import config as _config
+from . import costmodel, engine
+from .errors import HvdSparseError
+
+log = logging.getLogger("hvd_sparse")
+
+
+@dataclass
+class State:
+    config: _config.Config
+    net: costmodel.NetModel
+
+
+_state: State | None = None
+
+
+def init(**kwargs: object) -> None:
+    """Starts hvd_sparse after ``hvd.init()``; collective: every rank must call it.
+
+    Options (keyword or ``HVD_SPARSE_<NAME>`` environment variable): block_size, scheme,
+    timeout, small_bytes, probe ("auto", "force", "off"), cache_dir, log_level.
+    """
+    global _state
+    if not hvd.is_initialized():
+        raise HvdSparseError("hvd_sparse.init(): call hvd.init() first")
+    cfg = _config.from_env_and_kwargs(**kwargs)
+    logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s")
+    log.setLevel(cfg.log_level.upper())
+    net = costmodel.load_or_probe(cfg.probe, cfg.cache_dir)
+    log.debug("hvd_sparse: network model (%s): %s", net.source, net)
+    _state = State(cfg, net)
+
+
+def state() -> State:
+    if _state is None:
+        raise HvdSparseError(
+            "hvd_sparse is not initialized: call hvd_sparse.init() after hvd.init()")
+    return _state
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def shutdown() -> None:
+    """Forgets the state; reductions still in flight are reported as errors."""
+    global _state
+    if engine.inflight():
+        log.warning("hvd_sparse.shutdown(): %d reduction(s) still in flight", engine.inflight())
+    _state = None

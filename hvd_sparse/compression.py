@@ -1,0 +1,61 @@
+"""``Compression.sparse``: sparse synchronization inside an unmodified ``hvd.DistributedOptimizer``.
+
+Horovod calls ``compress(grad)`` from its backward hook, allreduces what it returns with the
+optimizer's op and scaling, and calls ``decompress(result, ctx)`` at ``synchronize()``. Here
+``compress`` starts the sparse reduction of the gradient (a plain sum) and hands Horovod a
+one-element placeholder of ones; its reduced value tells ``decompress`` the op's scaling (1 for
+Average with any predivide factor, size for Sum), which is applied to the sum.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.optimizer import _DistributedAdasumOptimizer, _DistributedOptimizer
+
+from .config import SCHEMES
+from .errors import HvdSparseError
+from .mpi_ops import allreduce_async, synchronize
+
+_HVD_ALLREDUCE = _DistributedOptimizer._allreduce_grad_async.__code__
+_HVD_ADASUM = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
+
+
+class SparseCompressor:
+    """Compression object for ``hvd.DistributedOptimizer(compression=...)``."""
+
+    def __init__(self, scheme: str | None = None, block_size: int | None = None) -> None:
+        if scheme is not None and scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        self.scheme = scheme
+        self.block_size = block_size
+        self._unnamed = itertools.count()
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        caller = sys._getframe(1)
+        if caller.f_code is _HVD_ADASUM:
+            raise HvdSparseError("hvd_sparse.Compression.sparse does not support op=hvd.Adasum: "
+                                 "Adasum combines whole tensors, not sums of sparse blocks")
+        # Horovod names the reduction after the parameter; ranks match tensors by that name.
+        name = caller.f_locals.get("name") if caller.f_code is _HVD_ALLREDUCE else None
+        name = name or f"compress.{next(self._unnamed)}"
+        handle = allreduce_async(tensor, name=f"grad.{name}", op=hvd.Sum, scheme=self.scheme,
+                                 block_size=self.block_size)
+        return tensor.new_ones(1), handle
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        total = synchronize(ctx)
+        # The placeholder reduced to 1 (Average) or size (Sum), up to float rounding.
+        scale = round(float(tensor.reshape(-1)[0]))
+        return total.mul_(scale / hvd.size())
+
+
+class Compression:
+    """Sparse compression objects, in the style of ``hvd.Compression``."""
+
+    @staticmethod
+    def sparse(scheme: str | None = None, block_size: int | None = None) -> SparseCompressor:
+        return SparseCompressor(scheme=scheme, block_size=block_size)

@@ -1,0 +1,163 @@
+"""Alpha-beta cost model that lets "auto" pick a scheme per tensor.
+
+Each collective is modelled as alpha + beta * bytes, fitted from a short probe of the real
+collectives at ``init`` (cached on disk per cluster shape) and shared from rank 0 so every rank
+predicts the same numbers and so picks the same scheme. Sparse schemes are chosen only when
+predicted clearly faster than dense: a wrong guess must cost little.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+
+from . import _C, blocks
+
+log = logging.getLogger("hvd_sparse")
+
+HEADER = 64  # segment header plus alignment, bytes
+MARGIN = 0.8  # a sparse scheme must be predicted this much faster than dense
+CACHE_MAX_AGE = 7 * 24 * 3600
+
+
+@dataclass
+class NetModel:
+    allreduce: tuple[float, float]  # alpha (s), beta (s per byte of the tensor)
+    allgather: tuple[float, float]  # alpha, beta per byte gathered (all ranks together)
+    alltoall: tuple[float, float]  # alpha, beta per byte one rank sends
+    decode_bps: float  # bytes per second of segment decoding on this host
+    source: str = "default"
+
+    @staticmethod
+    def default() -> NetModel:
+        # Conservative guess (about 1 GB/s links) used when probing is off.
+        return NetModel((2e-4, 2e-9), (2e-4, 1e-9), (3e-4, 1e-9), 2e9)
+
+
+def _median_time(fn: Callable[[], object], reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fit(small: tuple[float, float], big: tuple[float, float]) -> tuple[float, float]:
+    (b1, t1), (b2, t2) = small, big
+    beta = max((t2 - t1) / (b2 - b1), 1e-12)
+    return max(t1 - beta * b1, 1e-6), beta
+
+
+def probe() -> NetModel:
+    """Times the real collectives at two sizes (collective: every rank must call it)."""
+    n = hvd.size()
+    small, big = 256, 1 << 20  # float32 elements per rank
+
+    def allreduce(k: int) -> float:
+        x = torch.ones(k)
+        return _median_time(lambda: hvd.allreduce(x, name=f"hvd_sparse.probe.ar{k}", op=hvd.Sum))
+
+    def allgather(k: int) -> float:
+        x = torch.ones(k)
+        return _median_time(lambda: hvd.allgather(x, name=f"hvd_sparse.probe.ag{k}"))
+
+    def alltoall(k: int) -> float:
+        x = torch.ones(k * n)
+        return _median_time(lambda: hvd.alltoall(x, name=f"hvd_sparse.probe.a2a{k}"))
+
+    model = NetModel(
+        allreduce=_fit((small * 4, allreduce(small)), (big * 4, allreduce(big))),
+        allgather=_fit((small * 4 * n, allgather(small)), (big * 4 * n, allgather(big))),
+        alltoall=_fit((small * 4 * n, alltoall(small)), (big * 4 * n, alltoall(big))),
+        decode_bps=_decode_speed(),
+        source="probe",
+    )
+    return model
+
+
+def _decode_speed() -> float:
+    t = torch.zeros(1 << 20)
+    t[:: 2048] = 1.0  # every 8th block non-zero
+    seg = _C.encode(t, 256, 1)
+    acc = torch.zeros(t.numel())
+    secs = _median_time(lambda: _C.decode_sum(seg, acc, 256, 1, 0, t.numel(), 1, False), reps=3)
+    return seg.numel() / max(secs, 1e-9)
+
+
+def _cache_path(cache_dir: str) -> Path:
+    hosts = sorted(hvd.allgather_object(socket.gethostname(), name="hvd_sparse.probe.hosts"))
+    key = json.dumps([hosts, hvd.size(), hvd.gloo_enabled(), torch.__version__, os.cpu_count()])
+    return Path(cache_dir) / f"netmodel-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def load_or_probe(mode: str, cache_dir: str) -> NetModel:
+    """The job's network model, identical on every rank (rank 0's cache or a fresh probe)."""
+    if mode == "off" or hvd.size() == 1:
+        return NetModel.default()
+    path = _cache_path(cache_dir)
+    cached = None
+    if hvd.rank() == 0 and mode == "auto" and path.exists():
+        try:
+            if time.time() - path.stat().st_mtime < CACHE_MAX_AGE:
+                d = json.loads(path.read_text())
+                cached = NetModel(
+                    **{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        except (OSError, ValueError, TypeError):
+            cached = None
+    cached = hvd.broadcast_object(cached, root_rank=0, name="hvd_sparse.probe.cached")
+    if cached is not None:
+        return cached
+    model = hvd.broadcast_object(probe(), root_rank=0, name="hvd_sparse.probe.model")
+    if hvd.rank() == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(asdict(model)))
+        except OSError as e:
+            log.warning("hvd_sparse: cannot cache the network model at %s: %s", path, e)
+    return model
+
+
+def predict(
+    m: NetModel, numel: int, esize: int, bs: int, nnz: Sequence[int], union: float | None
+) -> dict[str, float]:
+    """Predicted seconds of each scheme for a tensor whose ranks hold ``nnz`` non-zero blocks.
+
+    ``union`` is the expected number of distinct non-zero blocks over all ranks; when unknown it
+    is estimated as if blocks were placed independently at random.
+    """
+    n = len(nnz)
+    nblocks = max(1, blocks.num_blocks(numel, bs))
+    block = bs * esize
+    if union is None:
+        union = nblocks * (1 - math.prod(1 - c / nblocks for c in nnz))
+    union = min(float(nblocks), max(union, float(max(nnz, default=0))))
+
+    dense = m.allreduce[0] + m.allreduce[1] * numel * esize
+
+    gathered = sum(HEADER + c * (4 + block) for c in nnz)
+    allgather = m.allgather[0] + m.allgather[1] * gathered + gathered / m.decode_bps
+
+    sent = max(n * HEADER + c * (4 + block) for c in nnz)
+    per_part = union / n
+    part_bytes = HEADER + min(4 * per_part, nblocks / n / 8) + per_part * block
+    zen = (m.alltoall[0] + m.alltoall[1] * sent + sent / m.decode_bps
+           + m.allgather[0] + m.allgather[1] * n * part_bytes + n * part_bytes / m.decode_bps)
+    return {"dense": dense, "allgather": allgather, "zen": zen}
+
+
+def choose(predicted: dict[str, float]) -> str:
+    best = min(("allgather", "zen"), key=predicted.__getitem__)
+    return best if predicted[best] < MARGIN * predicted["dense"] else "dense"

@@ -1,0 +1,156 @@
+"""The progress engine: asynchronous reductions built from Horovod's own collectives.
+
+A scheme is a generator that yields (stage name, Horovod handle) pairs and returns the reduced
+tensor. The engine
+drives every in-flight generator: whenever a caller waits on any handle, all handles whose current
+Horovod op has finished move to their next stage. That is what lets ranks submit and wait on
+tensors in different orders without deadlock: a rank blocked on tensor A still submits the next
+stage of tensor B that its peers are waiting for. Every wait is bounded by the configured timeout.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from .errors import HvdSparseError
+
+Stage = Generator[tuple[str, int], Any, torch.Tensor]
+
+
+@dataclass
+class Job:
+    """One tensor's reduction: what every scheme needs to know about it."""
+
+    name: str
+    tensor: torch.Tensor  # contiguous, flat view of the input
+    shape: torch.Size
+    op: Any  # hvd.Sum or hvd.Average
+    prescale: float
+    postscale: float
+    block_size: int
+    size: int
+    rank: int
+    meta: int
+    scheme: str
+    mask: torch.Tensor | None = None  # block mask, when already computed (auto)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def op_name(self, stage: str) -> str:
+        return f"hvd_sparse.{self.name}.{stage}"
+
+    @property
+    def scale(self) -> float:
+        """Factor applied to the plain sum: pre- and postscale, and 1/size for Average."""
+        s = self.prescale * self.postscale
+        return s / self.size if self.op == hvd.Average else s
+
+
+class Handle:
+    """What ``allreduce_async`` returns; pass it to ``synchronize`` or ``poll``."""
+
+    __slots__ = ("job", "_gen", "pending", "stage", "result", "error", "started", "_on_done")
+
+    def __init__(self, job: Job, gen: Stage, on_done: Callable[[Handle], None]) -> None:
+        self.job = job
+        self._gen = gen
+        self.pending: int | None = None
+        self.stage = "start"
+        self.result: torch.Tensor | None = None
+        self.error: HvdSparseError | None = None
+        self.started = time.monotonic()
+        self._on_done = on_done
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    def _step(self, value: Any) -> None:
+        try:
+            self.stage, self.pending = self._gen.send(value)
+        except StopIteration as stop:
+            self.pending, self.result = None, stop.value
+            self._on_done(self)
+        except HvdSparseError as e:
+            self._fail(e)
+        except Exception as e:  # noqa: BLE001 - any failure must surface as the tensor's error
+            self._fail(HvdSparseError(f"hvd_sparse: tensor {self.job.name!r}: {e}"))
+
+    def _fail(self, e: HvdSparseError) -> None:
+        self.pending, self.error = None, e
+        self._gen.close()
+
+
+_lock = threading.RLock()
+_inflight: dict[str, Handle] = {}
+
+
+def submit(job: Job, gen: Stage, on_done: Callable[[Handle], None]) -> Handle:
+    with _lock:
+        if job.name in _inflight:
+            raise HvdSparseError(
+                f"hvd_sparse: tensor {job.name!r} is already being reduced; "
+                "synchronize it before submitting it again")
+        h = Handle(job, gen, on_done)
+        _inflight[job.name] = h
+        h._step(None)
+        _reap(h)
+        return h
+
+
+def _reap(h: Handle) -> None:
+    if h.done and _inflight.get(h.job.name) is h:
+        del _inflight[h.job.name]
+
+
+def progress() -> None:
+    """Moves every in-flight reduction whose current Horovod op has finished to its next stage."""
+    with _lock:
+        for h in list(_inflight.values()):
+            while h.pending is not None and hvd.poll(h.pending):
+                try:
+                    value = hvd.synchronize(h.pending)
+                except Exception as e:  # noqa: BLE001 - Horovod reports peer errors this way
+                    h._fail(HvdSparseError(f"hvd_sparse: tensor {h.job.name!r}: {e}"))
+                    break
+                h._step(value)
+            _reap(h)
+
+
+def poll(h: Handle) -> bool:
+    progress()
+    return h.done
+
+
+def synchronize(h: Handle, timeout: float) -> torch.Tensor:
+    """Waits for ``h``, driving all in-flight reductions; raises HvdSparseError on timeout."""
+    deadline = h.started + timeout
+    pause = 2e-5
+    while True:
+        progress()
+        if h.done:
+            break
+        if time.monotonic() > deadline:
+            with _lock:
+                if _inflight.get(h.job.name) is h:
+                    del _inflight[h.job.name]
+            h.error = HvdSparseError(
+                f"hvd_sparse: tensor {h.job.name!r}: timed out after {timeout:g} s in stage "
+                f"'{h.stage}' ({h.job.scheme}); a peer rank did not submit this tensor or is dead")
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    if h.error is not None:
+        raise h.error
+    assert h.result is not None
+    return h.result
+
+
+def inflight() -> int:
+    with _lock:
+        return len(_inflight)

@@ -1,0 +1,36 @@
+"""Per-tensor record of what each reduction did: scheme, bytes, density, time."""
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_records: dict[str, dict[str, Any]] = {}
+
+
+def record(name: str, scheme: str, seconds: float, stats: dict[str, Any]) -> None:
+    with _lock:
+        r = _records.setdefault(name, {"calls": 0})
+        r["calls"] += 1
+        r.update(scheme=stats.get("scheme", scheme), seconds=seconds,
+                 bytes_sent=stats.get("bytes_sent", 0))
+        for key in ("block_density", "union", "predicted_ms", "reason"):
+            if key in stats:
+                r[key] = stats[key]
+
+
+def metrics() -> dict[str, dict[str, Any]]:
+    """name -> {scheme, calls, bytes_sent, block_density, seconds, ...} of each tensor's last call.
+
+    ``scheme`` is what ran (for "auto", what it chose); ``bytes_sent`` is what this rank put on
+    the wire, modelling Horovod's ring collectives; ``block_density`` is the mean fraction of
+    non-zero blocks over ranks (absent for dense, which never looks).
+    """
+    with _lock:
+        return copy.deepcopy(_records)
+
+
+def reset_metrics() -> None:
+    with _lock:
+        _records.clear()

@@ -1,0 +1,81 @@
+"""``allreduce``, ``allreduce_async``, ``synchronize``, ``poll``: the sparse-aware collectives."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from . import basics, blocks, engine, metrics, schemes
+from .config import SCHEMES
+from .engine import Handle, Job
+
+_unnamed = itertools.count()
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = None,
+    scheme: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    block_size: int | None = None,
+) -> Handle:
+    """Starts reducing ``tensor`` across ranks; returns a handle for ``synchronize``.
+
+    Ranks match tensors by ``name`` and may submit them in any order; unnamed tensors are
+    matched by call order, as in Horovod. ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``.
+    A sparse COO tensor is reduced as its dense equivalent. Tensors the sparse codec does not
+    handle (integer, GPU, empty) use Horovod's dense allreduce.
+    """
+    st = basics.state()
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError("hvd_sparse supports op=hvd.Average or hvd.Sum (not Adasum, Min, Max...)")
+    scheme = scheme or st.config.scheme
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    name = f"noname.{next(_unnamed)}" if name is None else name
+    t = tensor.detach()
+    if t.is_sparse:
+        t = t.coalesce().to_dense()
+    t = t.contiguous()
+    if not blocks.supported(t) or t.numel() == 0:
+        scheme = "dense"
+    job = Job(name=name, tensor=t.view(-1), shape=tensor.shape, op=op,
+              prescale=prescale_factor, postscale=postscale_factor,
+              block_size=block_size or st.config.block_size, size=hvd.size(), rank=hvd.rank(),
+              meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme)
+    return engine.submit(job, schemes.run(job), _record)
+
+
+def _record(h: Handle) -> None:
+    metrics.record(h.job.name, h.job.scheme, time.monotonic() - h.started, h.job.stats)
+
+
+def synchronize(handle: Handle) -> torch.Tensor:
+    """Waits for ``handle``; returns the result with the input's shape and dtype."""
+    out = engine.synchronize(handle, basics.state().config.timeout)
+    return out.view(handle.job.shape)
+
+
+def poll(handle: Handle) -> bool:
+    """True when ``synchronize(handle)`` would return without waiting."""
+    return engine.poll(handle)
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = None,
+    scheme: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Reduces ``tensor`` across ranks, shipping only its non-zero blocks where that pays."""
+    return synchronize(allreduce_async(tensor, name, op, scheme, prescale_factor,
+                                       postscale_factor, block_size))

@@ -1,0 +1,133 @@
+"""``hvd_sparse.DistributedOptimizer``: Horovod's optimizer semantics, reductions by hvd_sparse.
+
+Same contract as ``hvd.DistributedOptimizer`` (op, gradient_predivide_factor,
+backward_passes_per_step, synchronize/skip_synchronize), without Horovod's placeholder
+allreduces: each gradient's reduction starts from a post-accumulate-grad hook during backward.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from .config import SCHEMES
+from .engine import Handle
+from .errors import HvdSparseError
+from .mpi_ops import allreduce_async, synchronize
+
+
+class _SparseDistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params: Any, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+                 scheme: str | None, block_size: int | None, op: Any,
+                 gradient_predivide_factor: float, backward_passes_per_step: int) -> None:
+        super(self.__class__, self).__init__(params)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            names = {id(p): n for n, p in named}
+            if len(names) != len(named):
+                raise ValueError("named_parameters has duplicate parameters")
+            unnamed = [p for p in all_params if id(p) not in names]
+            if unnamed:
+                raise ValueError(
+                    f"{len(unnamed)} optimizer parameter(s) missing from named_parameters")
+        else:
+            names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
+        self._names = names
+        self._scheme, self._block_size, self._op = scheme, block_size, op
+        self._predivide = gradient_predivide_factor
+        self._passes_per_step = backward_passes_per_step
+        self._passes: dict[torch.Tensor, int] = {}
+        self._handles: dict[torch.Tensor, Handle] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in all_params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p in self._handles:
+            raise HvdSparseError(
+                f"hvd_sparse: gradient of {self._names[id(p)]!r} computed more times than "
+                f"backward_passes_per_step={self._passes_per_step} before step()")
+        self._passes[p] = self._passes.get(p, 0) + 1
+        if self._passes[p] == self._passes_per_step:
+            self._submit(p)
+
+    def _submit(self, p: torch.Tensor) -> None:
+        if p.grad is None:  # another rank may have a gradient for it: take part with zeros
+            p.grad = torch.zeros_like(p)
+        pre, post = ((1.0 / self._predivide, self._predivide) if self._op == hvd.Average
+                     else (1.0, 1.0))
+        self._handles[p] = allreduce_async(p.grad, name=self._names[id(p)], op=self._op,
+                                           scheme=self._scheme, prescale_factor=pre,
+                                           postscale_factor=post, block_size=self._block_size)
+
+    def synchronize(self) -> None:
+        """Waits for every gradient's reduction and writes the results into ``p.grad``."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.requires_grad and p not in self._handles:
+                    self._submit(p)
+        for p, h in self._handles.items():
+            out = synchronize(h)
+            if p.grad.is_sparse:  # keep sparse optimizers (SparseAdam) working
+                p.grad = out.to_sparse(sparse_dim=1) if out.dim() > 1 else out.to_sparse()
+            else:
+                p.grad.copy_(out)
+        self._handles.clear()
+        self._passes.clear()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): gradients were reduced twice?",
+                              stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() called after backward() but before "
+                                 "step() or synchronize()")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+
+def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    scheme: str | None = None,
+    block_size: int | None = None,
+    op: Any = None,
+    gradient_predivide_factor: float = 1.0,
+    backward_passes_per_step: int = 1,
+) -> torch.optim.Optimizer:
+    """Wraps ``optimizer`` so ``step()`` applies gradients reduced across ranks by hvd_sparse."""
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError("hvd_sparse.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor requires op=hvd.Average")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be >= 1")
+    if scheme is not None and scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_SparseDistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, scheme, block_size, op,
+               gradient_predivide_factor, backward_passes_per_step)

@@ -1,0 +1,11 @@
+"""Reduction schemes, one module each, one interface: ``run(job) -> Stage`` (see engine.py)."""
+from __future__ import annotations
+
+from ..engine import Job, Stage
+from . import allgather, auto, dense, zen
+
+SCHEMES = {"dense": dense.run, "allgather": allgather.run, "zen": zen.run, "auto": auto.run}
+
+
+def run(job: Job) -> Stage:
+    return SCHEMES[job.scheme](job)

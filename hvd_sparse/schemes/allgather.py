@@ -1,0 +1,23 @@
+"""Allgather: every rank gathers every rank's non-zero blocks and sums them locally.
+
+One block index per block (not per element, as Horovod's COO path sends); segments are summed
+in rank order, so every rank computes bit-identical results.
+"""
+from __future__ import annotations
+
+import horovod.torch as hvd
+
+from .. import _C, blocks
+from ..engine import Job, Stage
+from ..segments import decode_sum, finish, local_mask
+
+
+def run(job: Job) -> Stage:
+    t, bs, n = job.tensor, job.block_size, job.size
+    seg = _C.encode(t, bs, job.meta, local_mask(job))
+    gathered = yield "allgather", hvd.allgather_async(seg, name=job.op_name("allgather"))
+    acc = blocks.accumulator(t.numel(), t.dtype)
+    decode_sum(job, gathered, acc, part_is_rank=False)
+    # Ring allgather: each rank forwards all but one of the n segments.
+    job.stats.update(scheme="allgather", bytes_sent=int(gathered.numel() * (n - 1) / n))
+    return finish(acc, job)

@@ -1,0 +1,20 @@
+"""Dense: Horovod's own allreduce, unchanged (the reference every other scheme must match)."""
+from __future__ import annotations
+
+import horovod.torch as hvd
+import torch
+
+from ..engine import Job, Stage
+
+
+def run(job: Job) -> Stage:
+    t = job.tensor.view(job.shape)  # full shape, so Horovod checks shapes across ranks
+    # Horovod 0.28 has no bfloat16 allreduce: reduce in float32 and round once at the end.
+    wire = t.float() if t.dtype == torch.bfloat16 else t
+    out = yield "allreduce", hvd.allreduce_async(
+        wire, name=job.op_name("allreduce"), op=job.op,
+        prescale_factor=job.prescale, postscale_factor=job.postscale)
+    n = job.size
+    job.stats.update(scheme="dense",
+                     bytes_sent=int(2 * (n - 1) / n * wire.numel() * wire.element_size()))
+    return out.to(t.dtype)

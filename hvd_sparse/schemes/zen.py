@@ -1,0 +1,33 @@
+"""Zen's balanced parallelism: hash-partition non-zero blocks, alltoall, reduce, allgather.
+
+Each non-zero block goes to the rank that owns its partition (a data-independent hash of the
+block index, so no coordination and no hot spots); that rank sums what it received and the
+partition sums are allgathered, as an index list or a bitmap over the partition's positions,
+whichever is smaller. Lossless: sort-merge, no hash table to overflow or collide.
+"""
+from __future__ import annotations
+
+import horovod.torch as hvd
+import torch
+
+from .. import _C, blocks
+from ..engine import Job, Stage
+from ..segments import decode_sum, error, finish, local_mask
+
+
+def run(job: Job) -> Stage:
+    t, bs, n = job.tensor, job.block_size, job.size
+    buf, splits = _C.zen_encode(t, bs, n, job.meta, local_mask(job))
+    recv, _ = yield "alltoall", hvd.alltoall_async(
+        buf, splits=torch.tensor(splits, dtype=torch.int32), name=job.op_name("alltoall"))
+    try:
+        part = _C.zen_reduce(recv, bs, job.meta, blocks.DTYPE_CODES[t.dtype], t.numel(), n,
+                             job.rank, n, job.stats["nnz_local"])
+    except RuntimeError as e:
+        raise error(job, e) from e
+    gathered = yield "allgather", hvd.allgather_async(part, name=job.op_name("allgather"))
+    acc = blocks.accumulator(t.numel(), t.dtype)
+    decode_sum(job, gathered, acc, part_is_rank=True)
+    sent = sum(splits) - splits[job.rank] + gathered.numel() * (n - 1) / n
+    job.stats.update(scheme="zen", bytes_sent=int(sent))
+    return finish(acc, job)

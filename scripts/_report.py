@@ -1,0 +1,94 @@
+"""Shared reporting for the benchmark scripts: a rich table, a JSON record, a PNG."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: benchmarks run under horovodrun with no display
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
+
+Row = Mapping[str, Any]
+# Under horovodrun stdout is a pipe; rich would fall back to 80 columns and squash the tables.
+console = Console(width=None if sys.stdout.isatty() else 160)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        if math.isnan(v):  # a column that does not apply to this row
+            return "-"
+        return f"{v:,.1f}" if 10 <= abs(v) < 1e6 else f"{v:.3g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def print_table(
+    rows: Sequence[Row], title: str, columns: Sequence[str] | None = None, caption: str = ""
+) -> None:
+    """Print rows as a table; columns defaults to the keys of the first row."""
+    cols = list(columns) if columns is not None else list(rows[0]) if rows else []
+    table = Table(title=title, caption=caption or None, caption_justify="left")
+    for c in cols:
+        table.add_column(c, justify="right" if rows and not isinstance(rows[0].get(c), str)
+                         else "left")
+    for r in rows:
+        table.add_row(*(_fmt(r.get(c, "")) for c in cols))
+    console.print(table)
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to judge the numbers: cores, library versions, when."""
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    try:
+        import horovod
+
+        info["horovod"] = horovod.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def write_json(path: str | Path, rows: Sequence[Row], **extra: Any) -> Path:
+    """Write rows plus the command line and machine info; extra keys go in verbatim."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"command": [sys.executable, *sys.argv], "machine": machine_info(), **extra,
+           "rows": list(map(dict, rows))}
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return path
+
+
+def save_png(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -1,0 +1,332 @@
+"""Wall time of one sparse-gradient allreduce: hvd_sparse schemes against Horovod's own paths.
+
+Run from the repo root, 4 ranks over Gloo on this host:
+
+    .venv/bin/horovodrun -np 4 -H localhost:4 --gloo .venv/bin/python scripts/bench_sync.py
+
+or let the script do that (it re-execs itself under horovodrun when HOROVOD_RANK is unset):
+
+    .venv/bin/python scripts/bench_sync.py [--np 4] [--quick]
+
+Each rank holds a float32 tensor of --numel elements (default 26,214,400 = 100 MiB) in which
+whole --block-size blocks are non-zero at random, a different pattern per rank (seeded), at
+each of --densities. Methods, all with op=Sum:
+
+* hvd dense:  ``hvd.allreduce(t)`` (ring allreduce);
+* hvd sparse: ``hvd.sparse_allreduce_async(coo, ...)`` then calling the handle it returns, on
+  ``coo = t.to_sparse()`` made *outside* the timed region (1-D COO, int64 index per non-zero
+  element). Horovod's sparse handle is a closure: ``hvd.synchronize(handle)`` returns None
+  without waiting, so the benchmark calls ``handle()`` as Horovod's optimizer does. The timed
+  result is the uncoalesced sparse tensor; the to_sparse() time is reported separately;
+* ours <scheme>: ``hvd_sparse.allreduce(t, scheme=...)`` for dense, allgather, zen, auto,
+  starting from the dense tensor (its bitmap + pack is inside the timed region).
+
+Every result is compared with Horovod's dense allreduce (allclose, rtol 1e-5, atol 1e-6) and
+the input checked unmodified before timing; a wrong method is reported, not timed. A time is
+the median over --reps of the slowest rank's time, each call preceded by a tiny allreduce so
+that ranks start together; reps interleave the methods (order rotated each rep) so that load
+from other processes on the machine spreads over all of them. With more ranks than cores
+(4 ranks on a 2-core box) every rank's local work is stretched by time-slicing, which weighs
+on the schemes that pack and unpack on the host.
+
+Bytes sent per rank: ours from hvd_sparse.metrics() (mean over ranks); Horovod dense
+2(n-1)/n * numel * 4; Horovod sparse (n-1)/n * total gathered bytes (4 B value + 8 B index per
+non-zero element, summed over ranks). Rank 0 prints the table and writes <out-dir>/sync.json
+and <out-dir>/sync.png. --quick: 4 Mi elements, 3 reps, 1 warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+from _report import console, print_table, save_png, write_json  # noqa: E402
+from rich.progress import Progress  # noqa: E402
+
+import hvd_sparse  # noqa: E402
+
+SCHEMES = ["dense", "allgather", "zen", "auto"]
+METHODS = ["hvd dense", "hvd sparse", *(f"ours {s}" for s in SCHEMES)]
+RTOL, ATOL = 1e-5, 1e-6
+TARGET_ALLGATHER_DENSITY, TARGET_ALLGATHER_X = 0.01, 1.5
+TARGET_AUTO_X = 0.95
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--np", type=int, default=4, help="ranks when self-launching")
+    ap.add_argument("--numel", type=int, default=26_214_400)
+    ap.add_argument("--densities", default="1.0,0.4,0.1,0.01")
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="numel 4Mi, 3 reps, 1 warm-up")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--probe", choices=["auto", "force", "off"], default=None,
+                    help="hvd_sparse network probe for 'auto' (default: its own; 'auto' reuses "
+                    "a cached probe, so use 'force' on a machine whose load has changed)")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
+    args = ap.parse_args()
+    if args.quick:
+        args.numel, args.reps, args.warmup = 4 * 2**20, min(args.reps, 3), min(args.warmup, 1)
+    return args
+
+
+def self_launch(n: int) -> int:
+    runner = ROOT / ".venv" / "bin" / "horovodrun"
+    exe = str(runner) if runner.exists() else shutil.which("horovodrun") or "horovodrun"
+    cmd = [exe, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable,
+           str(Path(__file__).resolve()), *sys.argv[1:]]
+    print("+", shlex.join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def main() -> int:
+    args = parse_args()
+    if "HOROVOD_RANK" not in os.environ:
+        return self_launch(args.np)
+    return run(args)
+
+
+def sync() -> None:
+    """Tiny allreduce as a barrier, so every rank starts a timed call together."""
+    hvd.allreduce(torch.zeros(1), name="bench.sync", op=hvd.Sum)
+
+
+def gather(xs: list[float], name: str) -> torch.Tensor:
+    """[n, len(xs)]: row r holds rank r's values."""
+    return hvd.allgather(torch.tensor([xs], dtype=torch.float64), name=name)
+
+
+def make_tensor(numel: int, block: int, density: float, gen: torch.Generator) -> torch.Tensor:
+    """Zeros except round(density * nblocks) whole blocks (at least one) of N(0,1) values."""
+    nblocks = -(-numel // block)
+    x = torch.zeros(nblocks, block)
+    k = max(1, round(density * nblocks))
+    rows = torch.randperm(nblocks, generator=gen)[:k]
+    x[rows] = torch.randn(k, block, generator=gen)
+    return x.view(-1)[:numel].clone() if nblocks * block != numel else x.view(-1)
+
+
+def method_fns(t: torch.Tensor, coo: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    fns: dict[str, Callable[[], torch.Tensor]] = {
+        "hvd dense": lambda: hvd.allreduce(t, name="bench.hvd_dense", op=hvd.Sum),
+        # The returned handle is a closure that waits on both allgathers.
+        "hvd sparse": lambda: hvd.sparse_allreduce_async(
+            coo, name="bench.hvd_sparse", op=hvd.Sum)(),
+    }
+    for s in SCHEMES:
+        fns[f"ours {s}"] = lambda s=s: hvd_sparse.allreduce(
+            t, name=f"bench.{s}", op=hvd.Sum, scheme=s)
+    return fns
+
+
+def check(fn: Callable[[], torch.Tensor], ref: torch.Tensor, t: torch.Tensor,
+          t_orig: torch.Tensor) -> tuple[str, float]:
+    """(problem or "", max abs error) of one call against the reference; restores t."""
+    err = float("nan")
+    problem = ""
+    try:
+        out = fn()
+        out = out.to_dense() if out.is_sparse else out
+        if out.shape != ref.shape:
+            problem = f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
+        else:
+            err = (out - ref).abs().max().item()
+            if not torch.allclose(out, ref, rtol=RTOL, atol=ATOL):
+                problem = f"mismatch (max abs err {err:.3g})"
+    except Exception as e:  # noqa: BLE001 - report it, keep benchmarking the other methods
+        problem = f"{type(e).__name__}: {e}"
+    if not torch.equal(t, t_orig):
+        problem = (problem + "; " if problem else "") + "input tensor modified"
+        t.copy_(t_orig)
+    return problem, err
+
+
+def slowest_median_ms(times: list[float], name: str) -> float:
+    """Median over reps of the slowest rank's time for that rep."""
+    return 1e3 * statistics.median(gather(times, name).max(0).values.tolist())
+
+
+def time_methods(fns: dict[str, Callable[[], object]], warmup: int, reps: int,
+                 tick: Callable[[str], None]) -> dict[str, float]:
+    """Median ms per method. Reps are interleaved (method order rotated every rep), so load
+    from whatever else shares the machine falls on all methods alike, not on whichever ran
+    during a burst."""
+    names = list(fns)
+    times: dict[str, list[float]] = {m: [] for m in names}
+    for i in range(warmup + reps):
+        k = i % len(names)
+        for m in names[k:] + names[:k]:
+            sync()
+            t0 = time.perf_counter()
+            fns[m]()
+            if i >= warmup:
+                times[m].append(time.perf_counter() - t0)
+            tick(f"{'warm-up' if i < warmup else f'rep {i - warmup + 1}/{reps}'}: {m}")
+    return {m: slowest_median_ms(times[m], "bench.times") for m in names}
+
+
+def to_sparse_ms(t: torch.Tensor, reps: int) -> tuple[torch.Tensor, float]:
+    """t.to_sparse() and its median time (slowest rank); what Horovod's path needs first."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        coo = t.to_sparse()
+        times.append(time.perf_counter() - t0)
+    return coo, slowest_median_ms(times, "bench.to_sparse")
+
+
+def run(args: argparse.Namespace) -> int:
+    hvd.init()
+    hvd_sparse.init(block_size=args.block_size, probe=args.probe)
+    rank, n = hvd.rank(), hvd.size()
+    densities = [float(d) for d in args.densities.split(",")]
+    rows: list[dict] = []
+    progress = Progress(console=console)
+    task = progress.add_task("bench", total=len(densities) * len(METHODS) *
+                             (1 + args.warmup + args.reps))
+    if rank == 0:  # update/advance on the other ranks are harmless no-ops on screen
+        progress.start()
+    for di, d in enumerate(densities):
+
+        def tick(what: str, d: float = d) -> None:
+            progress.update(task, advance=1, description=f"density {d:g}: {what}")
+
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 7919 + di)
+        t = make_tensor(args.numel, args.block_size, d, gen)
+        t_orig = t.clone()
+        coo, coo_ms = to_sparse_ms(t, min(args.reps, 3))
+        coo_bytes = coo._nnz() * (coo.values().element_size()
+                                  + coo.indices().shape[0] * coo.indices().element_size())
+        total_coo = gather([float(coo_bytes)], "bench.coo_bytes").sum().item()
+        ref = hvd.allreduce(t, name="bench.ref", op=hvd.Sum)
+
+        # Correctness first; all ranks agree on each verdict so none waits on a skipped call.
+        fns = method_fns(t, coo)
+        drows: dict[str, dict] = {}
+        for method, fn in list(fns.items()):
+            problem, err = check(fn, ref, t, t_orig)
+            if problem:
+                console.print(f"[red]rank {rank}: {method} @ density {d:g}: {problem}[/]")
+            bad = gather([float(bool(problem))], "bench.ok").sum().item()
+            drows[method] = {"density": d, "method": method, "max abs err": err, "ok": bad == 0}
+            if bad:
+                drows[method]["problem"] = problem or "wrong on another rank"
+                del fns[method]
+                progress.advance(task, args.warmup + args.reps)
+            tick(f"checked {method}")
+
+        for method, ms in time_methods(fns, args.warmup, args.reps, tick).items():
+            drows[method]["ms"] = ms
+        drows["hvd dense"]["MB sent/rank"] = 2 * (n - 1) / n * t.numel() * t.element_size() / 1e6
+        drows["hvd sparse"] |= {"MB sent/rank": (n - 1) / n * total_coo / 1e6,
+                                "to_sparse ms": coo_ms}
+        for s in SCHEMES:
+            if f"ours {s}" in fns:  # metrics of the last (timed) call
+                m = hvd_sparse.metrics()[f"bench.{s}"]
+                sent = gather([float(m["bytes_sent"])], "bench.bytes_sent")
+                drows[f"ours {s}"] |= {
+                    "MB sent/rank": sent.mean().item() / 1e6, "scheme": m["scheme"],
+                    # hvd_sparse leaves it out for scheme "dense", which never looks.
+                    "block density": m.get("block_density", float("nan"))}
+        rows += drows.values()
+        del t, t_orig, coo, ref, fns  # free this density's buffers before the next one's
+    if rank == 0:
+        progress.stop()
+        report(rows, densities, args, n)
+    hvd_sparse.shutdown()
+    return 0
+
+
+def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n: int) -> None:
+    nan = float("nan")
+    by = {(r["density"], r["method"]): r for r in rows}
+    for r in rows:
+        hd = by[(r["density"], "hvd dense")].get("ms", nan)
+        hs = by[(r["density"], "hvd sparse")].get("ms", nan)
+        r["x vs hvd dense"] = hd / r.get("ms", nan)
+        r["x vs hvd sparse"] = hs / r.get("ms", nan)
+
+    cols = ["density", "method", "ms", "x vs hvd dense", "x vs hvd sparse", "MB sent/rank",
+            "scheme", "block density", "to_sparse ms", "max abs err", "ok"]
+    table_rows = [{c: r.get(c, nan if c not in ("scheme", "method") else "") for c in cols}
+                  for r in rows]
+    print_table(table_rows, f"allreduce of {args.numel:,} float32, {n} ranks, B={args.block_size},"
+                f" median of {args.reps} (slowest rank)", cols,
+                caption="hvd sparse excludes to_sparse() (shown separately) and the final "
+                "to_dense(); 'scheme' is what hvd_sparse ran (for 'ours auto': its pick).")
+    for r in rows:
+        if not r["ok"]:
+            console.print(f"[red]WRONG: {r['method']} @ density {r['density']:g}: "
+                          f"{r['problem']}[/]")
+
+    targets = []
+
+    def target(name: str, value: float, need: float) -> None:
+        met = value >= need  # False for NaN: a failed method does not meet its target
+        targets.append({"target": name, "value": value, "need": need, "met": met})
+        console.print(f"target {name}: {value:.2f}x (need >= {need}x): "
+                      + ("[green]met[/]" if met else "[red]NOT met[/]"))
+
+    if (TARGET_ALLGATHER_DENSITY, "ours allgather") in by:
+        ag = by[(TARGET_ALLGATHER_DENSITY, "ours allgather")]
+        target(f"allgather vs hvd sparse @ {TARGET_ALLGATHER_DENSITY:g}", ag["x vs hvd sparse"],
+               TARGET_ALLGATHER_X)
+        hs = by[(TARGET_ALLGATHER_DENSITY, "hvd sparse")]
+        incl = (hs.get("ms", nan) + hs["to_sparse ms"]) / ag.get("ms", nan)
+        console.print("  (informational: vs hvd sparse including its to_sparse() of the same "
+                      f"dense tensor: {incl:.2f}x)")
+    else:
+        console.print(f"[yellow]density {TARGET_ALLGATHER_DENSITY} not run: allgather target "
+                      "not evaluated[/]")
+    for d in densities:
+        best = min(by[(d, "hvd dense")].get("ms", nan), by[(d, "hvd sparse")].get("ms", nan))
+        target(f"auto vs best of hvd dense/sparse @ {d:g} (auto picked "
+               f"{by[(d, 'ours auto')].get('scheme', '?')})",
+               best / by[(d, "ours auto")].get("ms", nan), TARGET_AUTO_X)
+
+    out = write_json(args.out_dir / "sync.json", rows, args=vars(args), ranks=n, targets=targets)
+    plot(rows, densities, args.out_dir / "sync.png", f"{args.numel:,} float32, {n} ranks")
+    console.print(f"wrote {out} and {args.out_dir / 'sync.png'}")
+
+
+def plot(rows: list[dict], densities: list[float], path: Path, title: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4.5))
+    ax = fig.subplots()
+    by = {(r["density"], r["method"]): r for r in rows}
+    width = 0.8 / len(METHODS)
+    for j, method in enumerate(METHODS):
+        xs = [i + (j - (len(METHODS) - 1) / 2) * width for i in range(len(densities))]
+        ys = [by[(d, method)].get("ms", 0.0) for d in densities]  # 0: wrong, not timed
+        bars = ax.bar(xs, ys, width, label=method, color=f"C{j}")
+        if method == "ours auto":
+            for bar, d in zip(bars, densities, strict=True):
+                ax.annotate(by[(d, method)].get("scheme", "?"), (bar.get_x() + width / 2,
+                            bar.get_height() or 1), ha="center", va="bottom", fontsize=7,
+                            rotation=90)
+    ax.set_xticks(range(len(densities)), [f"{d:g}" for d in densities])
+    ax.set(yscale="log", xlabel="block density", ylabel="median ms (slowest rank)",
+           title=f"sparse allreduce, {title}")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=3)
+    save_png(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

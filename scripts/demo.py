@@ -1,0 +1,576 @@
+"""hvd-sparse demo: dense vs sparse gradient sync on a synthetic click-through model.
+
+Run under Horovod (this is what ``make demo`` does)::
+
+    horovodrun -np 4 -H localhost:4 --gloo python scripts/demo.py
+
+Every rank trains the same embedding + MLP model on its own shard of Zipf-distributed ids,
+twice and back to back: first with Horovod's dense allreduce, then with hvd_sparse. The
+embedding gradients are dense tensors (``sparse=False``) that are mostly zero because a batch
+touches few rows; that is exactly what hvd_sparse exploits. Rank 0 reports sync/step times,
+the scheme hvd_sparse picked per tensor, and checks that both runs reach the same losses and
+parameters; the exit status is non-zero when they do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Import hvd_sparse from this checkout without installing it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import horovod
+import horovod.torch as hvd
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from torch import nn
+
+import hvd_sparse
+
+# Categorical fields: (name, vocabulary size, Zipf exponent). Ids are frequency-ranked (id 0 is
+# the most common), as vocabularies built from counts usually are. 264k rows x 32 dims make a
+# 32 MiB embedding gradient per step, of which a batch touches a few percent.
+FIELDS: tuple[tuple[str, int, float], ...] = (
+    ("user", 160_000, 1.05),
+    ("item", 96_000, 1.1),
+    ("site", 8_000, 1.2),
+)
+N_DENSE = 8
+EVAL_ROWS = 8192
+LOSS_RTOL = 1e-3
+PARAM_RTOL = 1e-4
+PARAM_ATOL = 1e-5
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=40, help="training steps per run")
+    p.add_argument("--batch-size", type=int, default=512, help="examples per rank per step")
+    p.add_argument("--dim", type=int, default=32, help="embedding dimension")
+    p.add_argument("--scale", type=float, default=1.0, help="multiplier on vocabulary sizes")
+    p.add_argument(
+        "--scheme",
+        choices=("auto", "dense", "allgather", "zen"),
+        default="auto",
+        help="hvd_sparse scheme for the sparse run",
+    )
+    p.add_argument("--block-size", type=int, default=256, help="hvd_sparse block size")
+    p.add_argument(
+        "--optimizer",
+        choices=("horovod", "hvd_sparse"),
+        default="horovod",
+        help="sparse run: hvd.DistributedOptimizer + Compression.sparse, "
+        "or hvd_sparse.DistributedOptimizer",
+    )
+    # SGD by default: its update is linear in the gradient, so float-rounding differences
+    # between two reduction orders stay at rounding level. Adagrad's g / sqrt(sum g^2) blows
+    # them up on near-zero gradients, and can fail the allclose check even dense vs dense.
+    p.add_argument("--optim", choices=("sgd", "adagrad"), default="sgd")
+    p.add_argument("--lr", type=float, default=None, help="default: 2.0 sgd, 0.05 adagrad")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps of each path before the timed runs"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench_results/demo.json"))
+    args = p.parse_args()
+    if args.lr is None:
+        args.lr = 0.05 if args.optim == "adagrad" else 2.0
+    if args.steps < 1 or not 0 <= args.warmup <= args.steps:
+        p.error("need --steps >= 1 and 0 <= --warmup <= --steps")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def vocab_sizes(scale: float) -> list[int]:
+    return [max(8, int(n * scale)) for _, n, _ in FIELDS]
+
+
+def zipf_ids(rng: np.random.Generator, n: int, a: float, size: int) -> np.ndarray:
+    """Truncated Zipf over [0, n): P(k) ~ 1 / (k + 1)^a, by inverse CDF."""
+    cdf = np.cumsum(1.0 / np.arange(1, n + 1) ** a)
+    cdf /= cdf[-1]
+    return np.minimum(np.searchsorted(cdf, rng.random(size)), n - 1)
+
+
+@dataclass
+class Shard:
+    ids: torch.Tensor  # [rows, fields] int64
+    dense: torch.Tensor  # [rows, N_DENSE] float32
+    label: torch.Tensor  # [rows] float32
+
+
+def make_shard(seed: int, rank: int, rows: int, sizes: list[int], tag: int) -> Shard:
+    # The teacher is seeded without the rank so all ranks learn the same function; the
+    # examples are seeded with it so every rank sees its own shard.
+    t_rng = np.random.default_rng([seed, 0])
+    teacher = [t_rng.normal(0.0, 1.0, n) for n in sizes]
+    w_dense = t_rng.normal(0.0, 0.5, N_DENSE)
+
+    rng = np.random.default_rng([seed, 1 + tag, rank])
+    ids = np.stack(
+        [zipf_ids(rng, n, a, rows) for n, (_, _, a) in zip(sizes, FIELDS, strict=True)], axis=1
+    )
+    dense = rng.normal(0.0, 1.0, (rows, N_DENSE)).astype(np.float32)
+    logit = sum(t[ids[:, i]] for i, t in enumerate(teacher)) + dense @ w_dense
+    label = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+    return Shard(torch.from_numpy(ids), torch.from_numpy(dense), torch.from_numpy(label))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+class CTRModel(nn.Module):
+    def __init__(self, sizes: list[int], dim: int) -> None:
+        super().__init__()
+        # sparse=False on purpose: the gradient is a dense, mostly-zero tensor, which Horovod's
+        # dense path ships in full.
+        self.emb = nn.ModuleDict(
+            {name: nn.Embedding(n, dim) for (name, _, _), n in zip(FIELDS, sizes, strict=True)}
+        )
+        for e in self.emb.values():
+            nn.init.normal_(e.weight, 0.0, 0.05)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim * len(FIELDS) + N_DENSE, 64), nn.ReLU(), nn.Linear(64, 1)
+        )
+
+    def forward(self, ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        feats = [e(ids[:, i]) for i, e in enumerate(self.emb.values())]
+        return self.mlp(torch.cat([*feats, dense], dim=1)).squeeze(1)
+
+
+def build_model(args: argparse.Namespace, sizes: list[int]) -> CTRModel:
+    torch.manual_seed(args.seed)
+    model = CTRModel(sizes, args.dim)
+    # Same seed already gives the same init everywhere; the broadcast makes it a guarantee.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model
+
+
+def base_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    if args.optim == "adagrad":
+        return torch.optim.Adagrad(model.parameters(), lr=args.lr)
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclass
+class RunResult:
+    name: str
+    path: str  # how gradients are synchronized
+    sync_ms: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)  # per step, averaged over ranks
+    eval_loss: float = math.nan  # after training, averaged over ranks
+    bytes_per_step: float | None = None  # per rank; None where not measured
+    bytes_note: str = ""
+    tensors: list[dict[str, Any]] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "sync_ms_median": statistics.median(self.sync_ms),
+            "step_ms_median": statistics.median(self.step_ms),
+            "final_loss": self.loss[-1],
+            "eval_loss": self.eval_loss,
+        }
+
+
+def mean_over_ranks(values: list[float] | float, name: str) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float64)
+    return hvd.allreduce(t, op=hvd.Average, name=name)
+
+
+def evaluate(model: nn.Module, shard: Shard, name: str) -> float:
+    with torch.no_grad():
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            model(shard.ids, shard.dense), shard.label
+        )
+    return float(mean_over_ranks(loss.item(), name))
+
+
+def make_optimizer(kind: str, args: argparse.Namespace, model: nn.Module) -> Any:
+    """The distributed optimizer of one path: "dense" or "sparse"."""
+    named = list(model.named_parameters())
+    base = base_optimizer(args, model)
+    if kind == "dense":
+        return hvd.DistributedOptimizer(
+            base, named_parameters=named, compression=hvd.Compression.none
+        )
+    if args.optimizer == "horovod":
+        compression = hvd_sparse.Compression.sparse(scheme=args.scheme, block_size=args.block_size)
+        return hvd.DistributedOptimizer(base, named_parameters=named, compression=compression)
+    return hvd_sparse.DistributedOptimizer(
+        base, named_parameters=named, scheme=args.scheme, block_size=args.block_size
+    )
+
+
+def train_step(model: nn.Module, opt: Any, data: Shard, sl: slice) -> tuple[float, float, float]:
+    """One step; returns (local loss, sync ms, step ms)."""
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    loss = nn.functional.binary_cross_entropy_with_logits(
+        model(data.ids[sl], data.dense[sl]), data.label[sl]
+    )
+    loss.backward()
+    # Reductions start from backward hooks; synchronize() waits for whatever is left.
+    t1 = time.perf_counter()
+    opt.synchronize()
+    t2 = time.perf_counter()
+    with opt.skip_synchronize():
+        opt.step()
+    t3 = time.perf_counter()
+    return loss.item(), (t2 - t1) * 1e3, (t3 - t0) * 1e3
+
+
+def warm_up(args: argparse.Namespace, sizes: list[int], data: Shard) -> None:
+    """Untimed steps of both paths on throwaway models, so neither timed run pays for first
+    touches the other then gets for free: allocator growth, Horovod's fusion buffer and
+    response cache, Gloo connections, hvd_sparse's buffers."""
+    bs = args.batch_size
+    for kind in ("dense", "sparse"):
+        model = build_model(args, sizes)
+        opt = make_optimizer(kind, args, model)
+        for step in range(args.warmup):
+            train_step(model, opt, data, slice(step * bs, (step + 1) * bs))
+
+
+def train(
+    run: RunResult,
+    args: argparse.Namespace,
+    model: nn.Module,
+    opt: Any,
+    train_data: Shard,
+    eval_data: Shard,
+    progress: Progress,
+    log: Callable[[str], None],
+) -> None:
+    bs = args.batch_size
+    task = progress.add_task(f"{run.name:>6}", total=args.steps, loss=math.nan, sync=math.nan)
+    log_every = max(1, args.steps // 8)
+    local_loss: list[float] = []
+    hvd.barrier()  # start the clock with every rank at the same point
+    for step in range(args.steps):
+        loss, sync_ms, step_ms = train_step(
+            model, opt, train_data, slice(step * bs, (step + 1) * bs)
+        )
+        local_loss.append(loss)
+        run.sync_ms.append(sync_ms)
+        run.step_ms.append(step_ms)
+        progress.update(task, advance=1, loss=loss, sync=sync_ms)
+        if (step + 1) % log_every == 0 or step + 1 == args.steps:
+            log(
+                f"{run.name:>6} step {step + 1:3d}/{args.steps}  loss {loss:.4f}  "
+                f"sync {sync_ms:7.1f} ms  step {step_ms:7.1f} ms"
+            )
+    run.loss = mean_over_ranks(local_loss, f"demo.{run.name}.loss").tolist()
+    run.eval_loss = evaluate(model, eval_data, f"demo.{run.name}.eval")
+    run.params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def param_for_metric(metric_name: str, param_names: list[str]) -> str | None:
+    """Horovod's allreduce names contain the parameter name; take the longest that matches."""
+    hits = [p for p in param_names if p in metric_name]
+    return max(hits, key=len) if hits else None
+
+
+def collect_sparse_metrics(run: RunResult, model: nn.Module) -> None:
+    """Per-tensor records of the sparse run; hvd_sparse keeps each tensor's *last* call."""
+    shapes = {k: list(v.shape) for k, v in model.named_parameters()}
+    local_bytes = 0
+    for metric_name, m in sorted(hvd_sparse.metrics().items()):
+        param = param_for_metric(metric_name, list(shapes))
+        local_bytes += int(m.get("bytes_sent", 0))
+        run.tensors.append(
+            {
+                "metric_name": metric_name,
+                "param": param,
+                "shape": shapes.get(param) if param else None,
+                **m,
+            }
+        )
+    # Each rank's volume depends on its own data; report the mean over ranks.
+    run.bytes_per_step = float(mean_over_ranks(float(local_bytes), "demo.bytes"))
+    run.bytes_note = "hvd_sparse.metrics() bytes_sent of the last step, mean over ranks"
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def compare(dense: RunResult, sparse: RunResult) -> dict[str, Any]:
+    """Checks on this rank; the caller combines the verdicts of all ranks."""
+    max_abs, max_rel, close = 0.0, 0.0, True
+    worst = ""
+    for k, a in dense.params.items():
+        b = sparse.params[k]
+        diff = (a - b).abs()
+        if diff.numel() and diff.max().item() > max_abs:
+            max_abs, worst = diff.max().item(), k
+        max_rel = max(max_rel, (diff / a.abs().clamp_min(PARAM_ATOL)).max().item())
+        close &= torch.allclose(b, a, rtol=PARAM_RTOL, atol=PARAM_ATOL)
+
+    def rel(x: float, y: float) -> float:
+        return abs(x - y) / max(abs(x), 1e-12)
+
+    loss_rel = rel(dense.loss[-1], sparse.loss[-1])
+    eval_rel = rel(dense.eval_loss, sparse.eval_loss)
+    return {
+        "final_loss_rel_diff": loss_rel,
+        "eval_loss_rel_diff": eval_rel,
+        "loss_ok": loss_rel < LOSS_RTOL and eval_rel < LOSS_RTOL,
+        "params_max_abs_diff": max_abs,
+        "params_max_rel_diff": max_rel,
+        "params_worst_tensor": worst,
+        "params_allclose": bool(close),
+    }
+
+
+def report(
+    console: Console,
+    args: argparse.Namespace,
+    runs: list[RunResult],
+    checks: dict[str, Any],
+    eval0: float,
+) -> dict[str, Any]:
+    dense, sparse = runs
+    stats = {r.name: r.stats() for r in runs}
+    speedup_sync = stats["dense"]["sync_ms_median"] / max(stats["sparse"]["sync_ms_median"], 1e-9)
+    speedup_step = stats["dense"]["step_ms_median"] / max(stats["sparse"]["step_ms_median"], 1e-9)
+    bytes_ratio = (
+        dense.bytes_per_step / max(sparse.bytes_per_step, 1.0)
+        if dense.bytes_per_step is not None and sparse.bytes_per_step is not None
+        else math.nan
+    )
+
+    t = Table(
+        title=f"dense vs sparse gradient sync — {hvd.size()} ranks, medians of {args.steps} steps"
+    )
+    for col in ("run", "sync path", "sync ms", "step ms", "final loss", "eval loss", "bytes/step"):
+        t.add_column(col, justify="left" if col in ("run", "sync path") else "right")
+    for r in runs:
+        s = stats[r.name]
+        t.add_row(
+            r.name,
+            r.path,
+            f"{s['sync_ms_median']:.1f}",
+            f"{s['step_ms_median']:.1f}",
+            f"{s['final_loss']:.5f}",
+            f"{s['eval_loss']:.5f}",
+            fmt_bytes(r.bytes_per_step),
+        )
+    t.caption = (
+        f"sync speedup {speedup_sync:.2f}x, step speedup {speedup_step:.2f}x, "
+        f"{bytes_ratio:.0f}x fewer bytes; "
+        f"eval loss at init {eval0:.4f}\nbytes/step: what one rank sends (mean over ranks); dense "
+        f"= ring model 2 (n - 1) / n x gradient bytes, sparse = hvd_sparse.metrics() bytes_sent"
+    )
+    console.print(t)
+
+    tt = Table(title=f"hvd_sparse per-tensor schemes (scheme={args.scheme!r}, last step)")
+    for col in ("tensor", "shape", "scheme", "block density", "calls", "sent", "ms", "note"):
+        tt.add_column(col, justify="left" if col in ("tensor", "scheme", "note") else "right")
+    for x in sparse.tensors:
+        density = x.get("block_density")
+        tt.add_row(
+            x["param"] or x["metric_name"],
+            "x".join(map(str, x["shape"])) if x["shape"] else "?",
+            str(x.get("scheme")),
+            f"{density:.2%}" if isinstance(density, int | float) else "-",
+            str(x.get("calls")),
+            fmt_bytes(x.get("bytes_sent")),
+            f"{1e3 * x['seconds']:.1f}" if "seconds" in x else "-",
+            str(x.get("reason", "")),
+        )
+    if not sparse.tensors:
+        tt.add_row("(hvd_sparse.metrics() is empty)", *[""] * 7)
+    tt.caption = "sent: bytes this rank put on the wire (ring model); ms: submit to done"
+    console.print(tt)
+
+    ct = Table(title="dense vs sparse agreement (all ranks)")
+    for col in ("check", "value", "limit", "ok"):
+        ct.add_column(col, justify="left" if col == "check" else "right")
+
+    def mark(ok: bool) -> str:
+        return "[green]yes[/]" if ok else "[bold red]NO[/]"
+
+    ct.add_row(
+        "final train loss rel diff",
+        f"{checks['final_loss_rel_diff']:.2e}",
+        f"{LOSS_RTOL:.0e}",
+        mark(checks["final_loss_rel_diff"] < LOSS_RTOL),
+    )
+    ct.add_row(
+        "eval loss rel diff",
+        f"{checks['eval_loss_rel_diff']:.2e}",
+        f"{LOSS_RTOL:.0e}",
+        mark(checks["eval_loss_rel_diff"] < LOSS_RTOL),
+    )
+    ct.add_row(
+        f"params max |diff| ({checks['params_worst_tensor'] or '-'})",
+        f"{checks['params_max_abs_diff']:.2e}",
+        f"rtol {PARAM_RTOL:.0e}, atol {PARAM_ATOL:.0e}",
+        mark(checks["params_allclose_all_ranks"]),
+    )
+    console.print(ct)
+
+    return {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "world_size": hvd.size(),
+        "fields": [
+            {"name": n, "rows": r, "zipf_a": a}
+            for (n, _, a), r in zip(FIELDS, vocab_sizes(args.scale), strict=True)
+        ],
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "horovod": horovod.__version__,
+            "hvd_sparse": getattr(hvd_sparse, "__version__", None),
+        },
+        "eval_loss_init": eval0,
+        "runs": {
+            r.name: {
+                **stats[r.name],
+                **{k: v for k, v in asdict(r).items() if k not in ("params", "name")},
+            }
+            for r in runs
+        },
+        "sync_speedup": speedup_sync,
+        "step_speedup": speedup_step,
+        "bytes_ratio": bytes_ratio,
+        "checks": checks,
+        "ok": checks["ok"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    args = parse_args()
+    # Four ranks share two cores: extra intra-op threads only fight each other (set before
+    # hvd_sparse.init(), which times the collectives).
+    torch.set_num_threads(1)
+    hvd.init()
+    hvd_sparse.init()
+    rank = hvd.rank()
+
+    # Only rank 0 talks. Under horovodrun stdout is a pipe: rich would fall back to 80 columns
+    # and draw no live bar.
+    console = Console(quiet=rank != 0)
+    if not console.is_terminal:
+        console = Console(quiet=rank != 0, width=120)
+
+    def log(msg: str) -> None:
+        # A live bar shows progress on a terminal; through a pipe, print a line now and then.
+        if not console.is_terminal:
+            console.print(msg)
+
+    sizes = vocab_sizes(args.scale)
+    train_data = make_shard(args.seed, rank, args.steps * args.batch_size, sizes, tag=0)
+    eval_data = make_shard(args.seed, rank, EVAL_ROWS, sizes, tag=1)
+    n_params = sum(sizes) * args.dim
+    if rank == 0:
+        console.print(
+            f"hvd-sparse demo: {hvd.size()} ranks; {len(FIELDS)} embedding tables, "
+            f"{sum(sizes):,} rows x {args.dim} = {fmt_bytes(n_params * 4)} of gradient; "
+            f"batch {args.batch_size}/rank; {args.optim} (lr {args.lr}); {args.warmup} untimed "
+            f"warm-up steps per path, then {args.steps} timed steps per run"
+        )
+
+    sparse_desc = (
+        f"hvd + hvd_sparse.Compression.sparse({args.scheme})"
+        if args.optimizer == "horovod"
+        else f"hvd_sparse.DistributedOptimizer({args.scheme})"
+    )
+    runs = [
+        RunResult("dense", "hvd + Compression.none"),
+        RunResult("sparse", sparse_desc),
+    ]
+    eval0 = math.nan
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}  sync {task.fields[sync]:7.1f} ms"),
+        TimeElapsedColumn(),
+        console=console,
+        refresh_per_second=4,
+    )
+    try:
+        warm_up(args, sizes, train_data)
+        with progress:
+            for run in runs:
+                model = build_model(args, sizes)
+                if run.name == "dense":
+                    eval0 = evaluate(model, eval_data, "demo.eval0")
+                opt = make_optimizer(run.name, args, model)
+                hvd_sparse.reset_metrics()
+                train(run, args, model, opt, train_data, eval_data, progress, log)
+                if run.name == "dense":
+                    # The ring model hvd_sparse's metrics use for its own dense scheme: each
+                    # rank sends 2 (n - 1) / n of the gradient bytes.
+                    payload = sum(p.numel() * p.element_size() for p in model.parameters())
+                    run.bytes_per_step = 2 * (hvd.size() - 1) / hvd.size() * payload
+                    run.bytes_note = "ring allreduce model, 2 (n - 1) / n x gradient bytes"
+                else:
+                    collect_sparse_metrics(run, model)
+                del opt, model
+
+        checks = compare(*runs)
+        # Every rank compares its own copies; a failure anywhere fails the demo.
+        bad = hvd.allreduce(
+            torch.tensor([float(not checks["params_allclose"])]), op=hvd.Sum, name="demo.bad"
+        )
+        checks["params_allclose_all_ranks"] = bool(bad.item() == 0)
+        checks["params_max_abs_diff"] = float(
+            hvd.allreduce(
+                torch.tensor([checks["params_max_abs_diff"]]), op=hvd.Max, name="demo.maxdiff"
+            )
+        )
+        checks["ok"] = checks["loss_ok"] and checks["params_allclose_all_ranks"]
+
+        if rank == 0:
+            summary = report(console, args, runs, checks, eval0)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(summary, indent=2) + "\n")
+            verdict = (
+                "[green]OK[/]: runs agree" if checks["ok"] else "[bold red]FAILED[/]: runs differ"
+            )
+            console.print(f"{verdict}; summary in {args.out}")
+        return 0 if checks["ok"] else 1
+    finally:
+        hvd_sparse.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

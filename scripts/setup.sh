@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Installs everything hvd-sparse needs on a fresh machine, idempotently:
+#   Debian packages (Open MPI, cmake), a venv at .venv with torch, Horovod built from its
+#   sdist with the C++17 fix, test/bench tools, and this package's C++ extension.
+# A second run with everything in place takes a few seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+source scripts/versions.env
+VENV=$ROOT/.venv
+PY=$VENV/bin/python
+STAMP=$VENV/.hvd-sparse-setup-$(cat scripts/versions.env scripts/setup.sh | sha1sum | cut -c1-12)
+log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*"; }
+
+# --- Debian packages -------------------------------------------------------------------------
+missing=()
+for p in $APT_PACKAGES; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "apt-get install ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- venv, torch, Horovod ---------------------------------------------------------------------
+if [ ! -f "$STAMP" ]; then
+  [ -x "$PY" ] || { log "creating venv at .venv"; python3 -m venv "$VENV"; }
+  PIP="$PY -m pip install -q --disable-pip-version-check"
+  log "installing torch==$TORCH_VERSION and Python dependencies"
+  $PIP "torch==$TORCH_VERSION" "numpy==$NUMPY_VERSION" "pybind11==$PYBIND11_VERSION" \
+       $PY_BUILD_DEPS $PY_TEST_DEPS $PY_APP_DEPS
+  if ! "$PY" -c "import horovod, horovod.torch as h; assert horovod.__version__ == '$HOROVOD_VERSION'" 2>/dev/null; then
+    log "building Horovod $HOROVOD_VERSION from its sdist (C++17 fix; ~4 min)"
+    tmp=$(mktemp -d)
+    "$PY" -m pip download -q --no-deps --no-binary :all: -d "$tmp" "horovod==$HOROVOD_VERSION"
+    tar -xzf "$tmp"/horovod-*.tar.gz -C "$tmp"
+    src=$(echo "$tmp"/horovod-$HOROVOD_VERSION)
+    # torch >= 2.1 headers need C++17; Horovod 0.28.1 pins C++14 in two places.
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+        "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
+    # Debian's cmake: pip's cmake 4.x rejects Gloo's CMakeLists.
+    "$PY" -m pip uninstall -q -y cmake 2>/dev/null || true
+    PATH=/usr/bin:$PATH HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+      HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS=-j"$(nproc)" \
+      "$PY" -m pip install -q --no-build-isolation --no-deps "$src"
+    "$PY" -m pip install -q pyyaml psutil cloudpickle
+    rm -rf "$tmp"
+  fi
+  "$PY" -c "import horovod.torch as hvd; assert hvd.gloo_built() and hvd.mpi_built()"
+  rm -f "$VENV"/.hvd-sparse-setup-*
+  touch "$STAMP"
+fi
+log "environment ready (.venv: torch $TORCH_VERSION, horovod $HOROVOD_VERSION)"

@@ -1,0 +1,106 @@
+"""Every scheme x dtype x density x size against Horovod's dense allreduce in float64.
+
+Also: bit-identical results on every rank, async reductions submitted in different orders on
+different ranks, op=Sum with scaling factors. Writes one JSON report per rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import horovod.torch as hvd
+import torch
+from common import case, close_to, report, start
+
+import hvd_sparse
+
+SCHEMES = ["dense", "allgather", "zen", "auto"]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+DENSITIES = [0.0, 1e-4, 0.01, 0.3, 1.0]
+SHAPES = [(1,), (255,), (256,), (257,), (1_000_003,), (3, 5, 7), (1000, 33)]
+if os.environ.get("HVD_SPARSE_TEST_QUICK"):
+    DTYPES, SHAPES = [torch.float32, torch.float16], [(1,), (257,), (3, 5, 7), (100_003,)]
+
+
+def sample(shape: tuple[int, ...], density: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Block-clustered sparse data: whole 256-blocks chosen at ``density``, half-filled."""
+    g = torch.Generator().manual_seed(seed)
+    numel = int(torch.tensor(shape).prod())
+    nblocks = (numel + 255) // 256
+    chosen = (torch.rand(nblocks, generator=g) < density).repeat_interleave(256)[:numel]
+    fill = torch.rand(numel, generator=g) < 0.5
+    values = torch.randn(numel, generator=g) * (chosen & fill)
+    if density > 0 and seed % 2 == 0:
+        values[0] = 1.5  # index 0 must never be dropped
+    if density >= 1.0:
+        values = torch.randn(numel, generator=g)
+    return values.reshape(shape).to(dtype)
+
+
+def main() -> None:
+    start(small_bytes=1024)  # small threshold low so "auto" takes its sparse paths in tests
+    rank, results, digests = hvd.rank(), {}, {}
+    k = 0
+    for scheme in SCHEMES:
+        for dtype in DTYPES:
+            for density in DENSITIES:
+                for shape in SHAPES:
+                    k += 1
+                    name = f"{scheme}/{str(dtype)[6:]}/{density:g}/{'x'.join(map(str, shape))}"
+                    t = sample(shape, density, dtype, seed=1000 * k + rank)
+                    op = hvd.Sum if k % 3 == 0 else hvd.Average
+
+                    def check(t=t, name=name, op=op, dtype=dtype, scheme=scheme) -> str:
+                        ref = hvd.allreduce(t.double(), name=f"ref.{name}", op=op)
+                        out = hvd_sparse.allreduce(t, name=name, op=op, scheme=scheme)
+                        digests[name] = hashlib.sha1(out.contiguous().view(-1).view(
+                            torch.uint8).numpy().tobytes()).hexdigest()
+                        return close_to(out, ref, dtype)
+
+                    case(results, name, check)
+
+    # Several reductions in flight, submitted and synchronized in different orders per rank.
+    def out_of_order() -> str:
+        names = [f"ooo.{i}" for i in range(6)]
+        tensors = {n: sample((5000,), 0.05, torch.float32, seed=i * 7 + rank)
+                   for i, n in enumerate(names)}
+        # References first, in one order: a blocking Horovod call mixed into the waits below
+        # could itself deadlock against a peer that waits on a different tensor.
+        refs = {n: hvd.allreduce(tensors[n].double(), name=f"ref.{n}", op=hvd.Sum) for n in names}
+        order = names if rank % 2 == 0 else names[::-1]
+        handles = {n: hvd_sparse.allreduce_async(
+            tensors[n], name=n, op=hvd.Sum, scheme=SCHEMES[names.index(n) % 4]) for n in order}
+        errors = []
+        for n in (order[::-1] if rank % 2 == 0 else order):
+            err = close_to(hvd_sparse.synchronize(handles[n]), refs[n], torch.float32)
+            if err:
+                errors.append(f"{n}: {err}")
+        return "; ".join(errors)
+
+    case(results, "async/out-of-order", out_of_order)
+
+    def scaled() -> str:
+        t = sample((20000,), 0.05, torch.float32, seed=rank)
+        ref = hvd.allreduce(t.double(), name="ref.scaled", op=hvd.Average,
+                            prescale_factor=0.5, postscale_factor=3.0)
+        errs = []
+        for s in SCHEMES:
+            out = hvd_sparse.allreduce(t, name=f"scaled.{s}", op=hvd.Average, scheme=s,
+                                       prescale_factor=0.5, postscale_factor=3.0)
+            errs += [f"{s}: {e}" for e in [close_to(out, ref, torch.float32)] if e]
+        return "; ".join(errs)
+
+    case(results, "scaling-factors", scaled)
+
+    # Identical bits on every rank: compare every digest with rank 0's.
+    all_digests = hvd.allgather_object(digests, name="digests")
+    for name in digests:
+        if results.get(name) == "" and any(d.get(name) != digests[name] for d in all_digests):
+            results[name] = "result differs across ranks"
+    results["_metrics_auto_choice"] = {n: m["scheme"] for n, m in hvd_sparse.metrics().items()
+                                       if n.startswith("auto/float32/0.01")}
+    report(results)
+
+
+if __name__ == "__main__":
+    main()

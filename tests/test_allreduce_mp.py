@@ -1,0 +1,36 @@
+"""Every scheme against Horovod's dense allreduce under horovodrun (2 and 4 ranks) and mpirun."""
+from __future__ import annotations
+
+import pytest
+from conftest import launch
+
+
+@pytest.fixture(scope="module", params=[("horovodrun", 2), ("horovodrun", 4), ("mpirun", 2)],
+                ids=["gloo-np2", "gloo-np4", "mpi-np2"])
+def reports(request, tmp_path_factory):
+    launcher, np = request.param
+    env = {"HVD_SPARSE_TEST_QUICK": "1"} if launcher == "mpirun" else {}
+    return launch("allreduce_cases.py", np, tmp_path_factory.mktemp(f"{launcher}{np}"),
+                  launcher=launcher, env=env, timeout=480)
+
+
+def test_every_case_matches_dense_on_every_rank(reports):
+    for rank, rep in enumerate(reports):
+        cases = {k: v for k, v in rep.items() if not k.startswith("_")}
+        assert len(cases) >= 100, f"rank {rank} ran only {len(cases)} cases"
+        failures = {k: v for k, v in cases.items() if v}
+        assert not failures, f"rank {rank}: {len(failures)} failures, e.g. " + "\n".join(
+            f"{k}: {v}" for k, v in list(failures.items())[:8])
+
+
+def test_async_out_of_order_and_scaling(reports):
+    for rep in reports:
+        assert rep["async/out-of-order"] == ""
+        assert rep["scaling-factors"] == ""
+
+
+def test_auto_choice_is_visible_and_consistent(reports):
+    choices = [rep["_metrics_auto_choice"] for rep in reports]
+    assert choices[0], "metrics() recorded no auto choice"
+    assert all(c == choices[0] for c in choices), "ranks chose different schemes"
+    assert set(choices[0].values()) <= {"dense", "allgather", "zen"}

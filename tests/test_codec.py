@@ -1,0 +1,146 @@
+"""Block codec and segments against a numpy reference (unit and property tests)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hvd_sparse import _C, blocks
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def ref_mask(x: np.ndarray, bs: int) -> np.ndarray:
+    nb = (x.size + bs - 1) // bs
+    padded = np.zeros(nb * bs, dtype=np.float64)
+    padded[: x.size] = x
+    # NaN != 0 is True, so NaN and Inf count as non-zero; -0.0 == 0 counts as zero.
+    return (padded.reshape(nb, bs) != 0).any(axis=1) | np.isnan(padded.reshape(nb, bs)).any(axis=1)
+
+
+@st.composite
+def sparse_tensors(draw):
+    numel = draw(st.integers(0, 3000))
+    bs = draw(st.sampled_from([1, 3, 16, 256]))
+    dtype = draw(st.sampled_from(DTYPES))
+    density = draw(st.sampled_from([0.0, 0.001, 0.05, 0.5, 1.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = np.random.default_rng(seed)
+    x = g.standard_normal(numel) * (g.random(numel) < density)
+    specials = draw(st.lists(st.sampled_from([np.nan, np.inf, -np.inf, -0.0]), max_size=3))
+    for v in specials:
+        if numel:
+            x[g.integers(numel)] = v
+    return torch.from_numpy(x).to(dtype), bs
+
+
+@settings(max_examples=300, deadline=None)
+@given(sparse_tensors())
+def test_mask_pack_unpack_match_numpy(case):
+    t, bs = case
+    x = t.double().numpy()
+    mask = blocks.block_mask(t, bs).numpy().astype(bool)
+    np.testing.assert_array_equal(mask, ref_mask(x, bs))
+    idx, vals = blocks.pack(t, bs)
+    np.testing.assert_array_equal(idx.numpy(), np.flatnonzero(mask))
+    assert vals.shape == (len(idx), bs) and vals.dtype == t.dtype
+    # unpack into zeros rebuilds t exactly (NaN where NaN), tail padding dropped
+    out = torch.zeros_like(t)
+    blocks.unpack(out, idx, vals, bs)
+    np.testing.assert_array_equal(out.double().numpy(), np.where(x == 0, 0.0, x))
+
+
+@settings(max_examples=200, deadline=None)
+@given(sparse_tensors(), st.integers(1, 5))
+def test_segments_sum_like_numpy(case, nranks):
+    t, bs = case
+    g = torch.Generator().manual_seed(nranks)
+    ranks = [t * torch.randint(0, 2, t.shape, generator=g).to(t.dtype) for _ in range(nranks)]
+    code = blocks.DTYPE_CODES[t.dtype]
+    ref = sum(r.double() for r in ranks) if nranks else None
+    buf = torch.cat([_C.encode(r, bs, 42) for r in ranks])
+    acc = blocks.accumulator(t.numel(), t.dtype)
+    counts, nnz, _ = _C.decode_sum(buf, acc, bs, 42, code, t.numel(), nranks, False)
+    assert counts == nnz == [int(blocks.block_mask(r, bs).sum()) for r in ranks]
+    tol = 1e-12 if t.dtype == torch.float64 else 1e-5
+    np.testing.assert_allclose(acc.double().numpy(), ref.numpy(), rtol=tol, atol=tol)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sparse_tensors(), st.integers(1, 6))
+def test_zen_partitions_are_lossless(case, nparts):
+    """zen_encode -> per-partition zen_reduce -> decode equals the plain sum, index 0 included."""
+    t, bs = case
+    code = blocks.DTYPE_CODES[t.dtype]
+    if t.numel():
+        t = t.clone()
+        t[0] = 3.0
+    ranks = [t, torch.roll(t, 1)] if t.numel() else [t, t]
+    encoded = [_C.zen_encode(r, bs, nparts, 7) for r in ranks]
+    parts = []
+    for p in range(nparts):  # what rank p receives from each sender in an alltoall
+        chunks = []
+        for buf, splits in encoded:
+            start = sum(splits[:p])
+            chunks.append(buf[start:start + splits[p]])
+        parts.append(_C.zen_reduce(torch.cat(chunks), bs, 7, code, t.numel(), len(ranks), p,
+                                   nparts, 0))
+    acc = blocks.accumulator(t.numel(), t.dtype)
+    counts, _, union = _C.decode_sum(torch.cat(parts), acc, bs, 7, code, t.numel(), nparts, True)
+    assert sum(counts) == union
+    ref = sum(r.double() for r in ranks)
+    # one rounding to the wire dtype after the partition's sum
+    np.testing.assert_allclose(acc.double().numpy(), ref.to(t.dtype).double().numpy(),
+                               rtol=1e-12, atol=0)
+
+
+def test_partition_hash_is_balanced():
+    counts = np.bincount([_C.partition_of(b, 8) for b in range(80_000)], minlength=8)
+    assert counts.min() > 0.95 * 10_000 and counts.max() < 1.05 * 10_000
+    # clustered indices spread too
+    counts = np.bincount([_C.partition_of(b, 4) for b in range(5000, 5400)], minlength=4)
+    assert counts.min() >= 70
+
+
+@pytest.mark.parametrize("corrupt", ["truncate", "magic", "count", "index", "meta", "trailing",
+                                     "order"])
+def test_malformed_segments_are_rejected_without_writing(corrupt):
+    t = torch.zeros(4096)
+    t[[0, 700, 3000]] = 1.0
+    seg = _C.encode(t, 256, 9).clone()
+    hdr = _C.SEGMENT_HEADER_BYTES
+    if corrupt == "truncate":
+        seg = seg[:-8]
+    elif corrupt == "magic":
+        seg[0] ^= 0xFF
+    elif corrupt == "count":
+        seg[12:16] = torch.tensor([200, 0, 0, 0], dtype=torch.uint8)
+    elif corrupt == "index":
+        seg[hdr:hdr + 4] = torch.tensor([255, 255, 0, 0], dtype=torch.uint8)
+    elif corrupt == "meta":
+        seg[32] ^= 1
+    elif corrupt == "trailing":
+        seg = torch.cat([seg, torch.zeros(8, dtype=torch.uint8)])
+    elif corrupt == "order":
+        seg[hdr:hdr + 8] = seg[hdr:hdr + 8].view(torch.int32).flip(0).view(torch.uint8)
+    acc = torch.zeros(4096)
+    with pytest.raises(RuntimeError, match="rank 0|trailing"):
+        _C.decode_sum(seg, acc, 256, 9, 0, 4096, 1, False)
+    assert not acc.any(), "a rejected buffer must not change the output"
+
+
+def test_mismatch_message_names_rank_and_shapes():
+    a, b = _C.encode(torch.ones(300), 256, 1), _C.encode(torch.ones(301), 256, 1)
+    with pytest.raises(RuntimeError, match=r"rank 1 has numel=301.*this rank has numel=300"):
+        _C.decode_sum(torch.cat([a, b]), torch.zeros(300), 256, 1, 0, 300, 2, False)
+
+
+def test_pack_is_zero_copy_friendly_on_large_tensors():
+    t = torch.zeros(10_000_019)
+    t[::100_003] = 2.0
+    idx, vals = blocks.pack(t, 256)
+    out = torch.zeros_like(t)
+    blocks.unpack(out, idx, vals, 256)
+    assert torch.equal(out, t)

@@ -1,0 +1,20 @@
+"""Training with sparse synchronization tracks dense Horovod step by step (horovodrun -np 4)."""
+from __future__ import annotations
+
+import pytest
+from conftest import launch
+
+CASES = ["compression-auto-30-steps", "compression-zen", "optimizer-allgather", "op-sum",
+         "optimizer-op-sum", "predivide-and-passes", "optimizer-predivide-and-passes",
+         "sparse-embedding-compression", "sparse-embedding-optimizer", "adasum-rejected"]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return launch("training.py", 4, tmp_path_factory.mktemp("train"), timeout=480)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_parity(reports, name):
+    for rank, rep in enumerate(reports):
+        assert rep[name] == "", f"rank {rank}: {rep[name]}"
