@@ -10,18 +10,41 @@ from __future__ import annotations
 
 import itertools
 import sys
+from types import FrameType
 from typing import Any
 
 import horovod.torch as hvd
 import torch
-from horovod.torch.optimizer import _DistributedAdasumOptimizer, _DistributedOptimizer
+from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
 from .config import SCHEMES
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, synchronize
 
-_HVD_ALLREDUCE = _DistributedOptimizer._allreduce_grad_async.__code__
 _HVD_ADASUM = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
+
+
+def _parameter_name(frame: FrameType | None) -> str | None:
+    """The parameter name Horovod's optimizer gave the gradient being compressed.
+
+    Ranks match reductions by name, and ``compress`` receives only the tensor, so the name is
+    read from the calling optimizer: ``_allreduce_grad_async(self, p)`` calls ``compress``
+    directly, ``_grouped_allreduce_grad_async`` from a comprehension over ``p`` (its own frame
+    before Python 3.12).
+    """
+    p = None
+    for _ in range(2):
+        if frame is None:
+            break
+        if frame.f_code is _HVD_ADASUM:
+            raise HvdSparseError("hvd_sparse.Compression.sparse does not support op=hvd.Adasum: "
+                                 "Adasum combines whole tensors, not sums of sparse blocks")
+        p = frame.f_locals.get("p", p)
+        names = getattr(frame.f_locals.get("self"), "_parameter_names", None)
+        if names is not None and p is not None:
+            return names.get(p)
+        frame = frame.f_back
+    return None
 
 
 class SparseCompressor:
@@ -35,13 +58,7 @@ class SparseCompressor:
         self._unnamed = itertools.count()
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        caller = sys._getframe(1)
-        if caller.f_code is _HVD_ADASUM:
-            raise HvdSparseError("hvd_sparse.Compression.sparse does not support op=hvd.Adasum: "
-                                 "Adasum combines whole tensors, not sums of sparse blocks")
-        # Horovod names the reduction after the parameter; ranks match tensors by that name.
-        name = caller.f_locals.get("name") if caller.f_code is _HVD_ALLREDUCE else None
-        name = name or f"compress.{next(self._unnamed)}"
+        name = _parameter_name(sys._getframe(1)) or f"compress.{next(self._unnamed)}"
         handle = allreduce_async(tensor, name=f"grad.{name}", op=hvd.Sum, scheme=self.scheme,
                                  block_size=self.block_size)
         return tensor.new_ones(1), handle

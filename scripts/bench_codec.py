@@ -207,17 +207,19 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="1M,10M,100M", help="comma list; K/M/G are powers of 2")
+    ap.add_argument("--sizes", help="comma list, K/M/G are powers of 2; default 1M,10M,100M "
+                    "(--quick: 1M,4M)")
     ap.add_argument("--densities", default="0.001,0.01,0.1,1.0")
     ap.add_argument("--block-size", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--quick", action="store_true", help="sizes 1M,4M and 5 reps")
+    ap.add_argument("--reps", type=int, help="default 9 (--quick: 5)")
+    ap.add_argument("--quick", action="store_true", help="smaller defaults, for a smoke run")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
     args = ap.parse_args()
-    if args.quick:
-        args.sizes, args.reps = "1M,4M", min(args.reps, 5)
+    # Explicit flags win over --quick.
+    args.sizes = args.sizes or ("1M,4M" if args.quick else "1M,10M,100M")
+    args.reps = args.reps or (5 if args.quick else 9)
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [parse_size(s) for s in args.sizes.split(",")]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from conftest import launch
 
-CASES = ["compression-auto-30-steps", "compression-zen", "optimizer-allgather", "op-sum",
+CASES = ["compression-auto-30-steps", "compression-zen", "compression-grouped",
+         "optimizer-allgather", "op-sum",
          "optimizer-op-sum", "predivide-and-passes", "optimizer-predivide-and-passes",
          "sparse-embedding-compression", "sparse-embedding-optimizer", "adasum-rejected"]
 

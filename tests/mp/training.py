@@ -91,6 +91,14 @@ def main() -> None:
         horovod(none, gradient_predivide_factor=2.0, backward_passes_per_step=2),
         ours(scheme="auto", gradient_predivide_factor=2.0, backward_passes_per_step=2),
         5, passes=2))
+    def grouped() -> str:
+        hvd_sparse.reset_metrics()
+        err = compare(horovod(none, groups=1), horovod(sparse(scheme="zen"), groups=1), 4)
+        names = sorted(hvd_sparse.metrics())
+        want = sorted(f"grad.{n}" for n, _ in Model().named_parameters())
+        return err or ("" if names == want else f"reductions named {names}, want {want}")
+
+    case(results, "compression-grouped", grouped)
     # nn.Embedding(sparse=True): Horovod's own sparse path is the reference.
     case(results, "sparse-embedding-compression", lambda: compare(
         horovod(none), horovod(sparse(scheme="allgather"), sparse_as_dense=True), 5, sparse=True))
