@@ -18,6 +18,25 @@
 namespace hvd_sparse {
 namespace {
 
+// Threads the codec may use. Several ranks share a host, so hvd_sparse.init() sets this to
+// cores / local ranks: oversubscribed OpenMP teams spin and run many times slower.
+int g_threads = 0;  // 0: torch's intra-op thread count
+
+// Runs f over [begin, end) in contiguous chunks of at least `grain`, on up to g_threads threads.
+template <typename F>
+void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  const int64_t threads = g_threads > 0 ? g_threads : at::get_num_threads();
+  const int64_t chunks = std::min<int64_t>(threads, (end - begin + grain - 1) / grain);
+  if (chunks <= 1) return f(begin, end);
+  const int64_t step = (end - begin + chunks - 1) / chunks;
+#pragma omp parallel for num_threads(chunks) schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    int64_t b0 = begin + c * step;
+    if (b0 < end) f(b0, std::min(end, b0 + step));
+  }
+}
+
 const char* dtype_name(uint8_t d) {
   switch (d) {
     case kF32: return "float32";
@@ -60,7 +79,7 @@ at::Tensor mask_of(const Flat& f) {
   auto mask = at::empty({f.nblocks}, at::kByte);
   uint8_t* m = mask.data_ptr<uint8_t>();
   const int64_t bytes = f.bs * f.width;
-  at::parallel_for(0, f.nblocks, std::max<int64_t>(1, (1 << 20) / bytes), [&](int64_t b0, int64_t b1) {
+  par_for(0, f.nblocks, std::max<int64_t>(1, (1 << 20) / bytes), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       int64_t n = std::min(f.bs, f.numel - b * f.bs);
       m[b] = block_nonzero(f.data + b * bytes, n, f.width);
@@ -84,7 +103,7 @@ std::vector<uint32_t> nonzero_list(const at::Tensor& mask, int64_t nblocks) {
 // Copies blocks idx[k] of f to dst[k], zero-padding the tail block.
 void copy_blocks(const Flat& f, const uint32_t* idx, int64_t count, uint8_t* dst) {
   const int64_t bytes = f.bs * f.width;
-  at::parallel_for(0, count, std::max<int64_t>(1, (1 << 18) / bytes), [&](int64_t k0, int64_t k1) {
+  par_for(0, count, std::max<int64_t>(1, (1 << 18) / bytes), [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
       int64_t b = idx[k];
       int64_t n = std::min(f.bs, f.numel - b * f.bs) * f.width;
@@ -226,7 +245,7 @@ int64_t sum_segments(const std::vector<Seg>& segs, A* out, int64_t numel, int64_
   const int64_t nblocks = num_blocks(numel, bs);
   const int64_t bytes = bs * static_cast<int64_t>(sizeof(V));
   std::vector<uint8_t> seen(static_cast<size_t>(nblocks), 0);
-  at::parallel_for(0, nblocks, std::max<int64_t>(1, 4096 / bs * 64), [&](int64_t b0, int64_t b1) {
+  par_for(0, nblocks, std::max<int64_t>(1, 4096 / bs * 64), [&](int64_t b0, int64_t b1) {
     for (const Seg& g : segs) {
       const uint32_t* end = g.idx + g.h->count;
       const uint32_t* p = std::lower_bound(g.idx, end, static_cast<uint32_t>(b0));
@@ -288,7 +307,7 @@ void unpack(at::Tensor& out, const at::Tensor& idx, const at::Tensor& vals, int6
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "unpack", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* v = vals.data_ptr<scalar_t>();
-    at::parallel_for(0, k, 64, [&](int64_t i0, int64_t i1) {
+    par_for(0, k, 64, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         int64_t b = ix[i], n = std::min(bs, numel - b * bs);
         for (int64_t j = 0; j < n; ++j) o[b * bs + j] += v[i * bs + j];
@@ -377,7 +396,7 @@ std::tuple<at::Tensor, std::vector<int64_t>> zen_encode(const at::Tensor& t, int
     slot[k] = body + align8(4 * cnt[p]) + fill[p] * bytes;
     fill[p]++;
   }
-  at::parallel_for(0, static_cast<int64_t>(idx.size()), std::max<int64_t>(1, (1 << 18) / bytes),
+  par_for(0, static_cast<int64_t>(idx.size()), std::max<int64_t>(1, (1 << 18) / bytes),
                    [&](int64_t k0, int64_t k1) {
                      for (int64_t k = k0; k < k1; ++k) copy_blocks(f, &idx[k], 1, slot[k]);
                    });
@@ -426,7 +445,7 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
       using V = decltype(v);
       using A = std::conditional_t<std::is_same_v<V, double>, double, float>;
       // Accumulate the partition's union compactly, then round once to the wire dtype.
-      at::parallel_for(0, U, 16, [&](int64_t u0, int64_t u1) {
+      par_for(0, U, 16, [&](int64_t u0, int64_t u1) {
         std::vector<A> acc(static_cast<size_t>(bs));
         for (int64_t u = u0; u < u1; ++u) {
           std::fill(acc.begin(), acc.end(), A(0));
@@ -470,5 +489,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("numel"), py::arg("nsegs"), py::arg("part"), py::arg("nparts"), py::arg("nnz_local"));
   m.def("partition_of", [](int64_t b, int64_t n) { return partition_of(b, n); });
   m.def("count_partition", &count_partition);
+  m.def("set_threads", [](int n) { g_threads = n; }, "codec threads (0: torch's setting)");
   m.attr("SEGMENT_HEADER_BYTES") = sizeof(SegHeader);
 }

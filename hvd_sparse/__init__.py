@@ -8,12 +8,19 @@ from .basics import init, is_initialized, shutdown
 from .compression import Compression, SparseCompressor
 from .errors import HvdSparseError
 from .metrics import metrics, reset_metrics
-from .mpi_ops import allreduce, allreduce_async, poll, synchronize
+from .mpi_ops import (
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    poll,
+    synchronize,
+)
 from .optimizer import DistributedOptimizer
 
 __all__ = [
     "Compression", "DistributedOptimizer", "HvdSparseError", "SparseCompressor", "allreduce",
-    "allreduce_async", "init", "is_initialized", "metrics", "poll", "reset_metrics", "shutdown",
-    "synchronize",
+    "allreduce_", "allreduce_async", "allreduce_async_", "init", "is_initialized", "metrics",
+    "poll", "reset_metrics", "shutdown", "synchronize",
 ]
 __version__ = "0.1.0"

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import horovod.torch as hvd
 
+from . import _C, costmodel, engine
 from . import config as _config
-from . import costmodel, engine
 from .errors import HvdSparseError
 
 log = logging.getLogger("hvd_sparse")
@@ -26,7 +27,7 @@ def init(**kwargs: object) -> None:
     """Starts hvd_sparse after ``hvd.init()``; collective: every rank must call it.
 
     Options (keyword or ``HVD_SPARSE_<NAME>`` environment variable): block_size, scheme,
-    timeout, small_bytes, probe ("auto", "force", "off"), cache_dir, log_level.
+    timeout, small_bytes, probe ("auto", "force", "off"), cache_dir, log_level, threads.
     """
     global _state
     if not hvd.is_initialized():
@@ -34,6 +35,8 @@ def init(**kwargs: object) -> None:
     cfg = _config.from_env_and_kwargs(**kwargs)
     logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s")
     log.setLevel(cfg.log_level.upper())
+    # Ranks sharing a host share its cores; more threads than that make every loop crawl.
+    _C.set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // hvd.local_size()))
     net = costmodel.load_or_probe(cfg.probe, cfg.cache_dir)
     log.debug("hvd_sparse: network model (%s): %s", net.source, net)
     _state = State(cfg, net)

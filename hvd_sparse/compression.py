@@ -19,7 +19,7 @@ from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
 from .config import SCHEMES
 from .errors import HvdSparseError
-from .mpi_ops import allreduce_async, synchronize
+from .mpi_ops import allreduce_async_, synchronize
 
 _HVD_ADASUM = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
 
@@ -59,8 +59,9 @@ class SparseCompressor:
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         name = _parameter_name(sys._getframe(1)) or f"compress.{next(self._unnamed)}"
-        handle = allreduce_async(tensor, name=f"grad.{name}", op=hvd.Sum, scheme=self.scheme,
-                                 block_size=self.block_size)
+        # In place, as Horovod reduces gradients: no fresh buffer to fault in.
+        handle = allreduce_async_(tensor, name=f"grad.{name}", op=hvd.Sum, scheme=self.scheme,
+                                  block_size=self.block_size)
         return tensor.new_ones(1), handle
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:

@@ -18,6 +18,7 @@ class Config:
     probe: str = "auto"  # network probe at init: "auto" (cached), "force", "off"
     cache_dir: str = str(Path.home() / ".cache" / "hvd_sparse")
     log_level: str = "WARNING"
+    threads: int = 0  # codec threads per rank; 0: cores / ranks on this host
 
     def validate(self) -> Config:
         if self.block_size < 1 or self.block_size > 1 << 24:

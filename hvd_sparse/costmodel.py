@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -28,7 +29,7 @@ log = logging.getLogger("hvd_sparse")
 
 HEADER = 64  # segment header plus alignment, bytes
 MARGIN = 0.8  # a sparse scheme must be predicted this much faster than dense
-CACHE_MAX_AGE = 7 * 24 * 3600
+CACHE_MAX_AGE = 24 * 3600
 
 
 @dataclass
@@ -37,12 +38,13 @@ class NetModel:
     allgather: tuple[float, float]  # alpha, beta per byte gathered (all ranks together)
     alltoall: tuple[float, float]  # alpha, beta per byte one rank sends
     decode_bps: float  # bytes per second of segment decoding on this host
+    local_bps: float  # bytes per second of a tensor's mask scan plus zeroing its output
     source: str = "default"
 
     @staticmethod
     def default() -> NetModel:
         # Conservative guess (about 1 GB/s links) used when probing is off.
-        return NetModel((2e-4, 2e-9), (2e-4, 1e-9), (3e-4, 1e-9), 2e9)
+        return NetModel((2e-4, 2e-9), (2e-4, 1e-9), (3e-4, 1e-9), 2e9, 4e9)
 
 
 def _median_time(fn: Callable[[], object], reps: int = 5) -> float:
@@ -83,6 +85,7 @@ def probe() -> NetModel:
         allgather=_fit((small * 4 * n, allgather(small)), (big * 4 * n, allgather(big))),
         alltoall=_fit((small * 4 * n, alltoall(small)), (big * 4 * n, alltoall(big))),
         decode_bps=_decode_speed(),
+        local_bps=_local_speed(),
         source="probe",
     )
     return model
@@ -97,9 +100,17 @@ def _decode_speed() -> float:
     return seg.numel() / max(secs, 1e-9)
 
 
+def _local_speed() -> float:
+    """Per-call work every sparse scheme does on the whole tensor: scan it, zero the output."""
+    t = torch.zeros(1 << 22)
+    secs = _median_time(lambda: (_C.block_mask(t, 256), torch.zeros(t.numel())), reps=3)
+    return t.numel() * 4 / max(secs, 1e-9)
+
+
 def _cache_path(cache_dir: str) -> Path:
     hosts = sorted(hvd.allgather_object(socket.gethostname(), name="hvd_sparse.probe.hosts"))
-    key = json.dumps([hosts, hvd.size(), hvd.gloo_enabled(), torch.__version__, os.cpu_count()])
+    key = json.dumps([hosts, hvd.size(), hvd.gloo_enabled(), torch.__version__, os.cpu_count(),
+                      torch.get_num_threads(), 2])  # 2: version of the model's fields
     return Path(cache_dir) / f"netmodel-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -132,7 +143,7 @@ def load_or_probe(mode: str, cache_dir: str) -> NetModel:
 
 def predict(
     m: NetModel, numel: int, esize: int, bs: int, nnz: Sequence[int], union: float | None
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Predicted seconds of each scheme for a tensor whose ranks hold ``nnz`` non-zero blocks.
 
     ``union`` is the expected number of distinct non-zero blocks over all ranks; when unknown it
@@ -145,19 +156,29 @@ def predict(
         union = nblocks * (1 - math.prod(1 - c / nblocks for c in nnz))
     union = min(float(nblocks), max(union, float(max(nnz, default=0))))
 
-    dense = m.allreduce[0] + m.allreduce[1] * numel * esize
+    nbytes = numel * esize
+    dense = m.allreduce[0] + m.allreduce[1] * nbytes
+    local = nbytes / m.local_bps  # scan and output zeroing: every sparse scheme pays it
 
     gathered = sum(HEADER + c * (4 + block) for c in nnz)
-    allgather = m.allgather[0] + m.allgather[1] * gathered + gathered / m.decode_bps
+    allgather = local + m.allgather[0] + m.allgather[1] * gathered + gathered / m.decode_bps
 
-    sent = max(n * HEADER + c * (4 + block) for c in nnz)
+    # Only (n-1)/n of a rank's blocks leave it in the alltoall.
+    sent = max(n * HEADER + c * (4 + block) * (n - 1) / n for c in nnz)
     per_part = union / n
     part_bytes = HEADER + min(4 * per_part, nblocks / n / 8) + per_part * block
-    zen = (m.alltoall[0] + m.alltoall[1] * sent + sent / m.decode_bps
+    zen = (local + m.alltoall[0] + m.alltoall[1] * sent + sent / m.decode_bps
            + m.allgather[0] + m.allgather[1] * n * part_bytes + n * part_bytes / m.decode_bps)
-    return {"dense": dense, "allgather": allgather, "zen": zen}
+    return {"dense": dense, "allgather": allgather, "zen": zen,
+            # bytes each rank receives, to rule out schemes that cannot beat dense
+            "_bytes": {"dense": 2 * (n - 1) / n * nbytes, "allgather": gathered * (n - 1) / n,
+                       "zen": sent + n * part_bytes * (n - 1) / n}}
 
 
-def choose(predicted: dict[str, float]) -> str:
+def choose(predicted: dict[str, Any]) -> str:
+    """The fastest scheme, sparse only when clearly faster and moving fewer bytes than dense."""
+    moved = predicted["_bytes"]
     best = min(("allgather", "zen"), key=predicted.__getitem__)
-    return best if predicted[best] < MARGIN * predicted["dense"] else "dense"
+    if predicted[best] < MARGIN * predicted["dense"] and moved[best] < moved["dense"]:
+        return best
+    return "dense"

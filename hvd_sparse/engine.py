@@ -38,6 +38,8 @@ class Job:
     rank: int
     meta: int
     scheme: str
+    inplace: bool = False  # the schemes may write the result into ``tensor``
+    output: torch.Tensor | None = None  # the caller's tensor, for allreduce_
     mask: torch.Tensor | None = None  # block mask, when already computed (auto)
     stats: dict[str, Any] = field(default_factory=dict)
 

@@ -23,6 +23,8 @@ def allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     block_size: int | None = None,
+    *,
+    inplace: bool = False,
 ) -> Handle:
     """Starts reducing ``tensor`` across ranks; returns a handle for ``synchronize``.
 
@@ -48,7 +50,10 @@ def allreduce_async(
     job = Job(name=name, tensor=t.view(-1), shape=tensor.shape, op=op,
               prescale=prescale_factor, postscale=postscale_factor,
               block_size=block_size or st.config.block_size, size=hvd.size(), rank=hvd.rank(),
-              meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme)
+              meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
+              # reduce in the caller's memory only when t is that memory (not a copy)
+              inplace=inplace and t.numel() > 0 and t.data_ptr() == tensor.data_ptr(),
+              output=tensor if inplace else None)
     return engine.submit(job, schemes.run(job), _record)
 
 
@@ -58,8 +63,13 @@ def _record(h: Handle) -> None:
 
 def synchronize(handle: Handle) -> torch.Tensor:
     """Waits for ``handle``; returns the result with the input's shape and dtype."""
-    out = engine.synchronize(handle, basics.state().config.timeout)
-    return out.view(handle.job.shape)
+    job = handle.job
+    out = engine.synchronize(handle, basics.state().config.timeout).view(job.shape)
+    if job.output is not None:
+        if out.data_ptr() != job.output.data_ptr():
+            job.output.copy_(out)
+        return job.output
+    return out
 
 
 def poll(handle: Handle) -> bool:
@@ -79,3 +89,34 @@ def allreduce(
     """Reduces ``tensor`` across ranks, shipping only its non-zero blocks where that pays."""
     return synchronize(allreduce_async(tensor, name, op, scheme, prescale_factor,
                                        postscale_factor, block_size))
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = None,
+    scheme: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    block_size: int | None = None,
+) -> Handle:
+    """In-place ``allreduce_async``: ``synchronize`` writes the result into ``tensor``.
+
+    Cheaper for large tensors: the sum is built in the tensor's own (already mapped) memory.
+    """
+    return allreduce_async(tensor, name, op, scheme, prescale_factor, postscale_factor,
+                           block_size, inplace=True)
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = None,
+    scheme: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """In-place ``allreduce``: returns ``tensor`` holding the result."""
+    return synchronize(allreduce_async_(tensor, name, op, scheme, prescale_factor,
+                                        postscale_factor, block_size))

@@ -17,7 +17,7 @@ import torch
 from .config import SCHEMES
 from .engine import Handle
 from .errors import HvdSparseError
-from .mpi_ops import allreduce_async, synchronize
+from .mpi_ops import allreduce_async, allreduce_async_, synchronize
 
 
 class _SparseDistributedOptimizer(torch.optim.Optimizer):
@@ -63,7 +63,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         pre, post = ((1.0 / self._predivide, self._predivide) if self._op == hvd.Average
                      else (1.0, 1.0))
-        self._handles[p] = allreduce_async(p.grad, name=self._names[id(p)], op=self._op,
+        start = allreduce_async if p.grad.is_sparse else allreduce_async_
+        self._handles[p] = start(p.grad, name=self._names[id(p)], op=self._op,
                                            scheme=self._scheme, prescale_factor=pre,
                                            postscale_factor=post, block_size=self._block_size)
 
@@ -77,8 +78,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             out = synchronize(h)
             if p.grad.is_sparse:  # keep sparse optimizers (SparseAdam) working
                 p.grad = out.to_sparse(sparse_dim=1) if out.dim() > 1 else out.to_sparse()
-            else:
-                p.grad.copy_(out)
+            # dense gradients were reduced in place
         self._handles.clear()
         self._passes.clear()
         self._synchronized = True

@@ -33,8 +33,19 @@ def decode_sum(job: Job, gathered: torch.Tensor, acc: torch.Tensor, part_is_rank
     job.stats.update(nnz=list(nnz), union=union, block_density=sum(nnz) / len(nnz) / nblocks)
 
 
+def accumulator(job: Job) -> torch.Tensor:
+    """Zeroed sum buffer. In place when the dtype allows: the tensor's own pages are warm, while
+    a fresh buffer of a large tensor costs more in page faults than the whole sparse exchange."""
+    t = job.tensor
+    if job.inplace and t.dtype in (torch.float32, torch.float64):
+        return t.zero_()
+    return blocks.accumulator(t.numel(), t.dtype)
+
+
 def finish(acc: torch.Tensor, job: Job) -> torch.Tensor:
     """Scales the summed accumulator for the op and rounds it once to the tensor's dtype."""
     if job.scale != 1.0:
         acc.mul_(job.scale)
-    return acc.to(job.tensor.dtype)
+    if acc.data_ptr() == job.tensor.data_ptr():
+        return acc
+    return job.tensor.copy_(acc) if job.inplace else acc.to(job.tensor.dtype)

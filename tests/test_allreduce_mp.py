@@ -23,10 +23,11 @@ def test_every_case_matches_dense_on_every_rank(reports):
             f"{k}: {v}" for k, v in list(failures.items())[:8])
 
 
-def test_async_out_of_order_and_scaling(reports):
+def test_async_out_of_order_scaling_and_inplace(reports):
     for rep in reports:
         assert rep["async/out-of-order"] == ""
         assert rep["scaling-factors"] == ""
+        assert rep["inplace"] == ""
 
 
 def test_auto_choice_is_visible_and_consistent(reports):

@@ -11,10 +11,11 @@ def run(job: Job) -> Stage:
     t = job.tensor.view(job.shape)  # full shape, so Horovod checks shapes across ranks
     # Horovod 0.28 has no bfloat16 allreduce: reduce in float32 and round once at the end.
     wire = t.float() if t.dtype == torch.bfloat16 else t
-    out = yield "allreduce", hvd.allreduce_async(
+    start = hvd.allreduce_async_ if job.inplace and wire is t else hvd.allreduce_async
+    out = yield "allreduce", start(
         wire, name=job.op_name("allreduce"), op=job.op,
         prescale_factor=job.prescale, postscale_factor=job.postscale)
     n = job.size
     job.stats.update(scheme="dense",
                      bytes_sent=int(2 * (n - 1) / n * wire.numel() * wire.element_size()))
-    return out.to(t.dtype)
+    return t.copy_(out) if job.inplace and out is not t else out.to(t.dtype)

@@ -92,6 +92,22 @@ def main() -> None:
 
     case(results, "scaling-factors", scaled)
 
+    def inplace() -> str:
+        errs = []
+        for s in SCHEMES:
+            for dtype in (torch.float32, torch.float16):
+                base = sample((300, 90), 0.05, dtype, seed=rank + 5)
+                ref = hvd.allreduce(base.double(), name=f"ref.inplace.{s}.{dtype}")
+                for layout, t in (("contiguous", base.clone()), ("transposed", base.clone().t())):
+                    want = ref if layout == "contiguous" else ref.t()
+                    out = hvd_sparse.allreduce_(t, name=f"inplace.{s}.{dtype}.{layout}", scheme=s)
+                    if out is not t:
+                        errs.append(f"{s}/{dtype}/{layout}: not the same tensor")
+                    errs += [f"{s}/{dtype}/{layout}: {e}" for e in [close_to(t, want, dtype)] if e]
+        return "; ".join(errs)
+
+    case(results, "inplace", inplace)
+
     # Identical bits on every rank: compare every digest with rank 0's.
     all_digests = hvd.allgather_object(digests, name="digests")
     for name in digests:
