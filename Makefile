@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 NP ?= 4
 EXT := hvd_sparse/_C$(shell python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+# .venv/bin first: torch's extension builder compiles incrementally when it finds ninja there
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
@@ -13,7 +15,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 setup:
 	@bash scripts/setup.sh
 
-$(EXT): setup.py $(wildcard csrc/*.cpp csrc/*.h) | setup
+$(EXT): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/omni/*.cpp csrc/omni/*.h) | setup
 	@echo "[build] hvd_sparse._C"
 	@$(PY) setup.py -q build_ext --inplace > build.log 2>&1 || { tail -40 build.log; exit 1; }
 

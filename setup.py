@@ -1,6 +1,30 @@
-"""Builds hvd_sparse and its C++ extension hvd_sparse._C (C++17, against the installed torch)."""
+"""Builds hvd_sparse, its C++ extension hvd_sparse._C (C++17, against the installed torch) and the
+torch-free aggregator binary hvd_sparse/bin/hvd-sparse-aggregator."""
+import os
+import subprocess
+from pathlib import Path
+
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+AGGREGATOR = ["csrc/omni/aggregator.cpp"]
+
+
+class Build(BuildExtension):
+    """Also compiles the aggregator: a plain executable, so servers that only aggregate need
+    neither Python packages nor torch to run it."""
+
+    def run(self) -> None:
+        super().run()
+        root = Path(__file__).parent if self.inplace else Path(self.build_lib)
+        out = root / "hvd_sparse" / "bin" / "hvd-sparse-aggregator"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cxx = os.environ.get("CXX", "c++")
+        cmd = [cxx, "-O3", "-std=c++17", "-march=x86-64-v2", "-Wall", "-pthread", "-Icsrc",
+               *AGGREGATOR, "-o", str(out)]
+        print(" ".join(cmd))
+        subprocess.check_call(cmd)
+
 
 setup(
     name="hvd-sparse",
@@ -11,11 +35,13 @@ setup(
     ext_modules=[
         CppExtension(
             "hvd_sparse._C",
-            ["csrc/codec.cpp"],
+            ["csrc/codec.cpp", "csrc/omni/worker.cpp"],
             include_dirs=["csrc"],
             extra_compile_args=["-O3", "-std=c++17", "-march=x86-64-v2", "-fopenmp"],
             extra_link_args=["-fopenmp"],
         )
     ],
-    cmdclass={"build_ext": BuildExtension},
+    package_data={"hvd_sparse": ["bin/hvd-sparse-aggregator"]},
+    entry_points={"console_scripts": ["hvd-sparse=hvd_sparse.cli:main"]},
+    cmdclass={"build_ext": Build},
 )

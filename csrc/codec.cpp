@@ -472,6 +472,10 @@ int64_t count_partition(int64_t nblocks, int64_t part, int64_t nparts) {
 
 }  // namespace hvd_sparse
 
+namespace hvd_sparse::omni {
+void register_omni(py::module_& m);  // csrc/omni/worker.cpp
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace hvd_sparse;
   using nogil = py::call_guard<py::gil_scoped_release>;
@@ -491,4 +495,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("count_partition", &count_partition);
   m.def("set_threads", [](int n) { g_threads = n; }, "codec threads (0: torch's setting)");
   m.attr("SEGMENT_HEADER_BYTES") = sizeof(SegHeader);
+  omni::register_omni(m);
 }

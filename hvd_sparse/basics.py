@@ -10,6 +10,7 @@ import horovod.torch as hvd
 from . import _C, costmodel, engine
 from . import config as _config
 from .errors import HvdSparseError
+from .schemes import omnireduce
 
 log = logging.getLogger("hvd_sparse")
 
@@ -18,6 +19,7 @@ log = logging.getLogger("hvd_sparse")
 class State:
     config: _config.Config
     net: costmodel.NetModel
+    omni: omnireduce.Session | None = None  # aggregators joined, when any
 
 
 _state: State | None = None
@@ -27,11 +29,16 @@ def init(**kwargs: object) -> None:
     """Starts hvd_sparse after ``hvd.init()``; collective: every rank must call it.
 
     Options (keyword or ``HVD_SPARSE_<NAME>`` environment variable): block_size, scheme,
-    timeout, small_bytes, probe ("auto", "force", "off"), cache_dir, log_level, threads.
+    timeout, small_bytes, probe ("auto", "force", "off"), cache_dir, log_level, threads;
+    for the omnireduce scheme: aggregators ("host:port,..."; when empty rank 0 starts
+    local_aggregators of its own), aggregator_host, fallback ("error" or "dense"),
+    payload_bytes, slots, rto. See config.py.
     """
     global _state
     if not hvd.is_initialized():
         raise HvdSparseError("hvd_sparse.init(): call hvd.init() first")
+    if _state is not None:
+        shutdown()
     cfg = _config.from_env_and_kwargs(**kwargs)
     logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s")
     log.setLevel(cfg.log_level.upper())
@@ -39,7 +46,7 @@ def init(**kwargs: object) -> None:
     _C.set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // hvd.local_size()))
     net = costmodel.load_or_probe(cfg.probe, cfg.cache_dir)
     log.debug("hvd_sparse: network model (%s): %s", net.source, net)
-    _state = State(cfg, net)
+    _state = State(cfg, net, omnireduce.start(cfg))
 
 
 def state() -> State:
@@ -58,4 +65,6 @@ def shutdown() -> None:
     global _state
     if engine.inflight():
         log.warning("hvd_sparse.shutdown(): %d reduction(s) still in flight", engine.inflight())
+    if _state is not None and _state.omni is not None:
+        _state.omni.close()
     _state = None

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMES = ("dense", "allgather", "zen", "auto")
+SCHEMES = ("dense", "allgather", "zen", "omnireduce", "auto")
 
 
 @dataclass
@@ -19,6 +19,15 @@ class Config:
     cache_dir: str = str(Path.home() / ".cache" / "hvd_sparse")
     log_level: str = "WARNING"
     threads: int = 0  # codec threads per rank; 0: cores / ranks on this host
+    # omnireduce: "host:port,..." (or a list) of running aggregators; empty: rank 0 starts
+    # local ones
+    aggregators: str | list = ""
+    local_aggregators: int = -1  # how many rank 0 starts; -1: one per 4 workers; 0: none
+    aggregator_host: str = ""  # address workers reach local aggregators at; "": automatic
+    fallback: str = "error"  # when aggregation fails: "error" raises, "dense" redoes it dense
+    payload_bytes: int = 16384  # block values per datagram (block fusion); 1 block minimum
+    slots: int = 64  # slots per aggregator per tensor: packets in flight per tensor
+    rto: float = 0.02  # first retransmission timeout, seconds (doubles up to 1 s)
 
     def validate(self) -> Config:
         if self.block_size < 1 or self.block_size > 1 << 24:
@@ -29,7 +38,30 @@ class Config:
             raise ValueError(f"timeout must be > 0, got {self.timeout}")
         if self.probe not in ("auto", "force", "off"):
             raise ValueError(f"probe must be 'auto', 'force' or 'off', got {self.probe!r}")
+        if self.fallback not in ("error", "dense"):
+            raise ValueError(f"fallback must be 'error' or 'dense', got {self.fallback!r}")
+        if not 1 <= self.slots <= 4096 or self.payload_bytes < 1 or self.rto <= 0:
+            raise ValueError("slots must be in [1, 4096], payload_bytes >= 1 and rto > 0")
         return self
+
+    def aggregator_list(self) -> list[tuple[str, int]]:
+        """``aggregators`` parsed: [(host, port), ...]."""
+        items = self.aggregators
+        if isinstance(items, str):
+            items = items.split(",")
+        out = []
+        for item in items:
+            if isinstance(item, tuple | list):
+                out.append((str(item[0]), int(item[1])))
+                continue
+            item = item.strip()
+            if not item:
+                continue
+            host, _, port = item.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"aggregators: expected host:port, got {item!r}")
+            out.append((host, int(port)))
+        return out
 
 
 def from_env_and_kwargs(**kwargs: object) -> Config:

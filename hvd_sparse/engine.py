@@ -1,8 +1,8 @@
 """The progress engine: asynchronous reductions built from Horovod's own collectives.
 
-A scheme is a generator that yields (stage name, Horovod handle) pairs and returns the reduced
-tensor. The engine
-drives every in-flight generator: whenever a caller waits on any handle, all handles whose current
+A scheme is a generator that yields (stage name, pending) pairs and returns the reduced tensor;
+pending is a Horovod handle or a ``Waitable`` (the aggregator engine's). The engine drives every
+in-flight generator: whenever a caller waits on any handle, all handles whose current
 Horovod op has finished move to their next stage. That is what lets ranks submit and wait on
 tensors in different orders without deadlock: a rank blocked on tensor A still submits the next
 stage of tensor B that its peers are waiting for. Every wait is bounded by the configured timeout.
@@ -13,14 +13,31 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import horovod.torch as hvd
 import torch
 
 from .errors import HvdSparseError
 
-Stage = Generator[tuple[str, int], Any, torch.Tensor]
+
+class Waitable(Protocol):
+    """A pending operation that is not a Horovod handle."""
+
+    def poll(self) -> bool: ...
+
+    def value(self) -> Any: ...
+
+
+Stage = Generator[tuple[str, "int | Waitable"], Any, torch.Tensor]
+
+
+def _ready(pending: int | Waitable) -> bool:
+    return hvd.poll(pending) if isinstance(pending, int) else pending.poll()
+
+
+def _value(pending: int | Waitable) -> Any:
+    return hvd.synchronize(pending) if isinstance(pending, int) else pending.value()
 
 
 @dataclass
@@ -61,7 +78,7 @@ class Handle:
     def __init__(self, job: Job, gen: Stage, on_done: Callable[[Handle], None]) -> None:
         self.job = job
         self._gen = gen
-        self.pending: int | None = None
+        self.pending: int | Waitable | None = None
         self.stage = "start"
         self.result: torch.Tensor | None = None
         self.error: HvdSparseError | None = None
@@ -114,9 +131,9 @@ def progress() -> None:
     """Moves every in-flight reduction whose current Horovod op has finished to its next stage."""
     with _lock:
         for h in list(_inflight.values()):
-            while h.pending is not None and hvd.poll(h.pending):
+            while h.pending is not None and _ready(h.pending):
                 try:
-                    value = hvd.synchronize(h.pending)
+                    value = _value(h.pending)
                 except Exception as e:  # noqa: BLE001 - Horovod reports peer errors this way
                     h._fail(HvdSparseError(f"hvd_sparse: tensor {h.job.name!r}: {e}"))
                     break
@@ -141,9 +158,9 @@ def synchronize(h: Handle, timeout: float) -> torch.Tensor:
             with _lock:
                 if _inflight.get(h.job.name) is h:
                     del _inflight[h.job.name]
-            h.error = HvdSparseError(
+            h._fail(HvdSparseError(
                 f"hvd_sparse: tensor {h.job.name!r}: timed out after {timeout:g} s in stage "
-                f"'{h.stage}' ({h.job.scheme}); a peer rank did not submit this tensor or is dead")
+                f"'{h.stage}' ({h.job.scheme}); a peer rank did not submit this tensor or is dead"))
             break
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)

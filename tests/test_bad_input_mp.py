@@ -13,14 +13,14 @@ def reports(tmp_path_factory):
                   env={"HVD_SPARSE_TIMEOUT": str(TIMEOUT)}, timeout=240)
 
 
-@pytest.mark.parametrize("scheme", ["dense", "allgather", "zen", "auto"])
+@pytest.mark.parametrize("scheme", ["dense", "allgather", "zen", "omnireduce", "auto"])
 @pytest.mark.parametrize("kind", ["shape", "numel", "small", "dtype"])
 def test_mismatch_raises_on_every_rank(reports, kind, scheme):
     for rank, rep in enumerate(reports):
         assert rep[f"mismatch.{kind}.{scheme}"] == "", f"rank {rank}"
 
 
-@pytest.mark.parametrize("scheme", ["dense", "allgather", "zen", "auto"])
+@pytest.mark.parametrize("scheme", ["dense", "allgather", "zen", "omnireduce", "auto"])
 def test_edge_shapes_and_nan_inf(reports, scheme):
     for rep in reports:
         assert rep[f"edge.{scheme}"] == ""

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from ..engine import Job, Stage
-from . import allgather, auto, dense, zen
+from . import allgather, auto, dense, omnireduce, zen
 
-SCHEMES = {"dense": dense.run, "allgather": allgather.run, "zen": zen.run, "auto": auto.run}
+SCHEMES = {"dense": dense.run, "allgather": allgather.run, "zen": zen.run,
+           "omnireduce": omnireduce.run, "auto": auto.run}
 
 
 def run(job: Job) -> Stage:

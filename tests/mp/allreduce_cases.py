@@ -14,7 +14,7 @@ from common import case, close_to, report, start
 
 import hvd_sparse
 
-SCHEMES = ["dense", "allgather", "zen", "auto"]
+SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 DENSITIES = [0.0, 1e-4, 0.01, 0.3, 1.0]
 SHAPES = [(1,), (255,), (256,), (257,), (1_000_003,), (3, 5, 7), (1000, 33)]
@@ -69,7 +69,8 @@ def main() -> None:
         refs = {n: hvd.allreduce(tensors[n].double(), name=f"ref.{n}", op=hvd.Sum) for n in names}
         order = names if rank % 2 == 0 else names[::-1]
         handles = {n: hvd_sparse.allreduce_async(
-            tensors[n], name=n, op=hvd.Sum, scheme=SCHEMES[names.index(n) % 4]) for n in order}
+            tensors[n], name=n, op=hvd.Sum, scheme=SCHEMES[names.index(n) % len(SCHEMES)])
+            for n in order}
         errors = []
         for n in (order[::-1] if rank % 2 == 0 else order):
             err = close_to(hvd_sparse.synchronize(handles[n]), refs[n], torch.float32)

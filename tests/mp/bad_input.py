@@ -13,7 +13,7 @@ from common import case, close_to, report, start
 
 import hvd_sparse
 
-SCHEMES = ["dense", "allgather", "zen", "auto"]
+SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
 
 
 def expect_error(name: str, fn, *words: str) -> str:

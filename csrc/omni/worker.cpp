@@ -1,0 +1,689 @@
+// The worker side of the aggregation protocol (docs/PROTOCOL.md), inside hvd_sparse._C.
+//
+// A background thread owns one UDP socket. For each submitted tensor it streams, slot by slot,
+// only the blocks this rank holds non-zero, writes each round's RESULT straight into the output
+// tensor and announces its next non-zero position, so a slot advances past blocks that are zero
+// on every worker without anyone sending them. Each outstanding packet has a retransmission
+// timer with backoff; a slot that makes no progress for `timeout` seconds fails its tensor with
+// an error naming the aggregator. Tensors are keyed by an id every rank derives from the name,
+// so ranks may submit them in any order and any number may be in flight.
+#include <torch/extension.h>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "../blocks.h"
+#include "protocol.h"
+
+namespace hvd_sparse::omni {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double now_s() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
+
+uint8_t wire_dtype(at::ScalarType s) {
+  switch (s) {
+    case at::kFloat: return 0;
+    case at::kDouble: return 1;
+    case at::kHalf: return 2;
+    case at::kBFloat16: return 3;
+    default: throw std::invalid_argument("omnireduce: unsupported dtype");
+  }
+}
+
+struct Aggregator {
+  sockaddr_in addr{};
+  std::string name;
+  double srtt = 0;  // smoothed round time, from rounds answered without retransmission
+};
+
+struct SlotW {
+  uint32_t g = 0;
+  int agg = 0;
+  uint32_t round = 0;
+  std::vector<uint32_t> cur;     // per lane: position of the round in flight
+  std::vector<uint32_t> cursor;  // per lane: index into the stream's non-zero positions
+  std::vector<uint8_t> pkt;      // the DATA packet in flight (resent on timeout)
+  double sent_at = 0, rto = 0, progress_at = 0;
+  bool done = false, resent = false;
+};
+
+struct TensorW {
+  int64_t ticket = 0;
+  uint64_t id = 0;
+  std::string name;
+  at::Tensor input, output;
+  const uint8_t* in = nullptr;
+  uint8_t* out = nullptr;
+  uint8_t dtype = 0;
+  int esize = 4;
+  int64_t numel = 0;
+  uint32_t bs = 0, nblocks = 0, nslots = 0, lanes = 0, meta = 0;
+  bool zero_gaps = false;  // out of place: blocks no round covers must be zeroed
+  double scale = 1.0;
+  std::vector<uint32_t> start, pos;  // CSR: non-zero positions of each stream
+  std::vector<SlotW> slots;
+  uint32_t remaining = 0;
+  bool finished = false;
+  std::string error;
+  uint64_t packets = 0, bytes_sent = 0, bytes_received = 0, retransmits = 0, rounds = 0,
+           union_blocks = 0, nnz_local = 0;
+};
+
+constexpr double kKeepalive = 10.0;  // seconds; the aggregator's --idle default is 120
+
+class Worker {
+ public:
+  Worker(const std::vector<std::pair<std::string, int>>& aggs, uint64_t token, int worker,
+         int nworkers, int payload_bytes, int slots_per_agg, double rto, double timeout,
+         double drop_rate, double dup_rate, uint64_t seed)
+      : token_(token), worker_(uint16_t(worker)), nworkers_(uint16_t(nworkers)),
+        payload_(payload_bytes), slots_per_agg_(slots_per_agg), rto_(rto), timeout_(timeout),
+        drop_(drop_rate), dup_(dup_rate), rng_(seed) {
+    TORCH_CHECK(!aggs.empty(), "omnireduce: no aggregators");
+    TORCH_CHECK(nworkers >= 1 && nworkers <= kMaxWorkers && worker >= 0 && worker < nworkers,
+                "omnireduce: bad worker id ", worker, " of ", nworkers);
+    for (auto& [host, port] : aggs) aggs_.push_back(resolve(host, port));
+    fd_ = socket(AF_INET, SOCK_DGRAM, 0);
+    TORCH_CHECK(fd_ >= 0, "omnireduce: socket: ", std::strerror(errno));
+    int big = 64 << 20;
+    if (setsockopt(fd_, SOL_SOCKET, SO_RCVBUFFORCE, &big, sizeof big))
+      setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+    if (setsockopt(fd_, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof big))
+      setsockopt(fd_, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+    sockaddr_in any{};
+    any.sin_family = AF_INET;
+    TORCH_CHECK(bind(fd_, reinterpret_cast<sockaddr*>(&any), sizeof any) == 0,
+                "omnireduce: bind: ", std::strerror(errno));
+    wake_ = eventfd(0, EFD_NONBLOCK);
+    thread_ = std::thread([this] { loop(); });
+  }
+
+  ~Worker() { close(); }
+
+  // Joins the job on every aggregator; blocks until each has acknowledged.
+  void register_all(double timeout) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      acked_.assign(aggs_.size(), 0);
+      reg_error_.clear();
+    }
+    double deadline = now_s() + timeout;
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!reg_error_.empty()) throw std::runtime_error(reg_error_);
+        bool all = true;
+        for (size_t k = 0; k < aggs_.size(); ++k) {
+          if (acked_[k]) continue;
+          all = false;
+          send_control(int(k), kRegister, 0);
+        }
+        if (all) return;
+      }
+      if (now_s() > deadline) {
+        std::string missing;
+        for (size_t k = 0; k < aggs_.size(); ++k)
+          if (!acked_[k]) missing += (missing.empty() ? "" : ", ") + aggs_[k].name;
+        throw std::runtime_error("omnireduce: aggregator(s) " + missing + " did not answer " +
+                                 "registration within " + std::to_string(timeout) + " s");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  int64_t submit(uint64_t id, at::Tensor input, at::Tensor output, int64_t bs, int64_t meta,
+                 std::optional<at::Tensor> mask, const std::string& name, double scale) {
+    TORCH_CHECK(input.is_contiguous() && output.is_contiguous() && input.device().is_cpu() &&
+                output.device().is_cpu(), "omnireduce: tensors must be contiguous CPU tensors");
+    TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
+                "omnireduce: output must match the input");
+    auto t = std::make_unique<TensorW>();
+    t->id = id;
+    t->name = name;
+    t->input = input;
+    t->output = output;
+    t->in = static_cast<const uint8_t*>(input.data_ptr());
+    t->out = static_cast<uint8_t*>(output.data_ptr());
+    t->dtype = wire_dtype(input.scalar_type());
+    t->esize = elem_size(t->dtype);
+    t->numel = input.numel();
+    TORCH_CHECK(bs >= 1 && bs <= 65535 && size_t(bs) * t->esize + kHeaderBytes + kBitmapBytes +
+                kLaneBytes <= size_t(kMaxDatagram),
+                "omnireduce: block_size ", bs, " does not fit in one datagram");
+    const int64_t nb = num_blocks(t->numel, bs);
+    TORCH_CHECK(nb >= 1 && nb < int64_t(kInf), "omnireduce: tensor size out of range");
+    t->bs = uint32_t(bs);
+    t->nblocks = uint32_t(nb);
+    t->meta = uint32_t(meta);
+    t->lanes = uint32_t(std::clamp<int64_t>(payload_ / (bs * t->esize), 1, kMaxLanes));
+    const int64_t k = int64_t(aggs_.size());
+    t->nslots = uint32_t(std::clamp<int64_t>((nb + t->lanes - 1) / t->lanes, 1,
+                                             k * slots_per_agg_));
+    t->zero_gaps = t->out != t->in;
+    t->scale = scale;
+    index(*t, mask);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      t->ticket = ++next_ticket_;
+      TORCH_CHECK(!by_id_.count(id), "omnireduce: tensor '", name, "' is already in flight");
+      const int64_t ticket = t->ticket;
+      start(*t);
+      by_id_[id] = t.get();
+      tickets_[ticket] = std::move(t);
+      uint64_t one = 1;
+      (void)!write(wake_, &one, sizeof one);
+      return ticket;
+    }
+  }
+
+  bool poll_ticket(int64_t ticket) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = tickets_.find(ticket);
+    TORCH_CHECK(it != tickets_.end(), "omnireduce: unknown ticket");
+    return it->second->finished;
+  }
+
+  // Blocks until the ticket finishes or `timeout` passes (returns its state).
+  bool wait(int64_t ticket, double timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto it = tickets_.find(ticket);
+    TORCH_CHECK(it != tickets_.end(), "omnireduce: unknown ticket");
+    TensorW* t = it->second.get();
+    cv_.wait_for(lock, std::chrono::duration<double>(timeout), [t] { return t->finished; });
+    return t->finished;
+  }
+
+  // Forgets a finished ticket; returns its counters or raises its error.
+  py::dict finish(int64_t ticket) {
+    std::unique_ptr<TensorW> t;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = tickets_.find(ticket);
+      TORCH_CHECK(it != tickets_.end(), "omnireduce: unknown ticket");
+      if (!it->second->finished) {  // abandoned (the caller timed out): fail it first
+        fail(*it->second, "abandoned by the caller");
+      }
+      t = std::move(it->second);
+      tickets_.erase(it);
+    }
+    if (!t->error.empty()) throw std::runtime_error(t->error);
+    py::dict d;
+    d["packets"] = t->packets;
+    d["bytes_sent"] = t->bytes_sent;
+    d["bytes_received"] = t->bytes_received;
+    d["retransmits"] = t->retransmits;
+    d["rounds"] = t->rounds;
+    d["union"] = t->union_blocks;
+    d["nnz_local"] = t->nnz_local;
+    d["lanes"] = t->lanes;
+    d["nslots"] = t->nslots;
+    return d;
+  }
+
+  py::dict stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    py::dict d;
+    d["tx_packets"] = tx_packets_;
+    d["tx_bytes"] = tx_bytes_;
+    d["rx_packets"] = rx_packets_;
+    d["rx_bytes"] = rx_bytes_;
+    d["retransmits"] = retransmits_;
+    d["malformed"] = malformed_;
+    d["stale"] = stale_;
+    d["injected_drops"] = injected_drops_;
+    d["inflight"] = by_id_.size();
+    return d;
+  }
+
+  void close() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t k = 0; k < aggs_.size(); ++k) send_control(int(k), kBye, 0);
+      for (auto& [id, t] : by_id_) fail_locked(*t, "the worker was closed");
+      by_id_.clear();
+      stop_ = true;
+    }
+    uint64_t one = 1;
+    (void)!write(wake_, &one, sizeof one);
+    thread_.join();
+    ::close(fd_);
+    ::close(wake_);
+    cv_.notify_all();
+  }
+
+ private:
+  static Aggregator resolve(const std::string& host, int port) {
+    addrinfo hints{}, *res = nullptr;
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_DGRAM;
+    int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
+    TORCH_CHECK(rc == 0 && res, "omnireduce: cannot resolve aggregator ", host, ": ",
+                gai_strerror(rc));
+    Aggregator a;
+    a.addr = *reinterpret_cast<sockaddr_in*>(res->ai_addr);
+    a.addr.sin_port = htons(uint16_t(port));
+    a.name = host + ":" + std::to_string(port);
+    freeaddrinfo(res);
+    return a;
+  }
+
+  // CSR of the tensor's non-zero blocks by stream (counting sort: positions stay ascending).
+  void index(TensorW& t, const std::optional<at::Tensor>& mask) {
+    const uint32_t L = t.nslots * t.lanes;
+    std::vector<uint8_t> own;
+    const uint8_t* m;
+    if (mask) {
+      TORCH_CHECK(mask->scalar_type() == at::kByte && mask->numel() == t.nblocks &&
+                  mask->is_contiguous(), "omnireduce: mask must be uint8 with one entry per block");
+      m = mask->data_ptr<uint8_t>();
+    } else {
+      own.resize(t.nblocks);
+      for (uint32_t b = 0; b < t.nblocks; ++b) {
+        int64_t n = std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs);
+        own[b] = block_nonzero(t.in + size_t(b) * t.bs * t.esize, n, t.esize);
+      }
+      m = own.data();
+    }
+    t.start.assign(L + 1, 0);
+    for (uint32_t b = 0; b < t.nblocks; ++b)
+      if (m[b]) { t.start[b % L + 1]++; t.nnz_local++; }
+    for (uint32_t j = 0; j < L; ++j) t.start[j + 1] += t.start[j];
+    t.pos.resize(t.nnz_local);
+    std::vector<uint32_t> fill(t.start.begin(), t.start.end() - 1);
+    for (uint32_t b = 0; b < t.nblocks; ++b)
+      if (m[b]) t.pos[fill[b % L]++] = b / L;
+  }
+
+  // Opens every slot of a new tensor at round 0 (position 0 of every non-empty lane).
+  void start(TensorW& t) {
+    double now = now_s();
+    t.slots.resize(t.nslots);
+    t.remaining = t.nslots;
+    for (uint32_t g = 0; g < t.nslots; ++g) {
+      SlotW& s = t.slots[g];
+      s.g = g;
+      s.agg = int(g % aggs_.size());
+      s.cur.resize(t.lanes);
+      s.cursor.resize(t.lanes);
+      for (uint32_t l = 0; l < t.lanes; ++l) {
+        s.cur[l] = stream_length(g, l, t.nblocks, t.nslots, t.lanes) ? 0 : kInf;
+        s.cursor[l] = t.start[g * t.lanes + l];
+      }
+      s.progress_at = now;
+      build_data(t, s);
+      send_slot(t, s, now);
+    }
+  }
+
+  // DATA for the slot's current round: the blocks this rank holds at the lanes' positions and,
+  // per lane, its next non-zero position beyond.
+  void build_data(TensorW& t, SlotW& s) {
+    uint64_t bitmap = 0;
+    uint32_t present = 0;
+    for (uint32_t l = 0; l < t.lanes; ++l) {
+      uint32_t j = s.g * t.lanes + l;
+      if (s.cur[l] != kInf && s.cursor[l] < t.start[j + 1] && t.pos[s.cursor[l]] == s.cur[l]) {
+        bitmap |= uint64_t(1) << l;
+        ++present;
+      }
+    }
+    s.pkt.resize(data_bytes(t.lanes, present, t.bs, t.dtype));
+    uint8_t* p = s.pkt.data();
+    Header h = make_header(kData, token_, worker_, nworkers_);
+    h.dtype = t.dtype; h.slot = s.g; h.tensor = t.id; h.round = s.round;
+    h.flags = s.round & 1 ? kFlagShadow : 0;
+    h.lanes = uint16_t(t.lanes); h.block_size = uint16_t(t.bs); h.nblocks = t.nblocks;
+    h.nslots = t.nslots; h.meta = t.meta; h.present = present;
+    store_header(p, h);
+    st64(p + kHeaderBytes, bitmap);
+    uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
+    uint8_t* v = lane + size_t(t.lanes) * kLaneBytes;
+    const size_t vb = size_t(t.bs) * t.esize;
+    for (uint32_t l = 0; l < t.lanes; ++l) {
+      uint32_t j = s.g * t.lanes + l;
+      if (bitmap >> l & 1) {
+        uint64_t b = stream_block(s.g, l, s.cur[l], t.nslots, t.lanes);
+        size_t valid = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs)) * t.esize;
+        std::memcpy(v, t.in + b * vb, valid);
+        if (valid < vb) std::memset(v + valid, 0, vb - valid);  // tail block
+        v += vb;
+        s.cursor[l]++;
+      }
+      uint32_t nxt = s.cursor[l] < t.start[j + 1] ? t.pos[s.cursor[l]] : kInf;
+      st32(lane + l * kLaneBytes, s.cur[l]);
+      st32(lane + l * kLaneBytes + 4, nxt);
+    }
+  }
+
+  void send_slot(TensorW& t, SlotW& s, double now) {
+    s.sent_at = now;
+    if (s.rto == 0) s.rto = rto_;
+    t.packets++;
+    t.bytes_sent += s.pkt.size();
+    int copies = dup_ > 0 && unif_(rng_) < dup_ ? 2 : 1;
+    for (int i = 0; i < copies; ++i) send_raw(s.agg, s.pkt.data(), s.pkt.size());
+  }
+
+  void send_raw(int agg, const uint8_t* p, size_t n) {
+    tx_packets_++;
+    tx_bytes_ += n;
+    // A full socket buffer (EAGAIN/ENOBUFS) loses the datagram; the slot's timer resends it.
+    sendto(fd_, p, n, MSG_DONTWAIT, reinterpret_cast<const sockaddr*>(&aggs_[agg].addr),
+           sizeof(sockaddr_in));
+  }
+
+  void send_control(int agg, uint8_t type, uint64_t tensor) {
+    Header h = make_header(type, token_, worker_, nworkers_);
+    h.tensor = tensor;
+    uint8_t p[kHeaderBytes];
+    store_header(p, h);
+    send_raw(agg, p, kHeaderBytes);
+  }
+
+  void zero_block(TensorW& t, uint32_t g, uint32_t l, uint32_t pos) {
+    uint64_t b = stream_block(g, l, pos, t.nslots, t.lanes);
+    size_t valid = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs)) * t.esize;
+    std::memset(t.out + b * size_t(t.bs) * t.esize, 0, valid);
+  }
+
+  void write_block(TensorW& t, uint64_t b, const uint8_t* v) {
+    const size_t n = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs));
+    uint8_t* o = t.out + b * size_t(t.bs) * t.esize;
+    if (t.scale == 1.0 || t.dtype > 1) {  // 16-bit types are scaled by the caller
+      std::memcpy(o, v, n * t.esize);
+    } else if (t.dtype == 0) {
+      const float s = float(t.scale);
+      for (size_t i = 0; i < n; ++i) {
+        float x;
+        std::memcpy(&x, v + 4 * i, 4);
+        x *= s;
+        std::memcpy(o + 4 * i, &x, 4);
+      }
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        double x;
+        std::memcpy(&x, v + 8 * i, 8);
+        x *= t.scale;
+        std::memcpy(o + 8 * i, &x, 8);
+      }
+    }
+  }
+
+  void on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, double now) {
+    const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
+    const uint64_t bitmap = ld64(p + kHeaderBytes);
+    if ((t.lanes < 64 && (bitmap >> t.lanes)) ||
+        uint32_t(__builtin_popcountll(bitmap)) != h.present) { malformed_++; return; }
+    for (uint32_t l = 0; l < t.lanes; ++l) {
+      uint32_t off = ld32(lane + l * kLaneBytes), nxt = ld32(lane + l * kLaneBytes + 4);
+      uint32_t len = stream_length(s.g, l, t.nblocks, t.nslots, t.lanes);
+      if (off != s.cur[l] || (off == kInf && ((bitmap >> l & 1) || nxt != kInf)) ||
+          (nxt != kInf && (nxt <= off || nxt >= len))) { malformed_++; return; }
+    }
+    const uint8_t* v = lane + size_t(t.lanes) * kLaneBytes;
+    const size_t vb = size_t(t.bs) * t.esize;
+    bool last = true;
+    for (uint32_t l = 0; l < t.lanes; ++l) {
+      uint32_t off = s.cur[l], nxt = ld32(lane + l * kLaneBytes + 4);
+      if (off == kInf) continue;
+      if (bitmap >> l & 1) {
+        write_block(t, stream_block(s.g, l, off, t.nslots, t.lanes), v);
+        v += vb;
+        t.union_blocks++;
+      } else if (t.zero_gaps) {
+        zero_block(t, s.g, l, off);
+      }
+      if (t.zero_gaps) {
+        uint32_t end = nxt == kInf ? stream_length(s.g, l, t.nblocks, t.nslots, t.lanes) : nxt;
+        for (uint32_t q = off + 1; q < end; ++q) zero_block(t, s.g, l, q);
+      }
+      s.cur[l] = nxt;
+      last = last && nxt == kInf;
+    }
+    t.rounds++;
+    t.bytes_received += h.present * vb;
+    if (!s.resent) {
+      double& srtt = aggs_[s.agg].srtt, sample = now - s.sent_at;
+      srtt = srtt == 0 ? sample : 0.875 * srtt + 0.125 * sample;
+    }
+    s.round++;
+    s.progress_at = now;
+    s.resent = false;
+    // A round waits for the slowest worker: time out well above the usual round time.
+    s.rto = std::min(std::max(rto_, 3 * aggs_[s.agg].srtt), 1.0);
+    if (last) {
+      s.done = true;
+      if (--t.remaining == 0) complete(t);
+      return;
+    }
+    build_data(t, s);
+    send_slot(t, s, now);
+  }
+
+  void complete(TensorW& t) {
+    std::vector<uint8_t> used(aggs_.size(), 0);
+    for (auto& s : t.slots) used[s.agg] = 1;
+    for (size_t k = 0; k < aggs_.size(); ++k)
+      if (used[k]) send_control(int(k), kRelease, t.id);
+    finish_locked(t);
+  }
+
+  void finish_locked(TensorW& t) {
+    t.finished = true;
+    by_id_.erase(t.id);
+    t.input = at::Tensor();  // drop references early; output stays with the caller
+    t.output = at::Tensor();
+    cv_.notify_all();
+  }
+
+  void fail_locked(TensorW& t, const std::string& why) {
+    if (t.finished) return;
+    t.error = "omnireduce: tensor '" + t.name + "': " + why;
+    t.finished = true;
+    t.input = at::Tensor();
+    t.output = at::Tensor();
+    cv_.notify_all();
+  }
+
+  void fail(TensorW& t, const std::string& why) {
+    fail_locked(t, why);
+    by_id_.erase(t.id);
+  }
+
+  void on_packet(const uint8_t* p, size_t len, double now) {
+    rx_packets_++;
+    rx_bytes_ += len;
+    if (drop_ > 0 && unif_(rng_) < drop_) { injected_drops_++; return; }
+    Header h = load_header(p);
+    if (check_structure(h, len) || h.token != token_) { malformed_++; return; }
+    if (h.type == kRegAck || (h.type == kError && h.tensor == 0 && h.slot == 0)) {
+      for (size_t k = 0; k < aggs_.size(); ++k) {
+        if (acked_.size() <= k) break;
+        const sockaddr_in& a = aggs_[k].addr;
+        if (from_.sin_port != a.sin_port || from_.sin_addr.s_addr != a.sin_addr.s_addr) continue;
+        if (h.type == kRegAck) acked_[k] = 1;
+        else
+          reg_error_ = "omnireduce: aggregator " + aggs_[k].name + " refused the job (error " +
+                       std::to_string(h.round) + ": worker count differs from its --workers, "
+                       "or it is full)";
+      }
+      return;
+    }
+    auto it = by_id_.find(h.tensor);
+    if (it == by_id_.end()) { stale_++; return; }  // a late duplicate of a finished tensor
+    TensorW& t = *it->second;
+    if (h.slot >= t.nslots) { malformed_++; return; }
+    SlotW& s = t.slots[h.slot];
+    if (h.type == kError) {
+      std::string why = h.round == kErrMismatch
+          ? "tensor mismatch across ranks: the ranks disagree on its shape, dtype or size"
+          : "aggregator out of memory";
+      return fail(t, why + " (reported by aggregator " + aggs_[s.agg].name + ")");
+    }
+    if (h.type != kResult) { malformed_++; return; }
+    if (h.dtype != t.dtype || h.lanes != t.lanes || h.block_size != t.bs ||
+        h.nblocks != t.nblocks || h.nslots != t.nslots) { malformed_++; return; }
+    if (s.done || h.round != s.round) { stale_++; return; }  // duplicate or retransmitted result
+    on_result(t, s, h, p, now);
+  }
+
+  void check_timers(double now) {
+    std::vector<std::pair<TensorW*, std::string>> failed;
+    for (auto& [id, t] : by_id_) {
+      for (auto& s : t->slots) {
+        if (s.done) continue;
+        if (now - s.progress_at > timeout_) {
+          failed.emplace_back(t, "no result from aggregator " + aggs_[s.agg].name + " for " +
+              std::to_string(int(timeout_)) + " s (slot " + std::to_string(s.g) + ", round " +
+              std::to_string(s.round) + "): the aggregator is down or a peer rank has not "
+              "submitted this tensor");
+          break;
+        }
+        if (now - s.sent_at > s.rto) {
+          s.resent = true;
+          t->retransmits++;
+          retransmits_++;
+          s.rto = std::min(s.rto * 2, 1.0);
+          send_slot(*t, s, now);
+        }
+      }
+    }
+    for (auto& [t, why] : failed) fail(*t, why);
+  }
+
+  void loop() {
+    constexpr int kBatch = 64;
+    std::vector<std::vector<uint8_t>> buf(kBatch, std::vector<uint8_t>(kMaxDatagram + 1));
+    std::vector<mmsghdr> msgs(kBatch);
+    std::vector<iovec> iov(kBatch);
+    std::vector<sockaddr_in> from(kBatch);
+    pollfd pfd[2] = {{fd_, POLLIN, 0}, {wake_, POLLIN, 0}};
+    double last_timers = 0, last_keepalive = now_s();
+    while (true) {
+      ::poll(pfd, 2, 2);
+      if (pfd[1].revents) {
+        uint64_t v;
+        (void)!read(wake_, &v, sizeof v);
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      for (int i = 0; i < kBatch; ++i) {
+        iov[i] = {buf[i].data(), buf[i].size()};
+        msgs[i].msg_hdr = {};
+        msgs[i].msg_hdr.msg_name = &from[i];
+        msgs[i].msg_hdr.msg_namelen = sizeof(sockaddr_in);
+        msgs[i].msg_hdr.msg_iov = &iov[i];
+        msgs[i].msg_hdr.msg_iovlen = 1;
+      }
+      double now = now_s();
+      int n = recvmmsg(fd_, msgs.data(), kBatch, MSG_DONTWAIT, nullptr);
+      for (int i = 0; i < n; ++i) {
+        from_ = from[i];
+        on_packet(buf[i].data(), msgs[i].msg_len, now);
+      }
+      if (now - last_timers > 1e-3) {
+        check_timers(now);
+        last_timers = now;
+      }
+      if (now - last_keepalive > kKeepalive) {  // aggregators forget jobs idle for long
+        for (size_t k = 0; k < aggs_.size(); ++k) send_control(int(k), kRegister, 0);
+        last_keepalive = now;
+      }
+    }
+  }
+
+  const uint64_t token_;
+  const uint16_t worker_, nworkers_;
+  const int64_t payload_, slots_per_agg_;
+  const double rto_, timeout_, drop_, dup_;
+  std::mt19937_64 rng_;
+  std::uniform_real_distribution<double> unif_{0.0, 1.0};
+  std::vector<Aggregator> aggs_;
+  int fd_ = -1, wake_ = -1;
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  int64_t next_ticket_ = 0;
+  std::unordered_map<uint64_t, TensorW*> by_id_;
+  std::unordered_map<int64_t, std::unique_ptr<TensorW>> tickets_;
+  std::vector<uint8_t> acked_;
+  std::string reg_error_;
+  sockaddr_in from_{};  // source of the packet being handled
+  uint64_t tx_packets_ = 0, tx_bytes_ = 0, rx_packets_ = 0, rx_bytes_ = 0, retransmits_ = 0,
+           malformed_ = 0, stale_ = 0, injected_drops_ = 0;
+};
+
+py::dict protocol_constants() {
+  py::dict d;
+  d["MAGIC"] = kMagic;
+  d["VERSION"] = kVersion;
+  d["HEADER_BYTES"] = kHeaderBytes;
+  d["BITMAP_BYTES"] = kBitmapBytes;
+  d["LANE_BYTES"] = kLaneBytes;
+  d["INF"] = kInf;
+  d["MAX_LANES"] = kMaxLanes;
+  d["MAX_WORKERS"] = kMaxWorkers;
+  d["MAX_DATAGRAM"] = kMaxDatagram;
+  d["TYPES"] = py::dict(py::arg("DATA") = int(kData), py::arg("RESULT") = int(kResult),
+                        py::arg("REGISTER") = int(kRegister), py::arg("REGACK") = int(kRegAck),
+                        py::arg("RELEASE") = int(kRelease), py::arg("BYE") = int(kBye),
+                        py::arg("ERROR") = int(kError));
+  d["FLAGS"] = py::dict(py::arg("SHADOW") = int(kFlagShadow), py::arg("LAST") = int(kFlagLast));
+  d["ERRORS"] = py::dict(py::arg("MISMATCH") = int(kErrMismatch), py::arg("JOB") = int(kErrJob),
+                         py::arg("CAPACITY") = int(kErrCapacity));
+  // (name, offset, size) of the header fields, in order: the dissector is built from this.
+  py::list fields;
+  auto f = [&](const char* n, int off, int size) { fields.append(py::make_tuple(n, off, size)); };
+  f("magic", 0, 4); f("version", 4, 1); f("type", 5, 1); f("dtype", 6, 1); f("flags", 7, 1);
+  f("token", 8, 8); f("worker", 16, 2); f("nworkers", 18, 2); f("slot", 20, 4);
+  f("tensor", 24, 8); f("round", 32, 4); f("lanes", 36, 2); f("block_size", 38, 2);
+  f("nblocks", 40, 4); f("nslots", 44, 4); f("meta", 48, 4); f("present", 52, 4);
+  d["FIELDS"] = fields;
+  return d;
+}
+
+}  // namespace
+
+void register_omni(py::module_& m) {
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  py::class_<Worker>(m, "OmniWorker")
+      .def(py::init<const std::vector<std::pair<std::string, int>>&, uint64_t, int, int, int, int,
+                    double, double, double, double, uint64_t>(),
+           py::arg("aggregators"), py::arg("token"), py::arg("worker"), py::arg("nworkers"),
+           py::arg("payload_bytes") = 16384, py::arg("slots_per_aggregator") = 64,
+           py::arg("rto") = 0.02, py::arg("timeout") = 30.0, py::arg("drop_rate") = 0.0,
+           py::arg("dup_rate") = 0.0, py::arg("seed") = 0)
+      .def("register", &Worker::register_all, py::arg("timeout"), nogil())
+      .def("submit", &Worker::submit, py::arg("tensor_id"), py::arg("input"), py::arg("output"),
+           py::arg("block_size"), py::arg("meta"), py::arg("mask") = py::none(),
+           py::arg("name") = "", py::arg("scale") = 1.0, nogil())
+      .def("poll", &Worker::poll_ticket, nogil())
+      .def("wait", &Worker::wait, py::arg("ticket"), py::arg("timeout"), nogil())
+      .def("finish", &Worker::finish)
+      .def("stats", &Worker::stats)
+      .def("close", &Worker::close, nogil());
+  m.def("omni_protocol", &protocol_constants, "constants and header layout of docs/PROTOCOL.md");
+}
+
+}  // namespace hvd_sparse::omni

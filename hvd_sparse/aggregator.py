@@ -1,0 +1,80 @@
+"""The aggregator process: where its binary is, and starting local ones for a job.
+
+``python -m hvd_sparse.aggregator --bind ADDR:PORT --workers N`` (or ``hvd-sparse aggregator``)
+runs the C++ aggregator (csrc/omni/aggregator.cpp, built by setup.py as a torch-free binary).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import HvdSparseError
+
+BINARY = Path(__file__).resolve().parent / "bin" / "hvd-sparse-aggregator"
+
+
+def binary() -> Path:
+    if not BINARY.exists():
+        raise HvdSparseError(f"hvd_sparse: aggregator binary missing at {BINARY}: build the "
+                             "package (make build, or pip install .)")
+    return BINARY
+
+
+class LocalAggregators:
+    """Aggregator processes this rank started; they die with it (PR_SET_PDEATHSIG plus a
+    parent check), so a killed rank leaves no orphans."""
+
+    def __init__(self, count: int, workers: int, bind: str, log_dir: str | None = None) -> None:
+        self.dir = Path(log_dir or tempfile.mkdtemp(prefix="hvd_sparse_agg_"))
+        self.procs: list[subprocess.Popen] = []
+        self.ports: list[int] = []
+        try:
+            for i in range(count):
+                port_file = self.dir / f"agg{i}.port"
+                port_file.unlink(missing_ok=True)
+                log = open(self.dir / f"agg{i}.log", "w")  # noqa: SIM115 - lives with the process
+                self.procs.append(subprocess.Popen(
+                    [str(binary()), "--bind", f"{bind}:0", "--workers", str(workers),
+                     "--parent-pid", str(os.getpid()), "--port-file", str(port_file)],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                self.ports.append(self._wait_port(port_file, self.procs[-1], i))
+        except BaseException:
+            self.stop()
+            raise
+        atexit.register(self.stop)
+
+    def _wait_port(self, port_file: Path, proc: subprocess.Popen, i: int) -> int:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if port_file.exists():
+                return int(port_file.read_text())
+            if proc.poll() is not None:
+                break
+            time.sleep(0.005)
+        log = (self.dir / f"agg{i}.log").read_text(errors="replace")[-2000:]
+        raise HvdSparseError(f"hvd_sparse: local aggregator {i} did not start: {log}")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.procs.clear()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    os.execv(binary(), [str(binary()), *args])
+
+
+if __name__ == "__main__":
+    main()

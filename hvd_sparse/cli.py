@@ -1,0 +1,25 @@
+"""``hvd-sparse``: the command-line entry point.
+
+    hvd-sparse aggregator --bind 0.0.0.0:9999 --workers 8 [--threads T] [--stats 10]
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = "usage: hvd-sparse aggregator [options]   (hvd-sparse aggregator --help for options)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0 if args else 2)
+    if args[0] == "aggregator":
+        from . import aggregator
+        aggregator.main(args[1:])
+    print(f"hvd-sparse: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

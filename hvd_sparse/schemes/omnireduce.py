@@ -1,0 +1,158 @@
+"""OmniReduce: stream only non-zero blocks to aggregator processes, which sum and return them.
+
+The per-packet work is C++ (csrc/omni/worker.cpp, a background thread in this process); this
+module starts and joins aggregators (``Session``) and turns one tensor into one submission.
+Tensors are named on the wire by a hash of their name and how often that name was reduced, so
+every rank derives the same id whatever order it submits in.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import socket
+from collections import defaultdict
+
+import horovod.torch as hvd
+import torch
+
+from .. import _C
+from ..aggregator import LocalAggregators
+from ..config import Config
+from ..engine import Job, Stage
+from ..errors import HvdSparseError
+from ..segments import local_mask
+from . import dense
+
+log = logging.getLogger("hvd_sparse")
+
+
+class Session:
+    """This rank's worker engine, joined to the job's aggregators."""
+
+    def __init__(self, cfg: Config, addrs: list[tuple[str, int]], token: int,
+                 local: LocalAggregators | None) -> None:
+        self.cfg, self.addrs, self.local = cfg, addrs, local
+        # The engine's own no-progress timeout fires a little before the caller's, so the error
+        # names the aggregator rather than only the tensor.
+        self.worker = _C.OmniWorker(addrs, token, hvd.rank(), hvd.size(),
+                                    payload_bytes=cfg.payload_bytes,
+                                    slots_per_aggregator=cfg.slots, rto=cfg.rto,
+                                    timeout=cfg.timeout * 0.9, seed=hvd.rank())
+        self._calls: dict[str, int] = defaultdict(int)
+
+    def tensor_id(self, name: str) -> int:
+        self._calls[name] += 1
+        digest = hashlib.blake2b(f"{name}#{self._calls[name]}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") | 1  # never 0: ids name tensors, 0 names none
+
+    def close(self) -> None:
+        self.worker.close()
+        if self.local is not None:
+            self.local.stop()
+
+
+def start(cfg: Config) -> Session | None:
+    """Joins the configured aggregators or, when none are, starts local ones on rank 0.
+    Collective: every rank calls it. Returns None when aggregation is off."""
+    addrs = cfg.aggregator_list()
+    local = None
+    if not addrs:
+        count = cfg.local_aggregators
+        if count < 0:
+            count = max(1, hvd.size() // 4)
+        if count == 0:
+            return None
+        reply: object = None
+        if hvd.rank() == 0:
+            single_host = hvd.local_size() == hvd.size()
+            host = cfg.aggregator_host or ("127.0.0.1" if single_host else _host_address())
+            try:
+                local = LocalAggregators(count, hvd.size(), "127.0.0.1" if single_host
+                                         else "0.0.0.0")
+                reply = [(host, p) for p in local.ports]
+            except HvdSparseError as e:
+                reply = str(e)
+        reply = hvd.broadcast_object(reply, root_rank=0, name="hvd_sparse.omni.addrs")
+        if isinstance(reply, str):
+            raise HvdSparseError(reply)
+        addrs = [tuple(a) for a in reply]  # type: ignore[union-attr]
+    token = hvd.broadcast_object(random.SystemRandom().getrandbits(63) | 1, root_rank=0,
+                                 name="hvd_sparse.omni.token")
+    session = Session(cfg, addrs, token, local)
+    try:
+        session.worker.register(cfg.timeout)
+    except RuntimeError as e:
+        session.close()
+        raise HvdSparseError(f"hvd_sparse: {e}") from e
+    log.debug("hvd_sparse: omnireduce aggregators %s", addrs)
+    return session
+
+
+def _host_address() -> str:
+    """An address of this host that other hosts can reach (the one routing to the outside)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks a route
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+class _Ticket:
+    """What the engine waits on: one submission to the worker engine."""
+
+    def __init__(self, worker: _C.OmniWorker, ticket: int) -> None:
+        self.worker, self.ticket = worker, ticket
+
+    def poll(self) -> bool:
+        return self.worker.poll(self.ticket)
+
+    def value(self) -> None:
+        return None
+
+
+def run(job: Job) -> Stage:
+    from ..basics import state  # basics imports the schemes
+
+    st = state()
+    session = st.omni
+    if session is None:
+        raise HvdSparseError(
+            f"hvd_sparse: tensor {job.name!r}: scheme 'omnireduce' needs aggregators: set "
+            "HVD_SPARSE_AGGREGATORS=host:port,... or leave local_aggregators on")
+    t = job.tensor
+    out = t if job.inplace else torch.empty_like(t)
+    fallback = st.config.fallback == "dense"
+    backup = t.clone() if fallback and job.inplace else None  # results overwrite the input
+    # float32/64 results are scaled as they land; 16-bit ones once at the end.
+    wide = t.dtype in (torch.float32, torch.float64)
+    ticket = session.worker.submit(session.tensor_id(job.name), t, out, job.block_size,
+                                   job.meta & 0xFFFFFFFF, local_mask(job), job.name,
+                                   job.scale if wide else 1.0)
+    failure: str | None = None
+    try:
+        yield "omnireduce", _Ticket(session.worker, ticket)
+    finally:  # also when abandoned: the engine must not keep writing into `out`
+        try:
+            stats = session.worker.finish(ticket)
+        except RuntimeError as e:
+            failure = f"hvd_sparse: {e}"
+    if fallback:
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+        failed = yield "agree", hvd.allreduce_async(flag, name=job.op_name("agree"), op=hvd.Sum)
+        if int(failed) > 0:
+            log.warning("hvd_sparse: tensor %r: aggregation failed on %d rank(s) (%s); "
+                        "reducing it dense", job.name, int(failed), failure or "on a peer")
+            if backup is not None:
+                t.copy_(backup)
+            return (yield from dense.run(job))
+    if failure is not None:
+        raise HvdSparseError(failure)
+    job.stats.update(scheme="omnireduce", bytes_sent=stats["bytes_sent"],
+                     bytes_received=stats["bytes_received"], union=stats["union"],
+                     retransmits=stats["retransmits"], rounds=stats["rounds"],
+                     block_density=stats["nnz_local"] / max(1, -(-t.numel() // job.block_size)))
+    if not wide and job.scale != 1.0:
+        out.mul_(job.scale)
+    return out
