@@ -73,7 +73,8 @@ class Job:
 class Handle:
     """What ``allreduce_async`` returns; pass it to ``synchronize`` or ``poll``."""
 
-    __slots__ = ("job", "_gen", "pending", "stage", "result", "error", "started", "_on_done")
+    __slots__ = ("job", "_gen", "pending", "stage", "result", "error", "started", "stage_started",
+                 "_on_done")
 
     def __init__(self, job: Job, gen: Stage, on_done: Callable[[Handle], None]) -> None:
         self.job = job
@@ -82,7 +83,7 @@ class Handle:
         self.stage = "start"
         self.result: torch.Tensor | None = None
         self.error: HvdSparseError | None = None
-        self.started = time.monotonic()
+        self.started = self.stage_started = time.monotonic()
         self._on_done = on_done
 
     @property
@@ -92,6 +93,7 @@ class Handle:
     def _step(self, value: Any) -> None:
         try:
             self.stage, self.pending = self._gen.send(value)
+            self.stage_started = time.monotonic()
         except StopIteration as stop:
             self.pending, self.result = None, stop.value
             self._on_done(self)
@@ -147,14 +149,14 @@ def poll(h: Handle) -> bool:
 
 
 def synchronize(h: Handle, timeout: float) -> torch.Tensor:
-    """Waits for ``h``, driving all in-flight reductions; raises HvdSparseError on timeout."""
-    deadline = h.started + timeout
+    """Waits for ``h``, driving all in-flight reductions; raises HvdSparseError when one stage
+    (one collective, or one aggregation) takes longer than ``timeout``."""
     pause = 2e-5
     while True:
         progress()
         if h.done:
             break
-        if time.monotonic() > deadline:
+        if time.monotonic() > h.stage_started + timeout:
             with _lock:
                 if _inflight.get(h.job.name) is h:
                     del _inflight[h.job.name]

@@ -14,16 +14,19 @@ BIN = Path(sys.executable).parent
 
 
 def launch(script: str, np: int, tmp: Path, *, launcher: str = "horovodrun",
-           env: dict[str, str] | None = None, timeout: float = 300) -> list[dict]:
-    """Runs tests/mp/<script> on np ranks; returns each rank's JSON report (rank order)."""
-    worker = str(ROOT / "tests" / "mp" / script)
+           env: dict[str, str] | None = None, timeout: float = 300,
+           reports: bool = True) -> list[dict]:
+    """Runs tests/mp/<script> (plus any arguments after its name) on np ranks; returns each
+    rank's JSON report (rank order), or [] when ``reports`` is False."""
+    name, *args = script.split()
+    worker = [str(ROOT / "tests" / "mp" / name), *args]
     if launcher == "horovodrun":
         cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-               sys.executable, worker]
+               sys.executable, *worker]
     else:
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np),
                "-x", "PYTHONPATH", "-x", "HVD_SPARSE_TEST_OUT", "-x", "HOROVOD_CPU_OPERATIONS",
-               sys.executable, worker]
+               sys.executable, *worker]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "HVD_SPARSE_TEST_OUT": str(tmp),
                 "HVD_SPARSE_CACHE_DIR": str(tmp / "cache"), "OMP_NUM_THREADS": "1",
                 "HOROVOD_CPU_OPERATIONS": "mpi" if launcher == "mpirun" else "gloo",
@@ -32,11 +35,13 @@ def launch(script: str, np: int, tmp: Path, *, launcher: str = "horovodrun",
         proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{script} on {np} ranks hung past {timeout}s:\n{(e.stdout or '')[-3000:]}")
-    reports = []
+    if not reports:
+        return []
+    out = []
     for r in range(np):
         path = tmp / f"rank{r}.json"
         if not path.exists():
             pytest.fail(f"{script}: rank {r} wrote no report (exit {proc.returncode}):\n"
                         f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-        reports.append(json.loads(path.read_text()))
-    return reports
+        out.append(json.loads(path.read_text()))
+    return out

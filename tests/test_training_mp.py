@@ -5,6 +5,8 @@ import pytest
 from conftest import launch
 
 CASES = ["compression-auto-30-steps", "compression-zen", "compression-grouped",
+         "compression-omnireduce", "optimizer-omnireduce-predivide-and-passes",
+         "sparse-embedding-omnireduce",
          "optimizer-allgather", "op-sum",
          "optimizer-op-sum", "predivide-and-passes", "optimizer-predivide-and-passes",
          "sparse-embedding-compression", "sparse-embedding-optimizer", "adasum-rejected"]

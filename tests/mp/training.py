@@ -77,6 +77,12 @@ def main() -> None:
          lambda: compare(horovod(none), horovod(sparse(scheme="auto")), 30))
     case(results, "compression-zen",
          lambda: compare(horovod(none), horovod(sparse(scheme="zen", block_size=64)), 8))
+    case(results, "compression-omnireduce",
+         lambda: compare(horovod(none), horovod(sparse(scheme="omnireduce")), 10))
+    case(results, "optimizer-omnireduce-predivide-and-passes", lambda: compare(
+        horovod(none, gradient_predivide_factor=2.0, backward_passes_per_step=2),
+        ours(scheme="omnireduce", gradient_predivide_factor=2.0, backward_passes_per_step=2),
+        5, passes=2))
     case(results, "optimizer-allgather",
          lambda: compare(horovod(none), ours(scheme="allgather"), 10))
     case(results, "op-sum", lambda: compare(
@@ -104,6 +110,8 @@ def main() -> None:
         horovod(none), horovod(sparse(scheme="allgather"), sparse_as_dense=True), 5, sparse=True))
     case(results, "sparse-embedding-optimizer", lambda: compare(
         horovod(none), ours(scheme="zen"), 5, sparse=True))
+    case(results, "sparse-embedding-omnireduce", lambda: compare(
+        horovod(none), ours(scheme="omnireduce"), 5, sparse=True))
 
     def adasum() -> str:
         m = Model()
