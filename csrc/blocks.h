@@ -19,23 +19,29 @@ template <> struct Word<2> { using U = uint16_t; static constexpr U mag = 0x7fff
 template <> struct Word<4> { using U = uint32_t; static constexpr U mag = 0x7fffffffu; };
 template <> struct Word<8> { using U = uint64_t; static constexpr U mag = 0x7fffffffffffffffull; };
 
-// True when any of the n elements is non-zero. OR-reducing the whole block (no early exit)
-// keeps the loop branch-free so the compiler vectorizes it; zero blocks must be read fully anyway.
+// OR of the bit patterns of n elements (widened to 64 bits). OR-reducing the whole block (no
+// early exit) keeps the loop branch-free so the compiler vectorizes it; zero blocks must be read
+// fully anyway.
 template <int W>
-inline bool block_nonzero(const void* data, int64_t n) {
+inline uint64_t block_bits(const void* data, int64_t n) {
   using U = typename Word<W>::U;
   const U* p = static_cast<const U*>(data);
   U acc = 0;
   for (int64_t i = 0; i < n; ++i) acc |= p[i];
-  return (acc & Word<W>::mag) != 0;
+  return acc;
 }
 
-inline bool block_nonzero(const void* data, int64_t n, int width) {
+inline uint64_t block_bits(const void* data, int64_t n, int width) {
   switch (width) {
-    case 2: return block_nonzero<2>(data, n);
-    case 4: return block_nonzero<4>(data, n);
-    default: return block_nonzero<8>(data, n);
+    case 2: return block_bits<2>(data, n);
+    case 4: return block_bits<4>(data, n);
+    default: return block_bits<8>(data, n);
   }
+}
+
+// The bits that make an element of this width non-zero: all but the sign.
+inline uint64_t magnitude_bits(int width) {
+  return width == 2 ? Word<2>::mag : width == 4 ? Word<4>::mag : Word<8>::mag;
 }
 
 // Data-independent partition of a block index among nparts ranks (Zen's balanced parallelism):

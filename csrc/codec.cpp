@@ -75,14 +75,21 @@ Flat flat_of(const at::Tensor& t, int64_t bs) {
           dtype_size(d), d};
 }
 
-at::Tensor mask_of(const Flat& f) {
+// A block is non-zero when any element has a magnitude bit set. clear_signed_zeros: rewrite the
+// blocks that hold only zeros, some of them -0, to +0 (in place; values unchanged), so that a
+// result later built in this tensor's memory is +0 there on every rank.
+at::Tensor mask_of(const Flat& f, bool clear_signed_zeros = false) {
   auto mask = at::empty({f.nblocks}, at::kByte);
   uint8_t* m = mask.data_ptr<uint8_t>();
   const int64_t bytes = f.bs * f.width;
+  const uint64_t mag = magnitude_bits(f.width);
   par_for(0, f.nblocks, std::max<int64_t>(1, (1 << 20) / bytes), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      int64_t n = std::min(f.bs, f.numel - b * f.bs);
-      m[b] = block_nonzero(f.data + b * bytes, n, f.width);
+      const int64_t n = std::min(f.bs, f.numel - b * f.bs);
+      const uint64_t bits = block_bits(f.data + b * bytes, n, f.width);
+      m[b] = (bits & mag) != 0;
+      if (clear_signed_zeros && bits != 0 && !m[b])
+        std::memset(const_cast<uint8_t*>(f.data) + b * bytes, 0, n * f.width);
     }
   });
   return mask;
@@ -239,9 +246,14 @@ void add_block<double, double>(double* out, const uint8_t* src, int64_t n) {
 }
 
 // Sums segs, in rank order for every element (so all ranks get identical bits), into the flat
-// accumulator out. Parallel over disjoint block ranges: no two threads touch one element.
+// accumulator out, then multiplies each summed block by scale. Blocks no segment carries are left
+// alone: out must hold zeros there. overwrite: a block's old contents are dropped on its first
+// touch (out holds stale values only in blocks the segments carry, e.g. the caller's own input),
+// which spares zeroing the whole tensor. Parallel over disjoint block ranges: no two threads
+// touch one element.
 template <typename A, typename V>
-int64_t sum_segments(const std::vector<Seg>& segs, A* out, int64_t numel, int64_t bs) {
+int64_t sum_segments(const std::vector<Seg>& segs, A* out, int64_t numel, int64_t bs, bool overwrite,
+                     double scale) {
   const int64_t nblocks = num_blocks(numel, bs);
   const int64_t bytes = bs * static_cast<int64_t>(sizeof(V));
   std::vector<uint8_t> seen(static_cast<size_t>(nblocks), 0);
@@ -250,11 +262,17 @@ int64_t sum_segments(const std::vector<Seg>& segs, A* out, int64_t numel, int64_
       const uint32_t* end = g.idx + g.h->count;
       const uint32_t* p = std::lower_bound(g.idx, end, static_cast<uint32_t>(b0));
       for (; p != end && *p < b1; ++p) {
-        int64_t b = *p;
-        add_block<A, V>(out + b * bs, g.vals + (p - g.idx) * bytes, std::min(bs, numel - b * bs));
+        const int64_t b = *p, n = std::min(bs, numel - b * bs);
+        if (overwrite && !seen[static_cast<size_t>(b)]) std::fill(out + b * bs, out + b * bs + n, A(0));
+        add_block<A, V>(out + b * bs, g.vals + (p - g.idx) * bytes, n);
         seen[static_cast<size_t>(b)] = 1;
       }
     }
+    if (scale == 1.0) return;
+    const A s = static_cast<A>(scale);
+    for (int64_t b = b0; b < b1; ++b)
+      if (seen[static_cast<size_t>(b)])
+        for (A *o = out + b * bs, *e = o + std::min(bs, numel - b * bs); o != e; ++o) *o *= s;
   });
   return std::count(seen.begin(), seen.end(), uint8_t(1));
 }
@@ -282,7 +300,9 @@ py::tuple stats_tuple(const std::vector<Seg>& segs, int64_t uni) {
 
 // ---- codec -------------------------------------------------------------------------------------
 
-at::Tensor block_mask(const at::Tensor& t, int64_t bs) { return mask_of(flat_of(t, bs)); }
+at::Tensor block_mask(const at::Tensor& t, int64_t bs, bool clear_signed_zeros) {
+  return mask_of(flat_of(t, bs), clear_signed_zeros);
+}
 
 std::tuple<at::Tensor, at::Tensor> pack(const at::Tensor& t, int64_t bs,
                                         c10::optional<at::Tensor> mask) {
@@ -337,10 +357,11 @@ at::Tensor encode(const at::Tensor& t, int64_t bs, uint64_t meta, c10::optional<
   return buf;
 }
 
-// Validates nsegs concatenated segments and sums them into acc (float32, or float64 for float64
-// tensors; acc must hold numel elements, usually zeros). Returns (counts, nnz_local, union).
+// Validates nsegs concatenated segments, sums them into acc (float32, or float64 for float64
+// tensors; numel elements, zero outside the blocks the segments carry; see sum_segments for
+// overwrite) and scales the sum. Returns (counts, nnz_local, union).
 py::tuple decode_sum(const at::Tensor& buf, at::Tensor& acc, int64_t bs, uint64_t meta, int64_t dtype,
-                     int64_t numel, int64_t nsegs, bool part_is_rank) {
+                     int64_t numel, int64_t nsegs, bool part_is_rank, bool overwrite, double scale) {
   Expect ex{static_cast<uint8_t>(dtype), bs, numel, meta};
   TORCH_CHECK(acc.is_contiguous() && acc.numel() == numel, "decode_sum: accumulator size");
   TORCH_CHECK(acc.scalar_type() == (dtype == kF64 ? at::kDouble : at::kFloat), "decode_sum: accumulator dtype");
@@ -352,9 +373,9 @@ py::tuple decode_sum(const at::Tensor& buf, at::Tensor& acc, int64_t bs, uint64_
     uni = dispatch_wire(ex.dtype, [&](auto v) -> int64_t {
       using V = decltype(v);
       if constexpr (std::is_same_v<V, double>)
-        return sum_segments<double, V>(segs, acc.data_ptr<double>(), numel, bs);
+        return sum_segments<double, V>(segs, acc.data_ptr<double>(), numel, bs, overwrite, scale);
       else
-        return sum_segments<float, V>(segs, acc.data_ptr<float>(), numel, bs);
+        return sum_segments<float, V>(segs, acc.data_ptr<float>(), numel, bs, overwrite, scale);
     });
   }
   return stats_tuple(segs, uni);
@@ -480,13 +501,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace hvd_sparse;
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.doc() = "hvd-sparse C++ core: block codec and collective segments";
-  m.def("block_mask", &block_mask, "uint8 mask of non-zero blocks", py::arg("t"), py::arg("block_size"), nogil());
+  m.def("block_mask", &block_mask, "uint8 mask of non-zero blocks", py::arg("t"), py::arg("block_size"),
+        py::arg("clear_signed_zeros") = false, nogil());
   m.def("pack", &pack, py::arg("t"), py::arg("block_size"), py::arg("mask") = py::none(), nogil());
   m.def("unpack", &unpack, py::arg("out"), py::arg("idx"), py::arg("vals"), py::arg("block_size"), nogil());
   m.def("encode", &encode, py::arg("t"), py::arg("block_size"), py::arg("meta"), py::arg("mask") = py::none(),
         nogil());
   m.def("decode_sum", &decode_sum, py::arg("buf"), py::arg("acc"), py::arg("block_size"), py::arg("meta"),
-        py::arg("dtype"), py::arg("numel"), py::arg("nsegs"), py::arg("part_is_rank") = false);
+        py::arg("dtype"), py::arg("numel"), py::arg("nsegs"), py::arg("part_is_rank") = false,
+        py::arg("overwrite") = false, py::arg("scale") = 1.0);
   m.def("zen_encode", &zen_encode, py::arg("t"), py::arg("block_size"), py::arg("nparts"), py::arg("meta"),
         py::arg("mask") = py::none(), nogil());
   m.def("zen_reduce", &zen_reduce, py::arg("buf"), py::arg("block_size"), py::arg("meta"), py::arg("dtype"),

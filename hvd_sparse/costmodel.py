@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -141,10 +140,18 @@ def load_or_probe(mode: str, cache_dir: str) -> NetModel:
     return model
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """What the model expects of each scheme for one tensor."""
+
+    seconds: dict[str, float]  # scheme -> predicted wall time
+    received: dict[str, float]  # scheme -> bytes each rank receives
+
+
 def predict(
     m: NetModel, numel: int, esize: int, bs: int, nnz: Sequence[int], union: float | None
-) -> dict[str, Any]:
-    """Predicted seconds of each scheme for a tensor whose ranks hold ``nnz`` non-zero blocks.
+) -> Prediction:
+    """Predicted cost of each scheme for a tensor whose ranks hold ``nnz`` non-zero blocks.
 
     ``union`` is the expected number of distinct non-zero blocks over all ranks; when unknown it
     is estimated as if blocks were placed independently at random.
@@ -169,16 +176,16 @@ def predict(
     part_bytes = HEADER + min(4 * per_part, nblocks / n / 8) + per_part * block
     zen = (local + m.alltoall[0] + m.alltoall[1] * sent + sent / m.decode_bps
            + m.allgather[0] + m.allgather[1] * n * part_bytes + n * part_bytes / m.decode_bps)
-    return {"dense": dense, "allgather": allgather, "zen": zen,
-            # bytes each rank receives, to rule out schemes that cannot beat dense
-            "_bytes": {"dense": 2 * (n - 1) / n * nbytes, "allgather": gathered * (n - 1) / n,
-                       "zen": sent + n * part_bytes * (n - 1) / n}}
+    return Prediction(
+        seconds={"dense": dense, "allgather": allgather, "zen": zen},
+        received={"dense": 2 * (n - 1) / n * nbytes, "allgather": gathered * (n - 1) / n,
+                  "zen": sent + n * part_bytes * (n - 1) / n})
 
 
-def choose(predicted: dict[str, Any]) -> str:
+def choose(p: Prediction) -> str:
     """The fastest scheme, sparse only when clearly faster and moving fewer bytes than dense."""
-    moved = predicted["_bytes"]
-    best = min(("allgather", "zen"), key=predicted.__getitem__)
-    if predicted[best] < MARGIN * predicted["dense"] and moved[best] < moved["dense"]:
+    t = p.seconds
+    best = min(("allgather", "zen"), key=t.__getitem__)
+    if t[best] < MARGIN * t["dense"] and p.received[best] < p.received["dense"]:
         return best
     return "dense"

@@ -21,7 +21,12 @@ each of --densities. Methods, all with op=Sum:
 * hvd sparse e2e: the same, dense tensor in, dense tensor out as hvd_sparse returns:
   ``t.to_sparse()``, the sparse allreduce, ``.to_dense()``, all timed (informational);
 * ours <scheme>: ``hvd_sparse.allreduce(t, scheme=...)`` for dense, allgather, zen, auto,
-  starting from the dense tensor (its bitmap + pack is inside the timed region).
+  starting from the dense tensor (its bitmap + pack is inside the timed region);
+* hvd dense in-place: ``hvd.allreduce_(w)``; ours <scheme> in-place: ``hvd_sparse.allreduce_(w,
+  scheme=...)``, as both optimizers call it. ``w`` is a work tensor restored from the input by
+  ``w.copy_(t)`` before each call, *outside* the timed region for every in-place method: an
+  optimizer reduces the gradient it just computed and never pays that copy. (The copy leaves
+  ``w``'s pages mapped and partly cached, as a freshly written gradient is.)
 
 Every result is compared with Horovod's dense allreduce (allclose, rtol 1e-5, atol 1e-6) and
 the input checked unmodified before timing; a wrong method is reported, not timed. A time is
@@ -42,6 +47,7 @@ and <out-dir>/sync.png. --quick: 4 Mi elements, 3 reps, 1 warm-up.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import shutil
@@ -50,6 +56,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +70,8 @@ from rich.progress import Progress  # noqa: E402
 import hvd_sparse  # noqa: E402
 
 SCHEMES = ["dense", "allgather", "zen", "auto"]
-METHODS = ["hvd dense", "hvd sparse", "hvd sparse e2e", *(f"ours {s}" for s in SCHEMES)]
+METHODS = ["hvd dense", "hvd dense in-place", "hvd sparse", "hvd sparse e2e",
+           *(f"ours {s}" for s in SCHEMES), *(f"ours {s} in-place" for s in SCHEMES)]
 RTOL, ATOL = 1e-5, 1e-6
 TARGET_ALLGATHER_DENSITY, TARGET_ALLGATHER_X = 0.01, 1.5
 TARGET_AUTO_X = 0.95
@@ -129,29 +137,44 @@ def make_tensor(numel: int, block: int, density: float, gen: torch.Generator) ->
     return x.view(-1)[:numel].clone() if nblocks * block != numel else x.view(-1)
 
 
-def method_fns(t: torch.Tensor, coo: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
-    fns: dict[str, Callable[[], torch.Tensor]] = {
-        "hvd dense": lambda: hvd.allreduce(t, name="bench.hvd_dense", op=hvd.Sum),
+@dataclass
+class Method:
+    call: Callable[[], torch.Tensor]
+    restore: Callable[[], object] = lambda: None  # untimed, before each call
+
+
+def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor) -> dict[str, Method]:
+    def restore() -> torch.Tensor:
+        return work.copy_(t)
+
+    ms = {
+        "hvd dense": Method(lambda: hvd.allreduce(t, name="bench.hvd_dense", op=hvd.Sum)),
+        "hvd dense in-place": Method(
+            lambda: hvd.allreduce_(work, name="bench.hvd_dense_", op=hvd.Sum), restore),
         # The returned handle is a closure that waits on both allgathers.
-        "hvd sparse": lambda: hvd.sparse_allreduce_async(
-            coo, name="bench.hvd_sparse", op=hvd.Sum)(),
+        "hvd sparse": Method(lambda: hvd.sparse_allreduce_async(
+            coo, name="bench.hvd_sparse", op=hvd.Sum)()),
         # Dense in, dense out, like hvd_sparse.allreduce.
-        "hvd sparse e2e": lambda: hvd.sparse_allreduce_async(
-            t.to_sparse(), name="bench.hvd_sparse_e2e", op=hvd.Sum)().to_dense(),
+        "hvd sparse e2e": Method(lambda: hvd.sparse_allreduce_async(
+            t.to_sparse(), name="bench.hvd_sparse_e2e", op=hvd.Sum)().to_dense()),
     }
     for s in SCHEMES:
-        fns[f"ours {s}"] = lambda s=s: hvd_sparse.allreduce(
-            t, name=f"bench.{s}", op=hvd.Sum, scheme=s)
-    return fns
+        ms[f"ours {s}"] = Method(lambda s=s: hvd_sparse.allreduce(
+            t, name=f"bench.{s}", op=hvd.Sum, scheme=s))
+    for s in SCHEMES:
+        ms[f"ours {s} in-place"] = Method(lambda s=s: hvd_sparse.allreduce_(
+            work, name=f"bench.{s}_", op=hvd.Sum, scheme=s), restore)
+    return ms
 
 
-def check(fn: Callable[[], torch.Tensor], ref: torch.Tensor, t: torch.Tensor,
+def check(m: Method, ref: torch.Tensor, t: torch.Tensor,
           t_orig: torch.Tensor) -> tuple[str, float]:
     """(problem or "", max abs error) of one call against the reference; restores t."""
     err = float("nan")
     problem = ""
     try:
-        out = fn()
+        m.restore()
+        out = m.call()
         out = out.to_dense() if out.is_sparse else out
         if out.shape != ref.shape:
             problem = f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
@@ -172,7 +195,7 @@ def slowest_median_ms(times: list[float], name: str) -> float:
     return 1e3 * statistics.median(gather(times, name).max(0).values.tolist())
 
 
-def time_methods(fns: dict[str, Callable[[], object]], warmup: int, reps: int,
+def time_methods(fns: dict[str, Method], warmup: int, reps: int,
                  tick: Callable[[str], None]) -> dict[str, float]:
     """Median ms per method. Reps are interleaved (method order rotated every rep), so load
     from whatever else shares the machine falls on all methods alike, not on whichever ran
@@ -182,9 +205,10 @@ def time_methods(fns: dict[str, Callable[[], object]], warmup: int, reps: int,
     for i in range(warmup + reps):
         k = i % len(names)
         for m in names[k:] + names[:k]:
+            fns[m].restore()
             sync()
             t0 = time.perf_counter()
-            fns[m]()
+            fns[m].call()
             if i >= warmup:
                 times[m].append(time.perf_counter() - t0)
             tick(f"{'warm-up' if i < warmup else f'rep {i - warmup + 1}/{reps}'}: {m}")
@@ -223,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
 
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 7919 + di)
         t = make_tensor(args.numel, args.block_size, d, gen)
-        t_orig = t.clone()
+        t_orig, work = t.clone(), t.clone()
         coo, coo_ms = to_sparse_ms(t, min(args.reps, 3))
         coo_bytes = coo._nnz() * (coo.values().element_size()
                                   + coo.indices().shape[0] * coo.indices().element_size())
@@ -231,10 +255,10 @@ def run(args: argparse.Namespace) -> int:
         ref = hvd.allreduce(t, name="bench.ref", op=hvd.Sum)
 
         # Correctness first; all ranks agree on each verdict so none waits on a skipped call.
-        fns = method_fns(t, coo)
+        fns = methods(t, coo, work)
         drows: dict[str, dict] = {}
-        for method, fn in list(fns.items()):
-            problem, err = check(fn, ref, t, t_orig)
+        for method, m in list(fns.items()):
+            problem, err = check(m, ref, t, t_orig)
             if problem:
                 console.print(f"[red]rank {rank}: {method} @ density {d:g}: {problem}[/]")
             bad = gather([float(bool(problem))], "bench.ok").sum().item()
@@ -247,20 +271,21 @@ def run(args: argparse.Namespace) -> int:
 
         for method, ms in time_methods(fns, args.warmup, args.reps, tick).items():
             drows[method]["ms"] = ms
-        drows["hvd dense"]["MB sent/rank"] = 2 * (n - 1) / n * t.numel() * t.element_size() / 1e6
+        for method in ("hvd dense", "hvd dense in-place"):
+            drows[method]["MB sent/rank"] = 2 * (n - 1) / n * t.numel() * t.element_size() / 1e6
         drows["hvd sparse"] |= {"MB sent/rank": (n - 1) / n * total_coo / 1e6,
                                 "to_sparse ms": coo_ms}
         drows["hvd sparse e2e"]["MB sent/rank"] = (n - 1) / n * total_coo / 1e6
-        for s in SCHEMES:
-            if f"ours {s}" in fns:  # metrics of the last (timed) call
-                m = hvd_sparse.metrics()[f"bench.{s}"]
+        for s, suffix in ((s, x) for s in SCHEMES for x in ("", " in-place")):
+            if f"ours {s}{suffix}" in fns:  # metrics of the last (timed) call
+                m = hvd_sparse.metrics()[f"bench.{s}{'_' if suffix else ''}"]
                 sent = gather([float(m["bytes_sent"])], "bench.bytes_sent")
-                drows[f"ours {s}"] |= {
+                drows[f"ours {s}{suffix}"] |= {
                     "MB sent/rank": sent.mean().item() / 1e6, "scheme": m["scheme"],
                     # hvd_sparse leaves it out for scheme "dense", which never looks.
                     "block density": m.get("block_density", float("nan"))}
         rows += drows.values()
-        del t, t_orig, coo, ref, fns  # free this density's buffers before the next one's
+        del t, t_orig, work, coo, ref, fns  # free this density's buffers before the next one's
     if rank == 0:
         progress.stop()
         report(rows, densities, args, n)
@@ -284,8 +309,9 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
     print_table(table_rows, f"allreduce of {args.numel:,} float32, {n} ranks x {args.threads} "
                 f"threads, B={args.block_size}, median of {args.reps} (slowest rank)", cols,
                 caption="hvd sparse excludes to_sparse() (its time shown separately) and the "
-                "final to_dense(); hvd sparse e2e includes both. 'scheme' is what hvd_sparse ran "
-                "(for 'ours auto': its pick). Targets use hvd sparse.")
+                "final to_dense(); hvd sparse e2e includes both. In-place methods exclude the "
+                "copy that restores their input before each call. 'scheme' is what hvd_sparse "
+                "ran (for 'ours auto': its pick). Targets use hvd sparse.")
     for r in rows:
         if not r["ok"]:
             console.print(f"[red]WRONG: {r['method']} @ density {r['density']:g}: "
@@ -299,20 +325,26 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
         console.print(f"target {name}: {value:.2f}x (need >= {need}x): "
                       + ("[green]met[/]" if met else "[red]NOT met[/]"))
 
-    if (TARGET_ALLGATHER_DENSITY, "ours allgather") in by:
-        ag = by[(TARGET_ALLGATHER_DENSITY, "ours allgather")]
-        target(f"allgather vs hvd sparse @ {TARGET_ALLGATHER_DENSITY:g}", ag["x vs hvd sparse"],
-               TARGET_ALLGATHER_X)
-        e2e = by[(TARGET_ALLGATHER_DENSITY, "hvd sparse e2e")].get("ms", nan)
-        console.print(f"  (informational: vs hvd sparse e2e: {e2e / ag.get('ms', nan):.2f}x)")
-    else:
-        console.print(f"[yellow]density {TARGET_ALLGATHER_DENSITY} not run: allgather target "
-                      "not evaluated[/]")
-    for d in densities:
-        best = min(by[(d, "hvd dense")].get("ms", nan), by[(d, "hvd sparse")].get("ms", nan))
-        target(f"auto vs best of hvd dense/sparse @ {d:g} (auto picked "
-               f"{by[(d, 'ours auto')].get('scheme', '?')})",
-               best / by[(d, "ours auto")].get("ms", nan), TARGET_AUTO_X)
+    # Each target twice: out of place (as issue 2 first measured it) and in place (as the
+    # optimizers run). In place, Horovod's own in-place dense allreduce joins the baselines.
+    ms = {k: r.get("ms", nan) for k, r in by.items()}
+    for suffix in ("", " in-place"):
+        ag = (TARGET_ALLGATHER_DENSITY, f"ours allgather{suffix}")
+        if ag in by:
+            target(f"allgather{suffix} vs hvd sparse @ {TARGET_ALLGATHER_DENSITY:g}",
+                   by[ag]["x vs hvd sparse"], TARGET_ALLGATHER_X)
+            e2e = ms[(TARGET_ALLGATHER_DENSITY, "hvd sparse e2e")]
+            console.print(f"  (informational: vs hvd sparse e2e: {e2e / ms[ag]:.2f}x)")
+        else:
+            console.print(f"[yellow]density {TARGET_ALLGATHER_DENSITY} not run: allgather "
+                          "target not evaluated[/]")
+        baselines = ["hvd dense", "hvd sparse"] + (["hvd dense in-place"] if suffix else [])
+        for d in densities:
+            # nan (a wrong, untimed baseline) must not win the min
+            best = min((ms[(d, b)] for b in baselines), key=lambda v: (math.isnan(v), v))
+            target(f"auto{suffix} vs best of {'/'.join(baselines)} @ {d:g} (auto picked "
+                   f"{by[(d, f'ours auto{suffix}')].get('scheme', '?')})",
+                   best / ms[(d, f"ours auto{suffix}")], TARGET_AUTO_X)
 
     out = write_json(args.out_dir / "sync.json", rows, args=vars(args), ranks=n, targets=targets)
     plot(rows, densities, args.out_dir / "sync.png",
@@ -323,15 +355,18 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
 def plot(rows: list[dict], densities: list[float], path: Path, title: str) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4.5))
+    fig = Figure(figsize=(13, 5))
     ax = fig.subplots()
     by = {(r["density"], r["method"]): r for r in rows}
     width = 0.8 / len(METHODS)
+    bases = list(dict.fromkeys(m.removesuffix(" in-place") for m in METHODS))
     for j, method in enumerate(METHODS):
         xs = [i + (j - (len(METHODS) - 1) / 2) * width for i in range(len(densities))]
         ys = [by[(d, method)].get("ms", 0.0) for d in densities]  # 0: wrong, not timed
-        bars = ax.bar(xs, ys, width, label=method, color=f"C{j}")
-        if method == "ours auto":
+        base = method.removesuffix(" in-place")  # in place: its out-of-place colour, hatched
+        bars = ax.bar(xs, ys, width, label=method, color=f"C{bases.index(base)}",
+                      hatch="//" if base != method else None)
+        if method.startswith("ours auto"):
             for bar, d in zip(bars, densities, strict=True):
                 ax.annotate(by[(d, method)].get("scheme", "?"), (bar.get_x() + width / 2,
                             bar.get_height() or 1), ha="center", va="bottom", fontsize=7,

@@ -28,6 +28,7 @@ def test_async_out_of_order_scaling_and_inplace(reports):
         assert rep["async/out-of-order"] == ""
         assert rep["scaling-factors"] == ""
         assert rep["inplace"] == ""
+        assert rep["inplace-bits"] == ""
 
 
 def test_auto_choice_is_visible_and_consistent(reports):

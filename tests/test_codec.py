@@ -144,3 +144,29 @@ def test_pack_is_zero_copy_friendly_on_large_tensors():
     out = torch.zeros_like(t)
     blocks.unpack(out, idx, vals, 256)
     assert torch.equal(out, t)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sparse_tensors(), st.integers(1, 4), st.sampled_from([1.0, 0.25, 3.0]))
+def test_in_place_decode_equals_zeroed_decode(case, nranks, scale):
+    """What allreduce_ does: clear -0 blocks while masking, then decode over the rank's own
+    input, rewriting only the carried blocks. Same bits as summing into zeros, then scaling."""
+    t, bs = case
+    if t.dtype not in (torch.float32, torch.float64):
+        return
+    g = torch.Generator().manual_seed(nranks)
+    ranks = [t * torch.randint(0, 2, t.shape, generator=g).to(t.dtype) for _ in range(nranks)]
+    ranks[0] = torch.where(ranks[0] == 0, torch.tensor(-0.0, dtype=t.dtype), ranks[0])
+    code = blocks.DTYPE_CODES[t.dtype]
+    own = ranks[0].clone()
+    mask = _C.block_mask(own, bs, True)
+    assert torch.equal(mask, blocks.block_mask(ranks[0], bs))
+    # values unchanged; only -0 in all-zero blocks became +0
+    assert torch.allclose(own, ranks[0], rtol=0, atol=0, equal_nan=True)
+    buf = torch.cat([_C.encode(r, bs, 5) for r in ranks])
+    ref = torch.zeros_like(t)
+    _C.decode_sum(buf, ref, bs, 5, code, t.numel(), nranks, False)
+    ref.mul_(scale)
+    _C.decode_sum(buf, own, bs, 5, code, t.numel(), nranks, False, overwrite=True, scale=scale)
+    bits = torch.int64 if t.dtype == torch.float64 else torch.int32
+    assert torch.equal(own.view(bits), ref.view(bits))

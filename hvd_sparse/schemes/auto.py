@@ -42,8 +42,7 @@ def run(job: Job) -> Stage:
     predicted = costmodel.predict(st.net, t.numel(), t.element_size(), job.block_size, nnz,
                                   None if ratio is None else ratio * sum(nnz))
     choice = costmodel.choose(predicted)
-    job.stats.update(predicted_ms={k: round(v * 1e3, 3) for k, v in predicted.items()
-                                   if not k.startswith("_")},
+    job.stats.update(predicted_ms={k: round(v * 1e3, 3) for k, v in predicted.seconds.items()},
                      block_density=sum(nnz) / len(nnz) / max(1, blocks.num_blocks(
                          t.numel(), job.block_size)))
     log.debug("hvd_sparse: %s -> %s (predicted ms %s)", job.name, choice, job.stats["predicted_ms"])

@@ -109,6 +109,29 @@ def main() -> None:
 
     case(results, "inplace", inplace)
 
+    def inplace_bits() -> str:
+        """allreduce_ rewrites only the blocks some rank sent: the rest must still come out +0
+        (-0 included), the same bits as out of place, on every rank. (Auto may clear -0 in
+        all-zero blocks and then pick dense: equal values, the same bits on every rank.)"""
+        errs = []
+        for s in SCHEMES:
+            for dtype in (torch.float32, torch.float64):
+                base = sample((40_000,), 0.02, dtype, seed=rank + 11)
+                if rank % 2:  # -0 on some ranks only: unsent blocks must not keep it
+                    base[base == 0] = -0.0
+                out = hvd_sparse.allreduce(base, name=f"bits.{s}.{dtype}", scheme=s)
+                t = hvd_sparse.allreduce_(base.clone(), name=f"bits_.{s}.{dtype}", scheme=s)
+                ints = torch.int64 if dtype == torch.float64 else torch.int32
+                if not (torch.equal(t, out) if s == "auto"
+                        else torch.equal(t.view(ints), out.view(ints))):
+                    errs.append(f"{s}/{dtype}: in place differs from out of place")
+                digests[f"inplace-bits/{s}/{dtype}"] = hashlib.sha1(
+                    t.view(torch.uint8).numpy().tobytes()).hexdigest()
+                results[f"inplace-bits/{s}/{dtype}"] = ""
+        return "; ".join(errs)
+
+    case(results, "inplace-bits", inplace_bits)
+
     # Identical bits on every rank: compare every digest with rank 0's.
     all_digests = hvd.allgather_object(digests, name="digests")
     for name in digests:
