@@ -103,6 +103,20 @@ struct Out {
   std::shared_ptr<std::vector<uint8_t>> bytes;
 };
 
+// float64 -> float32 rounded to odd (truncated, lowest bit set when inexact): rounding that to
+// float16 or bfloat16 (at least 2 bits narrower than float32) then rounds the float64 sum
+// exactly once, as the spec says; rounding to nearest twice can land one ulp off (e.g.
+// 1 + 2^-11 + 2^-24 would become 1.0 in float16 instead of 1 + 2^-10).
+float to_float_odd(double d) {
+  float f = float(d);
+  if (std::isfinite(f) && double(f) != d) {
+    uint32_t u = float_to_bits(f);
+    if (std::fabs(double(f)) > std::fabs(d)) --u;  // toward zero (sign-magnitude)
+    f = bits_to_float(u | 1);
+  }
+  return f;
+}
+
 bool test_bit(const std::vector<uint64_t>& v, uint32_t i) { return v[i >> 6] >> (i & 63) & 1; }
 void set_bit(std::vector<uint64_t>& v, uint32_t i) { v[i >> 6] |= uint64_t(1) << (i & 63); }
 
@@ -124,12 +138,13 @@ class Aggregator {
     if (jt == jobs_.end()) { c.unknown_job++; return; }
     Job& job = jt->second;
     if (h.nworkers != job.nworkers) { c.malformed++; return; }
-    job.touched = now_s();
-    job.addr[h.worker] = from;
+    // A worker's address and the job's liveness change only with packets found valid: junk
+    // carrying the token must not redirect a worker's results (see accept()).
     switch (h.type) {
-      case kData: return on_data(job, h, p, out);
-      case kRelease: return on_release(job, h);
+      case kData: return on_data(job, h, p, from, out);
+      case kRelease: job.touched = now_s(); return on_release(job, h);
       case kBye:
+        job.touched = now_s();
         if (!job.bye[h.worker]) { job.bye[h.worker] = 1; ++job.nbye; }
         if (job.nbye == job.nworkers) { c.released += job.tensors.size(); jobs_.erase(jt); }
         return;
@@ -206,29 +221,65 @@ class Aggregator {
       if (job.addr[w].sin_port) out.push_back({job.addr[w], b});
   }
 
-  void on_data(Job& job, const Header& h, const uint8_t* p, std::vector<Out>& out) {
-    auto it = job.tensors.find(h.tensor);
-    if (it == job.tensors.end()) {
-      if (h.round != 0) { c.stale++; return; }  // a tensor starts at round 0 (else: expired)
-      Tensor t;
-      t.params = h;
-      t.released.assign((job.nworkers + 63) / 64, 0);
-      it = job.tensors.emplace(h.tensor, std::move(t)).first;
-      c.tensors++;
+  // The bitmap and lane table of a DATA against the lanes' positions `cur` (nullptr: round 0
+  // of the packet's own layout, every non-empty lane at position 0).
+  static bool lanes_valid(const Header& h, const uint8_t* p, const uint32_t* cur) {
+    const uint64_t bitmap = ld64(p + kHeaderBytes);
+    if (h.lanes < 64 && (bitmap >> h.lanes)) return false;
+    if (uint32_t(__builtin_popcountll(bitmap)) != h.present) return false;
+    const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
+    for (uint32_t l = 0; l < h.lanes; ++l) {
+      uint32_t off = ld32(lane + l * kLaneBytes), nxt = ld32(lane + l * kLaneBytes + 4);
+      uint32_t len = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes);
+      uint32_t want = cur ? cur[l] : len ? 0 : kInf;
+      if (off != want || (off == kInf && ((bitmap >> l & 1) || nxt != kInf)) ||
+          (nxt != kInf && (nxt <= off || nxt >= len)))
+        return false;
     }
-    Tensor& t = it->second;
-    t.touched = job.touched;
-    const Header& q = t.params;
-    if (!t.error && (h.dtype != q.dtype || h.lanes != q.lanes || h.block_size != q.block_size ||
-                     h.nblocks != q.nblocks || h.nslots != q.nslots || h.meta != q.meta)) {
-      t.error = kErrMismatch;
-      c.mismatch++;
-    }
-    if (t.error) return send_error(job, h, t.error, out);
+    return true;
+  }
 
-    auto st = t.slots.find(h.slot);
-    if (st == t.slots.end()) {
+  // A valid DATA from `from`: the worker lives there, the job and tensor are alive.
+  static void accept(Job& job, Tensor& t, const Header& h, const sockaddr_in& from) {
+    job.touched = t.touched = now_s();
+    job.addr[h.worker] = from;
+  }
+
+  void on_data(Job& job, const Header& h, const uint8_t* p, const sockaddr_in& from,
+               std::vector<Out>& out) {
+    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) { c.malformed++; return; }
+    auto it = job.tensors.find(h.tensor);
+    if (it != job.tensors.end()) {
+      Tensor& t = it->second;
+      const Header& q = t.params;
+      if (!t.error && (h.dtype != q.dtype || h.lanes != q.lanes || h.block_size != q.block_size ||
+                       h.nblocks != q.nblocks || h.nslots != q.nslots || h.meta != q.meta)) {
+        // Ranks that disagree on a tensor send well-formed first rounds of their own layouts;
+        // anything else is junk and must not kill the tensor.
+        if (h.round != 0 || !lanes_valid(h, p, nullptr)) { c.malformed++; return; }
+        t.error = kErrMismatch;
+        c.mismatch++;
+      }
+      if (t.error) return send_error(job, h, t.error, out);
+    }
+    Slot* sp = nullptr;
+    if (it != job.tensors.end()) {
+      auto st = it->second.slots.find(h.slot);
+      if (st != it->second.slots.end()) sp = &st->second;
+    }
+    if (!sp) {
+      // A tensor and each of its slots start at round 0 (else: expired, or junk); nothing is
+      // created for a packet that is not a valid first round.
       if (h.round != 0) { c.stale++; return; }
+      if (!lanes_valid(h, p, nullptr)) { c.malformed++; return; }
+      if (it == job.tensors.end()) {
+        Tensor t;
+        t.params = h;
+        t.released.assign((job.nworkers + 63) / 64, 0);
+        it = job.tensors.emplace(h.tensor, std::move(t)).first;
+        c.tensors++;
+      }
+      Tensor& t = it->second;
       size_t bytes = size_t(h.lanes) * h.block_size * sizeof(double);
       if (slot_bytes_ + bytes > o_.max_slot_bytes) {
         t.error = kErrCapacity;
@@ -242,33 +293,33 @@ class Aggregator {
       s.acc.assign(size_t(h.lanes) * h.block_size, 0.0);
       s.seen.assign((job.nworkers + 63) / 64, 0);
       slot_bytes_ += bytes;
-      st = t.slots.emplace(h.slot, std::move(s)).first;
+      sp = &t.slots.emplace(h.slot, std::move(s)).first->second;
     }
-    Slot& s = st->second;
+    Tensor& t = it->second;
+    Slot& s = *sp;
     if (s.last && h.round + 1 == s.round) {  // the sender lost our previous RESULT
+      // Its lane table must be the one of that round (the stored RESULT's offsets).
+      uint32_t prev[kMaxLanes];
+      const uint8_t* lt = s.last->data() + kHeaderBytes + kBitmapBytes;
+      for (uint32_t l = 0; l < h.lanes; ++l) prev[l] = ld32(lt + l * kLaneBytes);
+      if (!lanes_valid(h, p, prev)) { c.malformed++; return; }
       c.retransmits++;
-      out.push_back({job.addr[h.worker], s.last});
+      accept(job, t, h, from);
+      out.push_back({from, s.last});
       return;
     }
     if (s.done || h.round != s.round) { c.stale++; return; }
-    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) { c.malformed++; return; }
-    if (test_bit(s.seen, h.worker)) { c.duplicates++; return; }
-
-    // Validate the lane table against this round before changing anything.
-    const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
-    uint64_t bitmap = ld64(p + kHeaderBytes);
-    if (h.lanes < 64 && (bitmap >> h.lanes)) { c.malformed++; return; }
-    if (uint32_t(__builtin_popcountll(bitmap)) != h.present) { c.malformed++; return; }
-    for (uint32_t l = 0; l < h.lanes; ++l) {
-      uint32_t off = ld32(lane + l * kLaneBytes), nxt = ld32(lane + l * kLaneBytes + 4);
-      bool has = bitmap >> l & 1;
-      uint32_t len = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes);
-      if (off != s.cur[l] || (off == kInf && (has || nxt != kInf)) ||
-          (nxt != kInf && (nxt <= off || nxt >= len))) {
-        c.malformed++;
-        return;
-      }
+    if (test_bit(s.seen, h.worker)) {  // a retransmission: the worker waits for a slow peer
+      c.duplicates++;
+      job.touched = t.touched = now_s();
+      return;
     }
+    // Validate the lane table against this round before changing anything.
+    if (!lanes_valid(h, p, s.cur.data())) { c.malformed++; return; }
+    accept(job, t, h, from);
+
+    const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
+    const uint64_t bitmap = ld64(p + kHeaderBytes);
     // Accumulate in double: the order packets arrive in then barely matters, and every worker
     // receives the same rounded result anyway.
     const uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
@@ -300,8 +351,8 @@ class Aggregator {
     switch (dtype) {
       case 0: for (size_t i = 0; i < bs; ++i) { float x = float(a[i]); std::memcpy(v + 4 * i, &x, 4); } break;
       case 1: std::memcpy(v, a, bs * 8); break;
-      case 2: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_f16(float(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
-      default: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_bf16(float(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
+      case 2: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_f16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
+      default: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_bf16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
     }
   }
 
