@@ -44,9 +44,12 @@ def init(**kwargs: object) -> None:
     log.setLevel(cfg.log_level.upper())
     # Ranks sharing a host share its cores; more threads than that make every loop crawl.
     _C.set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // hvd.local_size()))
-    net = costmodel.load_or_probe(cfg.probe, cfg.cache_dir)
+    omni = omnireduce.start(cfg)
+    net = costmodel.load_or_probe(
+        cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
+        aggregators=omni.describe() if omni else "")
     log.debug("hvd_sparse: network model (%s): %s", net.source, net)
-    _state = State(cfg, net, omnireduce.start(cfg))
+    _state = State(cfg, net, omni)
 
 
 def state() -> State:

@@ -27,6 +27,7 @@ from . import _C, blocks
 log = logging.getLogger("hvd_sparse")
 
 HEADER = 64  # segment header plus alignment, bytes
+OMNI_LANE = 12  # aggregation packet bytes per block besides its values (header share, lane)
 MARGIN = 0.8  # a sparse scheme must be predicted this much faster than dense
 CACHE_MAX_AGE = 24 * 3600
 
@@ -39,11 +40,15 @@ class NetModel:
     decode_bps: float  # bytes per second of segment decoding on this host
     local_bps: float  # bytes per second of a tensor's mask scan plus zeroing its output
     source: str = "default"
+    # alpha, beta per byte through the aggregators (all ranks' blocks in, the sum out to each);
+    # None when the job has no aggregators
+    omnireduce: tuple[float, float] | None = None
 
     @staticmethod
-    def default() -> NetModel:
+    def default(aggregators: bool = False) -> NetModel:
         # Conservative guess (about 1 GB/s links) used when probing is off.
-        return NetModel((2e-4, 2e-9), (2e-4, 1e-9), (3e-4, 1e-9), 2e9, 4e9)
+        return NetModel((2e-4, 2e-9), (2e-4, 1e-9), (3e-4, 1e-9), 2e9, 4e9,
+                        omnireduce=(3e-4, 1e-9) if aggregators else None)
 
 
 def _median_time(fn: Callable[[], object], reps: int = 5) -> float:
@@ -62,8 +67,10 @@ def _fit(small: tuple[float, float], big: tuple[float, float]) -> tuple[float, f
     return max(t1 - beta * b1, 1e-6), beta
 
 
-def probe() -> NetModel:
-    """Times the real collectives at two sizes (collective: every rank must call it)."""
+def probe(omni: Callable[[int], float] | None = None) -> NetModel:
+    """Times the real collectives at two sizes (collective: every rank must call it);
+    ``omni(numel)`` times one aggregation of a dense float32 tensor, when there are aggregators.
+    """
     n = hvd.size()
     small, big = 256, 1 << 20  # float32 elements per rank
 
@@ -87,6 +94,8 @@ def probe() -> NetModel:
         local_bps=_local_speed(),
         source="probe",
     )
+    if omni is not None:
+        model.omnireduce = _fit((2 * n * small * 4, omni(small)), (2 * n * big * 4, omni(big)))
     return model
 
 
@@ -106,18 +115,20 @@ def _local_speed() -> float:
     return t.numel() * 4 / max(secs, 1e-9)
 
 
-def _cache_path(cache_dir: str) -> Path:
+def _cache_path(cache_dir: str, aggregators: str) -> Path:
     hosts = sorted(hvd.allgather_object(socket.gethostname(), name="hvd_sparse.probe.hosts"))
     key = json.dumps([hosts, hvd.size(), hvd.gloo_enabled(), torch.__version__, os.cpu_count(),
-                      torch.get_num_threads(), 2])  # 2: version of the model's fields
+                      torch.get_num_threads(), aggregators, 3])  # 3: version of the fields
     return Path(cache_dir) / f"netmodel-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
-def load_or_probe(mode: str, cache_dir: str) -> NetModel:
-    """The job's network model, identical on every rank (rank 0's cache or a fresh probe)."""
+def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None = None,
+                  aggregators: str = "") -> NetModel:
+    """The job's network model, identical on every rank (rank 0's cache or a fresh probe).
+    ``aggregators`` describes the aggregator set the cached ``omni`` timings belong to."""
     if mode == "off" or hvd.size() == 1:
-        return NetModel.default()
-    path = _cache_path(cache_dir)
+        return NetModel.default(aggregators=omni is not None)
+    path = _cache_path(cache_dir, aggregators)
     cached = None
     if hvd.rank() == 0 and mode == "auto" and path.exists():
         try:
@@ -130,7 +141,7 @@ def load_or_probe(mode: str, cache_dir: str) -> NetModel:
     cached = hvd.broadcast_object(cached, root_rank=0, name="hvd_sparse.probe.cached")
     if cached is not None:
         return cached
-    model = hvd.broadcast_object(probe(), root_rank=0, name="hvd_sparse.probe.model")
+    model = hvd.broadcast_object(probe(omni), root_rank=0, name="hvd_sparse.probe.model")
     if hvd.rank() == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,16 +187,22 @@ def predict(
     part_bytes = HEADER + min(4 * per_part, nblocks / n / 8) + per_part * block
     zen = (local + m.alltoall[0] + m.alltoall[1] * sent + sent / m.decode_bps
            + m.allgather[0] + m.allgather[1] * n * part_bytes + n * part_bytes / m.decode_bps)
-    return Prediction(
+    p = Prediction(
         seconds={"dense": dense, "allgather": allgather, "zen": zen},
         received={"dense": 2 * (n - 1) / n * nbytes, "allgather": gathered * (n - 1) / n,
                   "zen": sent + n * part_bytes * (n - 1) / n})
+    if m.omnireduce is not None:
+        # Every rank's blocks into the aggregators, the union back out to every rank.
+        through = (sum(nnz) + n * union) * (block + OMNI_LANE)
+        p.seconds["omnireduce"] = local + m.omnireduce[0] + m.omnireduce[1] * through
+        p.received["omnireduce"] = union * block
+    return p
 
 
 def choose(p: Prediction) -> str:
     """The fastest scheme, sparse only when clearly faster and moving fewer bytes than dense."""
     t = p.seconds
-    best = min(("allgather", "zen"), key=t.__getitem__)
+    best = min((s for s in t if s != "dense"), key=t.__getitem__)
     if t[best] < MARGIN * t["dense"] and p.received[best] < p.received["dense"]:
         return best
     return "dense"

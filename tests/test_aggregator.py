@@ -729,9 +729,6 @@ def test_tensor_mismatch_fails_every_worker(aggs, make_workers):
         assert time.monotonic() - t0 < 15, "a mismatch is reported, not timed out"
 
 
-@pytest.mark.xfail(strict=True, reason="worker.cpp takes an ERROR for tensor id 0, slot 0 "
-                   "for a registration refusal: the mismatch is never reported, the tensor "
-                   "times out instead")
 def test_tensor_mismatch_on_tensor_id_zero(aggs, make_workers):
     ws = make_workers([aggs(2)], 2, timeout=1.5)
     ins = [torch.ones(64), torch.ones(128)]  # one slot each; block counts differ

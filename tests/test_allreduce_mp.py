@@ -35,4 +35,4 @@ def test_auto_choice_is_visible_and_consistent(reports):
     choices = [rep["_metrics_auto_choice"] for rep in reports]
     assert choices[0], "metrics() recorded no auto choice"
     assert all(c == choices[0] for c in choices), "ranks chose different schemes"
-    assert set(choices[0].values()) <= {"dense", "allgather", "zen"}
+    assert set(choices[0].values()) <= {"dense", "allgather", "zen", "omnireduce"}

@@ -125,7 +125,12 @@ class Worker {
       std::lock_guard<std::mutex> lock(mu_);
       acked_.assign(aggs_.size(), 0);
       reg_error_.clear();
+      registering_ = true;
     }
+    struct Done {
+      Worker* w;
+      ~Done() { std::lock_guard<std::mutex> lock(w->mu_); w->registering_ = false; }
+    } done{this};
     double deadline = now_s() + timeout;
     while (true) {
       {
@@ -300,7 +305,8 @@ class Worker {
       own.resize(t.nblocks);
       for (uint32_t b = 0; b < t.nblocks; ++b) {
         int64_t n = std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs);
-        own[b] = block_nonzero(t.in + size_t(b) * t.bs * t.esize, n, t.esize);
+        own[b] = (block_bits(t.in + size_t(b) * t.bs * t.esize, n, t.esize) &
+                  magnitude_bits(t.esize)) != 0;
       }
       m = own.data();
     }
@@ -516,7 +522,9 @@ class Worker {
     if (drop_ > 0 && unif_(rng_) < drop_) { injected_drops_++; return; }
     Header h = load_header(p);
     if (check_structure(h, len) || h.token != token_) { malformed_++; return; }
-    if (h.type == kRegAck || (h.type == kError && h.tensor == 0 && h.slot == 0)) {
+    // Registration replies: REGACK, or an ERROR refusing the job (never a tensor's error).
+    if (h.type == kRegAck || (h.type == kError && h.round == kErrJob) ||
+        (h.type == kError && h.round == kErrCapacity && registering_)) {
       for (size_t k = 0; k < aggs_.size(); ++k) {
         if (acked_.size() <= k) break;
         const sockaddr_in& a = aggs_[k].addr;
@@ -629,6 +637,7 @@ class Worker {
   std::unordered_map<int64_t, std::unique_ptr<TensorW>> tickets_;
   std::vector<uint8_t> acked_;
   std::string reg_error_;
+  bool registering_ = false;
   sockaddr_in from_{};  // source of the packet being handled
   uint64_t tx_packets_ = 0, tx_bytes_ = 0, rx_packets_ = 0, rx_bytes_ = 0, retransmits_ = 0,
            malformed_ = 0, stale_ = 0, injected_drops_ = 0;

@@ -15,10 +15,11 @@ from .. import basics, blocks, costmodel
 from ..engine import Job, Stage
 from ..errors import HvdSparseError
 from ..segments import local_mask
-from . import allgather, dense, zen
+from . import allgather, dense, omnireduce, zen
 
 log = logging.getLogger("hvd_sparse")
-_RUN = {"dense": dense.run, "allgather": allgather.run, "zen": zen.run}
+_RUN = {"dense": dense.run, "allgather": allgather.run, "zen": zen.run,
+        "omnireduce": omnireduce.run}
 _union_ratio: dict[str, float] = {}  # name -> observed union / sum of per-rank non-zero blocks
 
 

@@ -11,18 +11,23 @@ import hashlib
 import logging
 import random
 import socket
+import statistics
+import time
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import horovod.torch as hvd
 import torch
 
 from .. import _C
-from ..aggregator import LocalAggregators
 from ..config import Config
 from ..engine import Job, Stage
 from ..errors import HvdSparseError
 from ..segments import local_mask
 from . import dense
+
+if TYPE_CHECKING:  # imported late: `python -m hvd_sparse.aggregator` must find it unloaded
+    from ..aggregator import LocalAggregators
 
 log = logging.getLogger("hvd_sparse")
 
@@ -46,6 +51,23 @@ class Session:
         digest = hashlib.blake2b(f"{name}#{self._calls[name]}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") | 1  # never 0: ids name tensors, 0 names none
 
+    def describe(self) -> str:
+        """What the probe's timings depend on: how many aggregators, local or not, fusion."""
+        return f"{len(self.addrs)}x{'local' if self.local else 'remote'}/{self.cfg.payload_bytes}"
+
+    def probe_time(self, numel: int, reps: int = 3) -> float:
+        """Median seconds of aggregating a dense float32 tensor (collective)."""
+        x, times = torch.ones(numel), []
+        for _ in range(reps + 1):
+            out = torch.empty_like(x)
+            t0 = time.perf_counter()
+            ticket = self.worker.submit(self.tensor_id(f"hvd_sparse.probe.omni{numel}"), x, out,
+                                        256, 0, None, "probe", 1.0)
+            self.worker.wait(ticket, self.cfg.timeout)
+            self.worker.finish(ticket)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
     def close(self) -> None:
         self.worker.close()
         if self.local is not None:
@@ -67,6 +89,7 @@ def start(cfg: Config) -> Session | None:
         if hvd.rank() == 0:
             single_host = hvd.local_size() == hvd.size()
             host = cfg.aggregator_host or ("127.0.0.1" if single_host else _host_address())
+            from ..aggregator import LocalAggregators
             try:
                 local = LocalAggregators(count, hvd.size(), "127.0.0.1" if single_host
                                          else "0.0.0.0")
