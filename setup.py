@@ -7,7 +7,9 @@ from pathlib import Path
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-AGGREGATOR = ["csrc/omni/aggregator.cpp"]
+# torch-free executables: name -> source
+BINARIES = {"hvd-sparse-aggregator": "csrc/omni/aggregator.cpp",
+            "hvd-sparse-udpblast": "csrc/omni/udpblast.cpp"}  # raw UDP limit, for benchmarks
 
 
 class Build(BuildExtension):
@@ -17,13 +19,13 @@ class Build(BuildExtension):
     def run(self) -> None:
         super().run()
         root = Path(__file__).parent if self.inplace else Path(self.build_lib)
-        out = root / "hvd_sparse" / "bin" / "hvd-sparse-aggregator"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cxx = os.environ.get("CXX", "c++")
-        cmd = [cxx, "-O3", "-std=c++17", "-march=x86-64-v2", "-Wall", "-pthread", "-Icsrc",
-               *AGGREGATOR, "-o", str(out)]
-        print(" ".join(cmd))
-        subprocess.check_call(cmd)
+        for name, src in BINARIES.items():
+            out = root / "hvd_sparse" / "bin" / name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            cmd = [os.environ.get("CXX", "c++"), "-O3", "-std=c++17", "-march=x86-64-v2",
+                   "-Wall", "-pthread", "-Icsrc", src, "-o", str(out)]
+            print(" ".join(cmd))
+            subprocess.check_call(cmd)
 
 
 setup(
@@ -41,7 +43,7 @@ setup(
             extra_link_args=["-fopenmp"],
         )
     ],
-    package_data={"hvd_sparse": ["bin/hvd-sparse-aggregator"]},
+    package_data={"hvd_sparse": [f"bin/{name}" for name in BINARIES]},
     entry_points={"console_scripts": ["hvd-sparse=hvd_sparse.cli:main"]},
     cmdclass={"build_ext": Build},
 )

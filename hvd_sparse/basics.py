@@ -47,7 +47,7 @@ def init(**kwargs: object) -> None:
     omni = omnireduce.start(cfg)
     net = costmodel.load_or_probe(
         cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
-        aggregators=omni.describe() if omni else "")
+        layout=omni.layout() if omni else (0, 0), aggregators=omni.describe() if omni else "")
     log.debug("hvd_sparse: network model (%s): %s", net.source, net)
     _state = State(cfg, net, omni)
 

@@ -40,15 +40,18 @@ class NetModel:
     decode_bps: float  # bytes per second of segment decoding on this host
     local_bps: float  # bytes per second of a tensor's mask scan plus zeroing its output
     source: str = "default"
-    # alpha, beta per byte through the aggregators (all ranks' blocks in, the sum out to each);
-    # None when the job has no aggregators
+    # Aggregation: seconds per round of a slot, seconds per byte through the aggregators (all
+    # ranks' blocks in, the sum out to each), and the layout (payload bytes per packet, slots
+    # over all aggregators) that sets how many rounds a tensor takes. None: no aggregators.
     omnireduce: tuple[float, float] | None = None
+    omni_layout: tuple[int, int] = (16384, 64)
 
     @staticmethod
-    def default(aggregators: bool = False) -> NetModel:
+    def default(layout: tuple[int, int] | None = None) -> NetModel:
         # Conservative guess (about 1 GB/s links) used when probing is off.
         return NetModel((2e-4, 2e-9), (2e-4, 1e-9), (3e-4, 1e-9), 2e9, 4e9,
-                        omnireduce=(3e-4, 1e-9) if aggregators else None)
+                        omnireduce=(5e-4, 1e-9) if layout else None,
+                        omni_layout=layout or (16384, 64))
 
 
 def _median_time(fn: Callable[[], object], reps: int = 5) -> float:
@@ -67,9 +70,11 @@ def _fit(small: tuple[float, float], big: tuple[float, float]) -> tuple[float, f
     return max(t1 - beta * b1, 1e-6), beta
 
 
-def probe(omni: Callable[[int], float] | None = None) -> NetModel:
+def probe(omni: Callable[[int], float] | None = None,
+          layout: tuple[int, int] = (16384, 64)) -> NetModel:
     """Times the real collectives at two sizes (collective: every rank must call it);
-    ``omni(numel)`` times one aggregation of a dense float32 tensor, when there are aggregators.
+    ``omni(numel)`` times one aggregation of a dense float32 tensor, when there are aggregators
+    laid out as ``layout``.
     """
     n = hvd.size()
     small, big = 256, 1 << 20  # float32 elements per rank
@@ -95,8 +100,27 @@ def probe(omni: Callable[[int], float] | None = None) -> NetModel:
         source="probe",
     )
     if omni is not None:
-        model.omnireduce = _fit((2 * n * small * 4, omni(small)), (2 * n * big * 4, omni(big)))
+        # t = rounds * a + bytes * b at two sizes: one round of one block; dense 4 MiB.
+        r1, r2 = (omni_rounds(k // 256, k // 256, layout) for k in (small, big))
+        x1, x2 = (2 * n * k * 4 for k in (small, big))
+        t1, t2 = omni(small), omni(big)
+        b = max((t2 - t1 * r2 / r1) / (x2 - x1 * r2 / r1), 1e-12)
+        model.omnireduce = (max((t1 - b * x1) / r1, 1e-6), b)
+        model.omni_layout = layout
     return model
+
+
+def omni_rounds(nblocks: int, union: float, layout: tuple[int, int], esize: int = 4,
+                bs: int = 256) -> float:
+    """Expected rounds of the busiest slot: a slot's lanes step together, so it takes as many
+    rounds as its fullest lane has union blocks, plus the first (docs/PROTOCOL.md)."""
+    payload, slots = layout
+    lanes = max(1, min(64, payload // (bs * esize)))
+    nslots = max(1, min(slots, -(-nblocks // lanes)))
+    positions = nblocks / (nslots * lanes)  # per lane
+    u = min(1.0, union / max(1, nblocks))  # chance a position is in the union
+    # the fullest lane (mean + 2 sd), plus round 0 unless it carries data anyway
+    return max(1.0, positions * u + 2 * math.sqrt(positions * u * (1 - u)) + 1 - u)
 
 
 def _decode_speed() -> float:
@@ -123,11 +147,11 @@ def _cache_path(cache_dir: str, aggregators: str) -> Path:
 
 
 def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None = None,
-                  aggregators: str = "") -> NetModel:
+                  layout: tuple[int, int] = (16384, 64), aggregators: str = "") -> NetModel:
     """The job's network model, identical on every rank (rank 0's cache or a fresh probe).
     ``aggregators`` describes the aggregator set the cached ``omni`` timings belong to."""
     if mode == "off" or hvd.size() == 1:
-        return NetModel.default(aggregators=omni is not None)
+        return NetModel.default(layout if omni is not None else None)
     path = _cache_path(cache_dir, aggregators)
     cached = None
     if hvd.rank() == 0 and mode == "auto" and path.exists():
@@ -141,7 +165,8 @@ def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None
     cached = hvd.broadcast_object(cached, root_rank=0, name="hvd_sparse.probe.cached")
     if cached is not None:
         return cached
-    model = hvd.broadcast_object(probe(omni), root_rank=0, name="hvd_sparse.probe.model")
+    model = hvd.broadcast_object(probe(omni, layout), root_rank=0,
+                                 name="hvd_sparse.probe.model")
     if hvd.rank() == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +219,8 @@ def predict(
     if m.omnireduce is not None:
         # Every rank's blocks into the aggregators, the union back out to every rank.
         through = (sum(nnz) + n * union) * (block + OMNI_LANE)
-        p.seconds["omnireduce"] = local + m.omnireduce[0] + m.omnireduce[1] * through
+        rounds = omni_rounds(nblocks, union, m.omni_layout, esize, bs)
+        p.seconds["omnireduce"] = local + m.omnireduce[0] * rounds + m.omnireduce[1] * through
         p.received["omnireduce"] = union * block
     return p
 

@@ -20,7 +20,9 @@ each of --densities. Methods, all with op=Sum:
   result is the uncoalesced sparse tensor; the to_sparse() time is reported separately;
 * hvd sparse e2e: the same, dense tensor in, dense tensor out as hvd_sparse returns:
   ``t.to_sparse()``, the sparse allreduce, ``.to_dense()``, all timed (informational);
-* ours <scheme>: ``hvd_sparse.allreduce(t, scheme=...)`` for dense, allgather, zen, auto,
+* ours <scheme>: ``hvd_sparse.allreduce(t, scheme=...)`` for dense, allgather, zen,
+  omnireduce (one local aggregator, started by hvd_sparse.init), "omnireduce K=2" (the same
+  over a second session of two local aggregators), auto,
   starting from the dense tensor (its bitmap + pack is inside the timed region);
 * hvd dense in-place: ``hvd.allreduce_(w)``; ours <scheme> in-place: ``hvd_sparse.allreduce_(w,
   scheme=...)``, as both optimizers call it. ``w`` is a work tensor restored from the input by
@@ -47,8 +49,10 @@ and <out-dir>/sync.png. --quick: 4 Mi elements, 3 reps, 1 warm-up.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import random
 import shlex
 import shutil
 import statistics
@@ -68,10 +72,14 @@ from _report import console, print_table, save_png, write_json  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import hvd_sparse  # noqa: E402
+from hvd_sparse.aggregator import LocalAggregators  # noqa: E402
+from hvd_sparse.schemes.omnireduce import Session  # noqa: E402
 
-SCHEMES = ["dense", "allgather", "zen", "auto"]
+SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
+# "omnireduce K=2": the same scheme over two aggregators instead of init's one
+OURS = [*SCHEMES[:-1], "omnireduce K=2", "auto"]
 METHODS = ["hvd dense", "hvd dense in-place", "hvd sparse", "hvd sparse e2e",
-           *(f"ours {s}" for s in SCHEMES), *(f"ours {s} in-place" for s in SCHEMES)]
+           *(f"ours {s}" for s in OURS), *(f"ours {s} in-place" for s in OURS)]
 RTOL, ATOL = 1e-5, 1e-6
 TARGET_ALLGATHER_DENSITY, TARGET_ALLGATHER_X = 0.01, 1.5
 TARGET_AUTO_X = 0.95
@@ -143,7 +151,32 @@ class Method:
     restore: Callable[[], object] = lambda: None  # untimed, before each call
 
 
-def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor) -> dict[str, Method]:
+def k2_session() -> Session:
+    """A second aggregation session over two local aggregators (rank 0 starts them)."""
+    local = LocalAggregators(2, hvd.size(), "127.0.0.1") if hvd.rank() == 0 else None
+    ports = hvd.broadcast_object(local.ports if local else None, 0, name="bench.k2.ports")
+    token = hvd.broadcast_object(random.getrandbits(62) | 1, 0, name="bench.k2.token")
+    session = Session(hvd_sparse.basics.state().config, [("127.0.0.1", p) for p in ports],
+                      token, local)
+    session.worker.register(30.0)
+    return session
+
+
+def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: Session) -> torch.Tensor:
+    name = f"bench.{scheme.replace(' ', '.')}{'_' if inplace else ''}"
+    fn = hvd_sparse.allreduce_ if inplace else hvd_sparse.allreduce
+    if scheme != "omnireduce K=2":
+        return fn(x, name=name, op=hvd.Sum, scheme=scheme)
+    st = hvd_sparse.basics.state()
+    own, st.omni = st.omni, k2
+    try:
+        return fn(x, name=name, op=hvd.Sum, scheme="omnireduce")
+    finally:
+        st.omni = own
+
+
+def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor,
+            k2: Session) -> dict[str, Method]:
     def restore() -> torch.Tensor:
         return work.copy_(t)
 
@@ -158,13 +191,25 @@ def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor) -> dict[str,
         "hvd sparse e2e": Method(lambda: hvd.sparse_allreduce_async(
             t.to_sparse(), name="bench.hvd_sparse_e2e", op=hvd.Sum)().to_dense()),
     }
-    for s in SCHEMES:
-        ms[f"ours {s}"] = Method(lambda s=s: hvd_sparse.allreduce(
-            t, name=f"bench.{s}", op=hvd.Sum, scheme=s))
-    for s in SCHEMES:
-        ms[f"ours {s} in-place"] = Method(lambda s=s: hvd_sparse.allreduce_(
-            work, name=f"bench.{s}_", op=hvd.Sum, scheme=s), restore)
+    for s in OURS:
+        ms[f"ours {s}"] = Method(lambda s=s: reduce(s, False, t, k2))
+    for s in OURS:
+        ms[f"ours {s} in-place"] = Method(lambda s=s: reduce(s, True, work, k2), restore)
     return ms
+
+
+def udp_limit(n: int, payload_bytes: int) -> dict:
+    """Raw loopback UDP: n senders blasting one socket with datagrams of the size the
+    aggregation protocol sends for float32 (rank 0 runs it while the others wait)."""
+    lanes = max(1, min(64, payload_bytes // (256 * 4)))
+    dgram = 56 + 8 + 8 * lanes + lanes * 256 * 4
+    result = None
+    if hvd.rank() == 0:
+        out = subprocess.run([str(ROOT / "hvd_sparse" / "bin" / "hvd-sparse-udpblast"),
+                              "--senders", str(n), "--bytes", str(dgram), "--seconds", "2"],
+                             capture_output=True, text=True, timeout=60)
+        result = json.loads(out.stdout)
+    return hvd.broadcast_object(result, 0, name="bench.udp")
 
 
 def check(m: Method, ref: torch.Tensor, t: torch.Tensor,
@@ -234,6 +279,8 @@ def run(args: argparse.Namespace) -> int:
     hvd_sparse.init(block_size=args.block_size, probe=args.probe)
     rank, n = hvd.rank(), hvd.size()
     densities = [float(d) for d in args.densities.split(",")]
+    k2 = k2_session()
+    udp = udp_limit(n, hvd_sparse.basics.state().config.payload_bytes)
     rows: list[dict] = []
     progress = Progress(console=console)
     task = progress.add_task("bench", total=len(densities) * len(METHODS) *
@@ -255,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         ref = hvd.allreduce(t, name="bench.ref", op=hvd.Sum)
 
         # Correctness first; all ranks agree on each verdict so none waits on a skipped call.
-        fns = methods(t, coo, work)
+        fns = methods(t, coo, work, k2)
         drows: dict[str, dict] = {}
         for method, m in list(fns.items()):
             problem, err = check(m, ref, t, t_orig)
@@ -276,24 +323,32 @@ def run(args: argparse.Namespace) -> int:
         drows["hvd sparse"] |= {"MB sent/rank": (n - 1) / n * total_coo / 1e6,
                                 "to_sparse ms": coo_ms}
         drows["hvd sparse e2e"]["MB sent/rank"] = (n - 1) / n * total_coo / 1e6
-        for s, suffix in ((s, x) for s in SCHEMES for x in ("", " in-place")):
-            if f"ours {s}{suffix}" in fns:  # metrics of the last (timed) call
-                m = hvd_sparse.metrics()[f"bench.{s}{'_' if suffix else ''}"]
-                sent = gather([float(m["bytes_sent"])], "bench.bytes_sent")
-                drows[f"ours {s}{suffix}"] |= {
-                    "MB sent/rank": sent.mean().item() / 1e6, "scheme": m["scheme"],
+        for s, suffix in ((s, x) for s in OURS for x in ("", " in-place")):
+            method = f"ours {s}{suffix}"
+            if method in fns:  # metrics of the last (timed) call
+                m = hvd_sparse.metrics()[f"bench.{s.replace(' ', '.')}{'_' if suffix else ''}"]
+                sent = gather([float(m["bytes_sent"]), float(m.get("bytes_received", 0))],
+                              "bench.bytes_sent")
+                drows[method] |= {
+                    "MB sent/rank": sent[:, 0].mean().item() / 1e6, "scheme": m["scheme"],
                     # hvd_sparse leaves it out for scheme "dense", which never looks.
                     "block density": m.get("block_density", float("nan"))}
+                if m["scheme"] == "omnireduce":  # bytes through the aggregators per second
+                    goodput = sent.sum().item() / (drows[method]["ms"] / 1e3)
+                    drows[method]["agg GB/s"] = goodput / 1e9
+                    drows[method]["x of UDP limit"] = goodput / udp["goodput_Bps"]
         rows += drows.values()
         del t, t_orig, work, coo, ref, fns  # free this density's buffers before the next one's
     if rank == 0:
         progress.stop()
-        report(rows, densities, args, n)
+        report(rows, densities, args, n, udp)
+    k2.close()
     hvd_sparse.shutdown()
     return 0
 
 
-def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n: int) -> None:
+def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n: int,
+           udp: dict) -> None:
     nan = float("nan")
     by = {(r["density"], r["method"]): r for r in rows}
     for r in rows:
@@ -303,7 +358,8 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
         r["x vs hvd sparse"] = hs / r.get("ms", nan)
 
     cols = ["density", "method", "ms", "x vs hvd dense", "x vs hvd sparse", "MB sent/rank",
-            "scheme", "block density", "to_sparse ms", "max abs err", "ok"]
+            "scheme", "block density", "agg GB/s", "x of UDP limit", "to_sparse ms",
+            "max abs err", "ok"]
     table_rows = [{c: r.get(c, nan if c not in ("scheme", "method") else "") for c in cols}
                   for r in rows]
     print_table(table_rows, f"allreduce of {args.numel:,} float32, {n} ranks x {args.threads} "
@@ -311,7 +367,10 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
                 caption="hvd sparse excludes to_sparse() (its time shown separately) and the "
                 "final to_dense(); hvd sparse e2e includes both. In-place methods exclude the "
                 "copy that restores their input before each call. 'scheme' is what hvd_sparse "
-                "ran (for 'ours auto': its pick). Targets use hvd sparse.")
+                "ran (for 'ours auto': its pick). Targets use hvd sparse. agg GB/s: block bytes "
+                "into and out of the aggregators per second; x of UDP limit: that over raw "
+                f"loopback UDP, {n} senders to one socket, {udp['bytes']} B datagrams: "
+                f"{udp['goodput_Bps'] / 1e9:.2f} GB/s.")
     for r in rows:
         if not r["ok"]:
             console.print(f"[red]WRONG: {r['method']} @ density {r['density']:g}: "
@@ -346,7 +405,17 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
                    f"{by[(d, f'ours auto{suffix}')].get('scheme', '?')})",
                    best / ms[(d, f"ours auto{suffix}")], TARGET_AUTO_X)
 
-    out = write_json(args.out_dir / "sync.json", rows, args=vars(args), ranks=n, targets=targets)
+    # Issue 3: aggregation against Horovod dense and sparse, in place (as the optimizers run).
+    for suffix in ("", " in-place"):
+        for k in ("omnireduce", "omnireduce K=2"):
+            for d, need_dense, need_sparse in ((0.01, 8.0, 1.0), (0.1, 1.3, 1.3)):
+                if (d, f"ours {k}{suffix}") in by:
+                    r = by[(d, f"ours {k}{suffix}")]
+                    target(f"{k}{suffix} vs hvd dense @ {d:g}", r["x vs hvd dense"], need_dense)
+                    target(f"{k}{suffix} vs hvd sparse @ {d:g}", r["x vs hvd sparse"],
+                           need_sparse)
+    out = write_json(args.out_dir / "sync.json", rows, args=vars(args), ranks=n, targets=targets,
+                     udp_limit=udp)
     plot(rows, densities, args.out_dir / "sync.png",
          f"{args.numel:,} float32, {n} ranks x {args.threads} threads")
     console.print(f"wrote {out} and {args.out_dir / 'sync.png'}")

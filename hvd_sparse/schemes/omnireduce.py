@@ -51,9 +51,13 @@ class Session:
         digest = hashlib.blake2b(f"{name}#{self._calls[name]}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") | 1  # never 0: ids name tensors, 0 names none
 
+    def layout(self) -> tuple[int, int]:
+        """(payload bytes per packet, slots over all aggregators): what sets a tensor's rounds."""
+        return self.cfg.payload_bytes, self.cfg.slots * len(self.addrs)
+
     def describe(self) -> str:
         """What the probe's timings depend on: how many aggregators, local or not, fusion."""
-        return f"{len(self.addrs)}x{'local' if self.local else 'remote'}/{self.cfg.payload_bytes}"
+        return f"{len(self.addrs)}x{'local' if self.local else 'remote'}/{self.layout()}"
 
     def probe_time(self, numel: int, reps: int = 3) -> float:
         """Median seconds of aggregating a dense float32 tensor (collective)."""

@@ -1,0 +1,108 @@
+// hvd-sparse-udpblast: the raw UDP limit the aggregator is measured against. N sender processes
+// blast datagrams of the given size at one receiving socket (as N workers stream to one
+// aggregator) with sendmmsg; the receiver counts with recvmmsg. Prints one JSON line:
+//
+//   hvd-sparse-udpblast --senders 4 --bytes 16440 --seconds 1
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int udp_socket() {
+  int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  int big = 64 << 20;
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &big, sizeof big))
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+  if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof big))
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+  return fd;
+}
+
+[[noreturn]] void sender(const sockaddr_in& to, size_t bytes, double seconds) {
+  int fd = udp_socket();
+  constexpr int kBatch = 32;
+  std::vector<uint8_t> buf(bytes, 0x5a);
+  std::vector<mmsghdr> msgs(kBatch);
+  iovec iov{buf.data(), bytes};
+  for (auto& m : msgs) {
+    m.msg_hdr = {};
+    m.msg_hdr.msg_name = const_cast<sockaddr_in*>(&to);
+    m.msg_hdr.msg_namelen = sizeof to;
+    m.msg_hdr.msg_iov = &iov;
+    m.msg_hdr.msg_iovlen = 1;
+  }
+  double end = now_s() + seconds;
+  while (now_s() < end) sendmmsg(fd, msgs.data(), kBatch, 0);
+  _exit(0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int senders = 4;
+  size_t bytes = 16440;
+  double seconds = 1.0;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string a = argv[i];
+    if (a == "--senders") senders = std::atoi(argv[i + 1]);
+    else if (a == "--bytes") bytes = std::strtoul(argv[i + 1], nullptr, 10);
+    else if (a == "--seconds") seconds = std::atof(argv[i + 1]);
+    else { std::fprintf(stderr, "usage: %s [--senders N] [--bytes B] [--seconds S]\n", argv[0]); return 2; }
+  }
+  if (senders < 1 || bytes < 1 || bytes > 65507 || seconds <= 0) return 2;
+  int fd = udp_socket();
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t n = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  std::vector<pid_t> kids;
+  for (int s = 0; s < senders; ++s) {
+    pid_t p = fork();
+    if (p == 0) sender(a, bytes, seconds);
+    kids.push_back(p);
+  }
+  constexpr int kBatch = 64;
+  std::vector<std::vector<uint8_t>> buf(kBatch, std::vector<uint8_t>(65536));
+  std::vector<mmsghdr> msgs(kBatch);
+  std::vector<iovec> iov(kBatch);
+  uint64_t packets = 0, received = 0;
+  double start = now_s(), end = start + seconds;
+  pollfd pfd{fd, POLLIN, 0};
+  while (now_s() < end) {
+    if (poll(&pfd, 1, 10) <= 0) continue;
+    for (int i = 0; i < kBatch; ++i) {
+      iov[i] = {buf[i].data(), buf[i].size()};
+      msgs[i].msg_hdr = {};
+      msgs[i].msg_hdr.msg_iov = &iov[i];
+      msgs[i].msg_hdr.msg_iovlen = 1;
+    }
+    int r = recvmmsg(fd, msgs.data(), kBatch, MSG_DONTWAIT, nullptr);
+    for (int i = 0; i < r; ++i) received += msgs[i].msg_len;
+    if (r > 0) packets += uint64_t(r);
+  }
+  double took = now_s() - start;
+  for (pid_t p : kids) { kill(p, SIGTERM); waitpid(p, nullptr, 0); }
+  std::printf("{\"senders\": %d, \"bytes\": %zu, \"seconds\": %.3f, \"packets\": %llu, "
+              "\"received_bytes\": %llu, \"goodput_Bps\": %.0f}\n", senders, bytes, took,
+              (unsigned long long)packets, (unsigned long long)received, received / took);
+  return 0;
+}
