@@ -29,6 +29,11 @@ log = logging.getLogger("hvd_sparse")
 HEADER = 64  # segment header plus alignment, bytes
 OMNI_LANE = 12  # aggregation packet bytes per block besides its values (header share, lane)
 MARGIN = 0.8  # a sparse scheme must be predicted this much faster than dense
+# ... and receive at most this share of dense's bytes. The probe's small collectives miss the
+# host work that grows with volume (fresh receive buffers, copies, decode): in bench_sync at
+# 40% block density (zen receiving 0.64x dense's bytes) zen took 2.7x in-place dense while the
+# model predicted 0.45x; at 10% (0.2x the bytes) allgather was within 12% of it.
+MAX_BYTES_RATIO = 0.5
 CACHE_MAX_AGE = 24 * 3600
 
 
@@ -226,9 +231,9 @@ def predict(
 
 
 def choose(p: Prediction) -> str:
-    """The fastest scheme, sparse only when clearly faster and moving fewer bytes than dense."""
+    """The fastest scheme, sparse only when clearly faster and moving far fewer bytes than dense."""
     t = p.seconds
     best = min((s for s in t if s != "dense"), key=t.__getitem__)
-    if t[best] < MARGIN * t["dense"] and p.received[best] < p.received["dense"]:
+    if t[best] < MARGIN * t["dense"] and p.received[best] < MAX_BYTES_RATIO * p.received["dense"]:
         return best
     return "dense"

@@ -22,4 +22,6 @@ def test_prediction_keeps_times_and_bytes_apart():
 def test_sparse_only_when_clearly_cheaper():
     assert costmodel.choose(predict(0.01)) in ("allgather", "zen")
     assert costmodel.choose(predict(1.0)) == "dense"
+    assert costmodel.choose(predict(0.4)) == "dense"  # most of dense's bytes: not worth it
+    assert costmodel.choose(predict(0.1)) in ("allgather", "zen")
     assert costmodel.choose(predict(0.0)) != "dense"
