@@ -19,7 +19,12 @@ $(EXT): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/omni/*.cpp csrc/omni/*.h) |
 	@echo "[build] hvd_sparse._C"
 	@$(PY) setup.py -q build_ext --inplace > build.log 2>&1 || { tail -40 build.log; exit 1; }
 
-build: setup $(EXT)
+# `hvd-sparse` on the venv's PATH for this checkout (pip install . would install the same).
+$(VENV)/bin/hvd-sparse: | setup
+	@printf '#!/bin/sh\nPYTHONPATH="%s$${PYTHONPATH:+:$$PYTHONPATH}" exec "%s" -m hvd_sparse.cli "$$@"\n' \
+		"$(CURDIR)" "$(CURDIR)/$(PY)" > $@ && chmod +x $@
+
+build: setup $(EXT) $(VENV)/bin/hvd-sparse
 
 lint: build
 	@$(VENV)/bin/ruff check hvd_sparse tests scripts

@@ -27,7 +27,7 @@ class Config:
     fallback: str = "error"  # when aggregation fails: "error" raises, "dense" redoes it dense
     payload_bytes: int = 16384  # block values per datagram (block fusion); 1 block minimum
     slots: int = 64  # slots per aggregator per tensor: packets in flight per tensor
-    rto: float = 0.02  # first retransmission timeout, seconds (doubles up to 1 s)
+    rto: float = 0.05  # first retransmission timeout, seconds (then 3x round time, doubling)
 
     def validate(self) -> Config:
         if self.block_size < 1 or self.block_size > 1 << 24:
