@@ -14,7 +14,7 @@ class Config:
     block_size: int = 256
     scheme: str = "auto"
     timeout: float = 30.0  # seconds any wait may take before HvdSparseError
-    small_bytes: int = 64 * 1024  # "auto" sends tensors smaller than this dense
+    small_bytes: int = 64 * 1024  # "auto" and "omnireduce" send tensors smaller than this dense
     probe: str = "auto"  # network probe at init: "auto" (cached), "force", "off"
     cache_dir: str = str(Path.home() / ".cache" / "hvd_sparse")
     log_level: str = "WARNING"

@@ -149,6 +149,9 @@ def run(job: Job) -> Stage:
             f"hvd_sparse: tensor {job.name!r}: scheme 'omnireduce' needs aggregators: set "
             "HVD_SPARSE_AGGREGATORS=host:port,... or leave local_aggregators on")
     t = job.tensor
+    if t.numel() * t.element_size() < st.config.small_bytes:  # a round trip costs more
+        job.stats["reason"] = "small"
+        return (yield from dense.run(job))
     out = t if job.inplace else torch.empty_like(t)
     fallback = st.config.fallback == "dense"
     backup = t.clone() if fallback and job.inplace else None  # results overwrite the input
