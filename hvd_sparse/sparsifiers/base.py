@@ -20,6 +20,7 @@ from .. import _C, metrics
 from .memory import NoMemory, ResidualMemory
 
 _FLOATS = (torch.float32, torch.float64)
+WARMUP_START = 0.25  # density of the first warm-up step
 
 
 def check_density(density: float) -> float:
@@ -30,14 +31,28 @@ def check_density(density: float) -> float:
 
 class Sparsifier:
     """Base class. ``error_feedback`` (default on) keeps what is not sent for the next step;
-    ``rank``/``size`` default to Horovod's, read at first use."""
+    ``warmup`` steps (default 0) start at density 0.25 and decay exponentially to the requested
+    density (DGC's warm-up training); ``rank``/``size`` default to Horovod's, read at first use.
+    """
 
     density: float | None = None  # requested fraction of elements; None when not fixed
 
-    def __init__(self, error_feedback: bool = True, *, rank: int | None = None,
+    def __init__(self, error_feedback: bool = True, *, warmup: int = 0, rank: int | None = None,
                  size: int | None = None) -> None:
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
         self.memory = self.default_memory() if error_feedback else NoMemory()
+        self.warmup = warmup
+        self._steps: dict[str, int] = {}
         self._rank, self._size = rank, size
+
+    def density_now(self, name: str) -> float:
+        """The density this step of ``name``: the requested one, or its warm-up value."""
+        assert self.density is not None
+        t, start = self._steps.get(name, 0), max(WARMUP_START, self.density)
+        if t >= self.warmup:
+            return self.density
+        return start * (self.density / start) ** (t / self.warmup)
 
     def default_memory(self) -> NoMemory:
         return ResidualMemory()
@@ -89,12 +104,14 @@ class Sparsifier:
             self.memory.update(name, x, work, idx, unit)
             selected = _elements(idx, unit, work.numel())
         seconds = time.perf_counter() - t0
+        self._steps[name] = self._steps.get(name, 0) + 1
         if work.data_ptr() != flat.data_ptr():
             flat.copy_(work)
         if flat.data_ptr() != grad.data_ptr():
             grad.copy_(flat.view(grad.shape))
         metrics.record_sparsify(name, sparsifier=type(self).__name__,
-                                requested_density=self.density,
+                                requested_density=(self.density if self.density is None
+                                                    else self.density_now(name)),
                                 achieved_density=selected / grad.numel(), selected=selected,
                                 selection_ms=seconds * 1e3, nonfinite=int(nonfinite))
         return grad

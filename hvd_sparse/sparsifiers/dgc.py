@@ -33,10 +33,11 @@ class DGC(Sparsifier):
     def select(self, name: str, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
         self._calls += 1
         n = x.numel()
-        k = max(1, round(self.density * n))
+        density = self.density_now(name)
+        k = max(1, round(density * n))
         m = min(n, max(1000, math.ceil(self.sample * n)))
         s = _C.sample_abs(x, m, self._calls) if m < n else x.abs().float()
-        thr = float(torch.topk(s, max(1, round(self.density * m))).values[-1])
+        thr = float(torch.topk(s, max(1, round(density * m))).values[-1])
         idx = _C.select_abs_ge(x, thr)
         if idx.numel() > 1.3 * k:
             idx = idx[_C.topk_abs(x[idx], k, self._calls)]

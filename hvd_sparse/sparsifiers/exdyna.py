@@ -30,8 +30,8 @@ from .base import Sparsifier, check_density
 
 BALANCE_TOLERANCE = 0.05  # neighbours whose counts differ more than this trade blocks
 FINE_STEP = 0.005  # the paper's threshold step inside the tolerance band
-GAIN = 0.1  # log-factor correction per log count error outside the band (damped: no ringing)
-MAX_STEP = 1.05  # largest factor per step outside the band
+GAIN = 0.05  # factor correction per unit of relative count error outside the band
+MAX_STEP = 1.1  # largest factor per step outside the band
 SAMPLE_MIN, SAMPLE_HITS = 4096, 40  # block scores sampled per step: >= 40 expected above
 
 
@@ -42,6 +42,7 @@ class _State:
     step: int = 0
     threshold: float | None = None
     scale: float = 1.0  # online factor on the sampled quantile
+    density: float = 1.0  # the density the last selection aimed at (warm-up aware)
     local: tuple[int, float] | None = None  # this step's (count, best score) not yet observed
 
 
@@ -85,9 +86,10 @@ class ExDyna(Sparsifier):
         # Global threshold: the (1 - density) quantile of a sample of all block scores, times
         # the online factor that the observed counts steer.
         nblocks = int(st.bounds[-1])
-        m = min(nblocks, max(SAMPLE_MIN, round(SAMPLE_HITS / self.density)))
+        st.density = self.density_now(name)
+        m = min(nblocks, max(SAMPLE_MIN, round(SAMPLE_HITS / st.density)))
         s = _C.sample_block_scores(x, st.block_size, 0, nblocks, m, st.step * 7919 + self.rank)
-        st.threshold = st.scale * float(torch.topk(s, max(1, round(self.density * m))).values[-1])
+        st.threshold = st.scale * float(torch.topk(s, max(1, round(st.density * m))).values[-1])
         idx, best, _ = _C.select_blocks(x, st.block_size, b0, b1, st.threshold)
         st.local = (idx.numel(), best)
         return idx, st.block_size
@@ -117,10 +119,11 @@ class ExDyna(Sparsifier):
         """Scales the threshold so the selected block count tracks density * blocks."""
         if st.threshold is None or (total == 0 and best == 0.0):
             return  # an all-zero gradient says nothing about the right threshold
-        target = max(1.0, self.density * nblocks)
+        target = max(1.0, st.density * nblocks)
         ratio = max(total, 0.5) / target
         if abs(ratio - 1.0) > BALANCE_TOLERANCE:
-            st.scale *= min(MAX_STEP, max(1 / MAX_STEP, ratio ** GAIN))
+            # Linear in the error, so the mean count (not its geometric mean) meets the target.
+            st.scale *= min(MAX_STEP, max(1 / MAX_STEP, 1.0 + GAIN * (ratio - 1.0)))
         else:
             st.scale *= 1.0 + FINE_STEP if ratio > 1.0 else 1.0 - FINE_STEP
 

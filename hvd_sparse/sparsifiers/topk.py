@@ -18,5 +18,5 @@ class TopK(Sparsifier):
 
     def select(self, name: str, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
         self._calls += 1  # varies the sampling seed; the result is exact whatever the seed
-        k = max(1, round(self.density * x.numel()))
+        k = max(1, round(self.density_now(name) * x.numel()))
         return _C.topk_abs(x, k, self._calls), 1
