@@ -118,6 +118,16 @@ def test_error_feedback_off_keeps_no_memory():
     assert set(np.flatnonzero(out.numpy()).tolist()) == topk_set(g.double().numpy(), 100)
 
 
+def test_warmup_decays_density_exponentially_to_the_request():
+    sp = TopK(0.01, warmup=4, error_feedback=False, **ONE)
+    seen = []
+    for _ in range(6):
+        sp("w", torch.randn(10_000))
+        seen.append(hvd_sparse.metrics()["w"]["achieved_density"])
+    want = [0.25 * (0.01 / 0.25) ** (t / 4) for t in range(4)] + [0.01, 0.01]
+    np.testing.assert_allclose(seen, want, atol=1e-4)  # k is rounded to whole elements
+
+
 # ---- ExDyna ----------------------------------------------------------------------------------
 
 def simulate(n: int, size: int, steps: int, density: float, bs: int, het: torch.Tensor):
@@ -193,7 +203,7 @@ def test_exdyna_selects_whole_blocks_of_the_codec_size():
     lambda: TopK(0), lambda: TopK(1.5), lambda: TopK(-0.1), lambda: TopK(float("nan")),
     lambda: DGC(2.0), lambda: DGC(0.01, sample=0), lambda: DGC(0.01, momentum=1.0),
     lambda: ExDyna(0.0), lambda: ExDyna(1.01), lambda: ExDyna(0.01, block_size=0),
-    lambda: Threshold(-1.0), lambda: Threshold(float("nan")),
+    lambda: Threshold(-1.0), lambda: Threshold(float("nan")), lambda: TopK(0.1, warmup=-1),
     lambda: hvd_sparse.Compression.sparse(sparsifier="topk"),
 ])
 def test_bad_arguments_raise_value_error(make):
