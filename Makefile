@@ -4,18 +4,19 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 NP ?= 4
+NVCC ?= $(firstword $(wildcard /usr/local/cuda/bin/nvcc) $(shell command -v nvcc 2>/dev/null))
 EXT := hvd_sparse/_C$(shell python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 # .venv/bin first: torch's extension builder compiles incrementally when it finds ninja there
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup build test demo lint bench clean
+.PHONY: setup build test demo lint bench clean cuda-check
 
 setup:
 	@bash scripts/setup.sh
 
-$(EXT): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/omni/*.cpp csrc/omni/*.h) | setup
+$(EXT): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.h csrc/omni/*.cpp csrc/omni/*.h) | setup
 	@echo "[build] hvd_sparse._C"
 	@$(PY) setup.py -q build_ext --inplace > build.log 2>&1 || { tail -40 build.log; exit 1; }
 
@@ -29,8 +30,14 @@ build: setup $(EXT) $(VENV)/bin/hvd-sparse
 lint: build
 	@$(VENV)/bin/ruff check hvd_sparse tests scripts
 
-test: build lint
+test: build lint $(if $(NVCC),cuda-check)
 	@$(PY) -m pytest -q tests
+
+# Compiles every CUDA source for sm_80 and sm_90 (no GPU needed; nothing here runs them).
+cuda-check:
+	@test -n "$(NVCC)" || { echo "cuda-check: nvcc not found"; exit 1; }
+	@for f in csrc/cuda/*.cu; do echo "[nvcc] $$f"; $(NVCC) -std=c++17 -gencode arch=compute_80,code=sm_80 \
+	  -gencode arch=compute_90,code=sm_90 -Icsrc/cuda -c $$f -o /dev/null || exit 1; done
 
 demo: build
 	@$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo $(PY) scripts/demo.py

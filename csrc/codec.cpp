@@ -15,12 +15,16 @@
 #include "blocks.h"
 #include "segment.h"
 
+void register_sparsify(pybind11::module_& m);
+
 namespace hvd_sparse {
-namespace {
 
 // Threads the codec may use. Several ranks share a host, so hvd_sparse.init() sets this to
 // cores / local ranks: oversubscribed OpenMP teams spin and run many times slower.
+// Outside the anonymous namespace: the sparsify kernels share the budget (parallel.h).
 int g_threads = 0;  // 0: torch's intra-op thread count
+
+namespace {
 
 // Runs f over [begin, end) in contiguous chunks of at least `grain`, on up to g_threads threads.
 template <typename F>
@@ -518,5 +522,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("count_partition", &count_partition);
   m.def("set_threads", [](int n) { g_threads = n; }, "codec threads (0: torch's setting)");
   m.attr("SEGMENT_HEADER_BYTES") = sizeof(SegHeader);
-  omni::register_omni(m);
+  register_sparsify(m);  // csrc/sparsify.cpp
+  omni::register_omni(m);  // csrc/omni/worker.cpp
 }

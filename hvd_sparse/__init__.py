@@ -17,10 +17,12 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .sparsifiers import DGC, ExDyna, Sparsifier, Threshold, TopK
 
 __all__ = [
-    "Compression", "DistributedOptimizer", "HvdSparseError", "SparseCompressor", "allreduce",
-    "allreduce_", "allreduce_async", "allreduce_async_", "init", "is_initialized", "metrics",
-    "poll", "reset_metrics", "shutdown", "synchronize",
+    "DGC", "Compression", "DistributedOptimizer", "ExDyna", "HvdSparseError", "SparseCompressor",
+    "Sparsifier", "Threshold", "TopK", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "init", "is_initialized", "metrics", "poll", "reset_metrics", "shutdown",
+    "synchronize",
 ]
 __version__ = "0.1.0"

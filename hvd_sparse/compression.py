@@ -17,9 +17,11 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
+from . import basics
 from .config import SCHEMES
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async_, synchronize
+from .sparsifiers import Sparsifier
 
 _HVD_ADASUM = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
 
@@ -50,22 +52,34 @@ def _parameter_name(frame: FrameType | None) -> str | None:
 class SparseCompressor:
     """Compression object for ``hvd.DistributedOptimizer(compression=...)``."""
 
-    def __init__(self, scheme: str | None = None, block_size: int | None = None) -> None:
+    def __init__(self, scheme: str | None = None, block_size: int | None = None,
+                 sparsifier: Sparsifier | None = None) -> None:
         if scheme is not None and scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        if sparsifier is not None and not isinstance(sparsifier, Sparsifier):
+            raise ValueError(f"sparsifier must be an hvd_sparse Sparsifier, got {sparsifier!r}")
         self.scheme = scheme
         self.block_size = block_size
+        self.sparsifier = sparsifier
         self._unnamed = itertools.count()
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        name = _parameter_name(sys._getframe(1)) or f"compress.{next(self._unnamed)}"
+        name = "grad." + (_parameter_name(sys._getframe(1)) or f"compress.{next(self._unnamed)}")
+        if self.sparsifier is not None:  # the sparsified gradient is what gets reduced
+            self.sparsifier(name, tensor, self._codec_block_size())
         # In place, as Horovod reduces gradients: no fresh buffer to fault in.
-        handle = allreduce_async_(tensor, name=f"grad.{name}", op=hvd.Sum, scheme=self.scheme,
+        handle = allreduce_async_(tensor, name=name, op=hvd.Sum, scheme=self.scheme,
                                   block_size=self.block_size)
-        return tensor.new_ones(1), handle
+        return tensor.new_ones(1), (handle, name)
+
+    def _codec_block_size(self) -> int:
+        return self.block_size or basics.state().config.block_size
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        total = synchronize(ctx)
+        handle, name = ctx
+        total = synchronize(handle)
+        if self.sparsifier is not None:
+            self.sparsifier.observe(name, total, self._codec_block_size())
         # The placeholder reduced to 1 (Average) or size (Sum), up to float rounding.
         scale = round(float(tensor.reshape(-1)[0]))
         return total.mul_(scale / hvd.size())
@@ -75,5 +89,8 @@ class Compression:
     """Sparse compression objects, in the style of ``hvd.Compression``."""
 
     @staticmethod
-    def sparse(scheme: str | None = None, block_size: int | None = None) -> SparseCompressor:
-        return SparseCompressor(scheme=scheme, block_size=block_size)
+    def sparse(scheme: str | None = None, block_size: int | None = None,
+               sparsifier: Sparsifier | None = None) -> SparseCompressor:
+        """``sparsifier`` (e.g. ``hvd_sparse.TopK(0.01)``) sparsifies each gradient before its
+        reduction; element-wise ones (TopK, Threshold, DGC) want a small ``block_size``."""
+        return SparseCompressor(scheme=scheme, block_size=block_size, sparsifier=sparsifier)

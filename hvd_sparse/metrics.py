@@ -20,12 +20,23 @@ def record(name: str, scheme: str, seconds: float, stats: dict[str, Any]) -> Non
                 r[key] = stats[key]
 
 
+def record_sparsify(name: str, **fields: Any) -> None:
+    """A sparsifier's view of the tensor's last step (see hvd_sparse.sparsifiers.base)."""
+    with _lock:
+        _records.setdefault(name, {"calls": 0}).update(fields)
+
+
 def metrics() -> dict[str, dict[str, Any]]:
     """name -> {scheme, calls, bytes_sent, block_density, seconds, ...} of each tensor's last call.
 
     ``scheme`` is what ran (for "auto", what it chose); ``bytes_sent`` is what this rank put on
     the wire, modelling Horovod's ring collectives; ``block_density`` is the mean fraction of
     non-zero blocks over ranks (absent for dense, which never looks).
+
+    With a sparsifier, also: ``sparsifier``, ``requested_density``, ``achieved_density`` (this
+    rank's selected elements / numel), ``selected``, ``selection_ms``, ``nonfinite`` (elements
+    that made the step go out dense), and after the reduction ``union`` (non-zero elements of
+    the reduced gradient, i.e. the union of all ranks' selections) and ``union_density``.
     """
     with _lock:
         return copy.deepcopy(_records)

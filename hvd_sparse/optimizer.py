@@ -14,16 +14,19 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
+from . import basics
 from .config import SCHEMES
 from .engine import Handle
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
+from .sparsifiers import Sparsifier
 
 
 class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
                  scheme: str | None, block_size: int | None, op: Any,
-                 gradient_predivide_factor: float, backward_passes_per_step: int) -> None:
+                 gradient_predivide_factor: float, backward_passes_per_step: int,
+                 sparsifier: Sparsifier | None = None) -> None:
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is not None:
@@ -39,6 +42,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
         self._names = names
         self._scheme, self._block_size, self._op = scheme, block_size, op
+        self._sparsifier = sparsifier
         self._predivide = gradient_predivide_factor
         self._passes_per_step = backward_passes_per_step
         self._passes: dict[torch.Tensor, int] = {}
@@ -63,10 +67,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         pre, post = ((1.0 / self._predivide, self._predivide) if self._op == hvd.Average
                      else (1.0, 1.0))
+        if self._sparsifier is not None and not p.grad.is_sparse:
+            self._sparsifier(self._names[id(p)], p.grad, self._codec_block_size())
         start = allreduce_async if p.grad.is_sparse else allreduce_async_
         self._handles[p] = start(p.grad, name=self._names[id(p)], op=self._op,
                                            scheme=self._scheme, prescale_factor=pre,
                                            postscale_factor=post, block_size=self._block_size)
+
+    def _codec_block_size(self) -> int:
+        return self._block_size or basics.state().config.block_size
 
     def synchronize(self) -> None:
         """Waits for every gradient's reduction and writes the results into ``p.grad``."""
@@ -76,6 +85,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                     self._submit(p)
         for p, h in self._handles.items():
             out = synchronize(h)
+            if self._sparsifier is not None and not p.grad.is_sparse:
+                self._sparsifier.observe(self._names[id(p)], out, self._codec_block_size())
             if p.grad.is_sparse:  # keep sparse optimizers (SparseAdam) working
                 p.grad = out.to_sparse(sparse_dim=1) if out.dim() > 1 else out.to_sparse()
             # dense gradients were reduced in place
@@ -116,8 +127,13 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     op: Any = None,
     gradient_predivide_factor: float = 1.0,
     backward_passes_per_step: int = 1,
+    sparsifier: Sparsifier | None = None,
 ) -> torch.optim.Optimizer:
-    """Wraps ``optimizer`` so ``step()`` applies gradients reduced across ranks by hvd_sparse."""
+    """Wraps ``optimizer`` so ``step()`` applies gradients reduced across ranks by hvd_sparse.
+
+    ``sparsifier`` (e.g. ``hvd_sparse.ExDyna(density=0.01)``) sparsifies each dense gradient
+    before its reduction; element-wise ones (TopK, Threshold, DGC) want a small ``block_size``.
+    """
     op = hvd.Average if op is None else op
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError("hvd_sparse.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
@@ -127,7 +143,9 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
         raise ValueError("backward_passes_per_step must be >= 1")
     if scheme is not None and scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if sparsifier is not None and not isinstance(sparsifier, Sparsifier):
+        raise ValueError(f"sparsifier must be an hvd_sparse Sparsifier, got {sparsifier!r}")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_SparseDistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, scheme, block_size, op,
-               gradient_predivide_factor, backward_passes_per_step)
+               gradient_predivide_factor, backward_passes_per_step, sparsifier)

@@ -1,0 +1,138 @@
+"""What every sparsifier shares: input checks, error feedback, the in-place step, metrics.
+
+A sparsifier is called once per step per tensor, before the reduction, as
+``sparsifier(name, grad, block_size)``: it adds the error-feedback memory to ``grad``, selects,
+and leaves ``grad`` holding the selected values and zeros elsewhere (the tensor every scheme then
+reduces). After the reduction, ``observe(name, reduced, block_size)`` lets it see the result
+(union size; ExDyna's load balancing). Subclasses implement only ``select``.
+
+A gradient holding NaN or Inf (after adding the memory) is not sparsified: it goes out whole,
+so the reduced gradient carries the NaN/Inf exactly as a dense allreduce would, and the memory
+of that tensor is cleared. An all-zero gradient selects nothing and reduces to zeros, as dense.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import _C, metrics
+from .memory import NoMemory, ResidualMemory
+
+_FLOATS = (torch.float32, torch.float64)
+WARMUP_START = 0.25  # density of the first warm-up step
+
+
+def check_density(density: float) -> float:
+    if not isinstance(density, int | float) or not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    return float(density)
+
+
+class Sparsifier:
+    """Base class. ``error_feedback`` (default on) keeps what is not sent for the next step;
+    ``warmup`` steps (default 0) start at density 0.25 and decay exponentially to the requested
+    density (DGC's warm-up training); ``rank``/``size`` default to Horovod's, read at first use.
+    """
+
+    density: float | None = None  # requested fraction of elements; None when not fixed
+
+    def __init__(self, error_feedback: bool = True, *, warmup: int = 0, rank: int | None = None,
+                 size: int | None = None) -> None:
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+        self.memory = self.default_memory() if error_feedback else NoMemory()
+        self.warmup = warmup
+        self._steps: dict[str, int] = {}
+        self._rank, self._size = rank, size
+
+    def density_now(self, name: str) -> float:
+        """The density this step of ``name``: the requested one, or its warm-up value."""
+        assert self.density is not None
+        t, start = self._steps.get(name, 0), max(WARMUP_START, self.density)
+        if t >= self.warmup:
+            return self.density
+        return start * (self.density / start) ** (t / self.warmup)
+
+    def default_memory(self) -> NoMemory:
+        return ResidualMemory()
+
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            import horovod.torch as hvd
+            self._rank = hvd.rank()
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        if self._size is None:
+            import horovod.torch as hvd
+            self._size = hvd.size()
+        return self._size
+
+    def select(self, name: str, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+        """(ascending int64 indices of the selected units, elements per unit) of flat ``x``."""
+        raise NotImplementedError
+
+    def skip(self, name: str) -> None:
+        """Called instead of ``select`` on a step that went out dense (non-finite values)."""
+
+    def __call__(self, name: str, grad: torch.Tensor, block_size: int = 1) -> torch.Tensor:
+        """Sparsifies ``grad`` in place (zeros outside the selection) and returns it."""
+        if not grad.is_floating_point():
+            raise ValueError(f"{type(self).__name__}: tensor {name!r} is {grad.dtype}; "
+                             "sparsifiers take floating-point gradients")
+        if grad.device.type != "cpu":
+            raise ValueError(f"{type(self).__name__}: tensor {name!r} is on {grad.device}; "
+                             "sparsifiers run on CPU tensors")
+        if grad.numel() == 0:
+            return grad
+        flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1).clone()
+        # float16/bfloat16 are selected in float32 and rounded once on the way back.
+        work = flat if flat.dtype in _FLOATS else flat.float()
+        t0 = time.perf_counter()
+        x, nonfinite = self.memory.compensate(name, work)
+        if nonfinite:
+            if x.data_ptr() != work.data_ptr():
+                work.copy_(x)
+            self.memory.reset(name)
+            self.skip(name)
+            selected = work.numel()
+        else:
+            idx, unit = self.select(name, x, block_size)
+            self.memory.update(name, x, work, idx, unit)
+            selected = _elements(idx, unit, work.numel())
+        seconds = time.perf_counter() - t0
+        self._steps[name] = self._steps.get(name, 0) + 1
+        if work.data_ptr() != flat.data_ptr():
+            flat.copy_(work)
+        if flat.data_ptr() != grad.data_ptr():
+            grad.copy_(flat.view(grad.shape))
+        metrics.record_sparsify(name, sparsifier=type(self).__name__,
+                                requested_density=(self.density if self.density is None
+                                                    else self.density_now(name)),
+                                achieved_density=selected / grad.numel(), selected=selected,
+                                selection_ms=seconds * 1e3, nonfinite=int(nonfinite))
+        return grad
+
+    def observe(self, name: str, reduced: torch.Tensor, block_size: int = 1) -> None:
+        """Sees the reduced gradient: records the union of the ranks' selections."""
+        flat = reduced.detach().reshape(-1)
+        if flat.dtype not in _FLOATS:
+            flat = flat.float()
+        bounds = torch.tensor([0, flat.numel()], dtype=torch.int64)
+        _, union, _ = _C.partition_counts(flat, 1, bounds)
+        self.record_union(name, union, flat.numel())
+
+    @staticmethod
+    def record_union(name: str, union: int, numel: int) -> None:
+        metrics.record_sparsify(name, union=union, union_density=union / max(1, numel))
+
+
+def _elements(idx: torch.Tensor, unit: int, numel: int) -> int:
+    """Elements covered by ``len(idx)`` units of ``unit`` (the tail unit may be short)."""
+    n = idx.numel() * unit
+    if n and unit > 1 and int(idx[-1]) == (numel - 1) // unit:
+        n -= (-numel) % unit
+    return n

@@ -1,0 +1,146 @@
+"""ExDyna (CCGrid'24): exclusive, dynamically balanced block partitions and an online threshold.
+
+The tensor is cut into fine blocks, the blocks into ``size`` contiguous partitions. At step t,
+rank r selects only in partition (t + r) mod size, so no block is chosen by two ranks and the
+union of the selections is just the sum of their counts (no "build-up"). A block is selected
+when its score, mean |x| over the block, reaches the threshold; blocks, not elements, so the
+selection is exactly what the block codec ships (block size 1 is per-element ExDyna).
+
+The threshold is global: each step it is the (1 - density) quantile of a random sample of the
+block scores of the whole tensor, times an online factor. A rank selects only in the partition
+it drained longest ago, so the bare quantile lets through too many (about 1.5x at 4 ranks); the
+factor corrects that. After each reduction every rank counts the non-zero blocks of the reduced
+gradient per partition (identical on all ranks, so all ranks move the same boundaries):
+neighbours whose counts differ by more than 5% trade blocks, and the factor is scaled so the
+total tracks the requested density: by a damped proportional step while off by more than 5%,
+then by the paper's fine steps (x1.005 when too many, x0.995 when too few). The paper scales the
+threshold itself, from a fixed start; with error feedback the residuals grow some 10x in the
+first 1/density steps, faster than 0.5% steps can follow, hence the sampled quantile underneath.
+Without ``observe`` (no reduction seen) the factor follows this rank's own count and the
+partitions stay fixed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import _C
+from .base import Sparsifier, check_density
+
+BALANCE_TOLERANCE = 0.05  # neighbours whose counts differ more than this trade blocks
+FINE_STEP = 0.005  # the paper's threshold step inside the tolerance band
+GAIN = 0.05  # factor correction per unit of relative count error outside the band
+MAX_STEP = 1.1  # largest factor per step outside the band
+SAMPLE_MIN, SAMPLE_HITS = 4096, 40  # block scores sampled per step: >= 40 expected above
+
+
+@dataclass
+class _State:
+    bounds: torch.Tensor  # int64 [size + 1] block boundaries of the partitions
+    block_size: int
+    step: int = 0
+    threshold: float | None = None
+    scale: float = 1.0  # online factor on the sampled quantile
+    density: float = 1.0  # the density the last selection aimed at (warm-up aware)
+    local: tuple[int, float] | None = None  # this step's (count, best score) not yet observed
+
+
+class ExDyna(Sparsifier):
+    """``ExDyna(density)``; ``block_size`` defaults to the codec's block size of the call."""
+
+    def __init__(self, density: float, error_feedback: bool = True,
+                 block_size: int | None = None, **kw: int) -> None:
+        super().__init__(error_feedback, **kw)
+        self.density = check_density(density)
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.states: dict[str, _State] = {}
+
+    def _state(self, name: str, numel: int, block_size: int) -> _State:
+        bs = self.block_size or block_size
+        st = self.states.get(name)
+        nblocks = -(-numel // bs)
+        if st is None or st.block_size != bs or int(st.bounds[-1]) != nblocks:
+            edges = [round(i * nblocks / self.size) for i in range(self.size + 1)]
+            st = self.states[name] = _State(torch.tensor(edges, dtype=torch.int64), bs)
+        return st
+
+    def partition(self, name: str) -> tuple[int, int]:
+        """Block range [b0, b1) this rank selects in at its next step."""
+        st = self.states[name]
+        p = (st.step + self.rank) % self.size
+        return int(st.bounds[p]), int(st.bounds[p + 1])
+
+    def select(self, name: str, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+        st = self._state(name, x.numel(), block_size)
+        if st.local is not None:  # last step was never observed: steer by this rank alone
+            count, best = st.local
+            self._steer(st, count * self.size, best, int(st.bounds[-1]))
+        b0, b1 = self.partition(name)
+        st.step += 1
+        if b0 == b1:
+            st.local = None
+            return torch.empty(0, dtype=torch.int64), st.block_size
+        # Global threshold: the (1 - density) quantile of a sample of all block scores, times
+        # the online factor that the observed counts steer.
+        nblocks = int(st.bounds[-1])
+        st.density = self.density_now(name)
+        m = min(nblocks, max(SAMPLE_MIN, round(SAMPLE_HITS / st.density)))
+        s = _C.sample_block_scores(x, st.block_size, 0, nblocks, m, st.step * 7919 + self.rank)
+        st.threshold = st.scale * float(torch.topk(s, max(1, round(st.density * m))).values[-1])
+        idx, best, _ = _C.select_blocks(x, st.block_size, b0, b1, st.threshold)
+        st.local = (idx.numel(), best)
+        return idx, st.block_size
+
+    def skip(self, name: str) -> None:
+        st = self.states.get(name)
+        if st is not None:
+            st.step += 1
+            st.local = None
+
+    def observe(self, name: str, reduced: torch.Tensor, block_size: int = 1) -> None:
+        st = self.states.get(name)
+        if st is None:
+            return super().observe(name, reduced, block_size)
+        flat = reduced.detach().reshape(-1)
+        flat = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+        counts, union, nonfinite = _C.partition_counts(flat, st.block_size, st.bounds)
+        self.record_union(name, union, flat.numel())
+        local, st.local = st.local, None
+        if nonfinite:  # a rank sent a NaN/Inf gradient whole: these counts say nothing
+            return
+        best = local[1] if local is not None else 1.0
+        self._steer(st, int(counts.sum()), best, int(st.bounds[-1]))
+        self._rebalance(st, counts.tolist())
+
+    def _steer(self, st: _State, total: int, best: float, nblocks: int) -> None:
+        """Scales the threshold so the selected block count tracks density * blocks."""
+        if st.threshold is None or (total == 0 and best == 0.0):
+            return  # an all-zero gradient says nothing about the right threshold
+        target = max(1.0, st.density * nblocks)
+        ratio = max(total, 0.5) / target
+        if abs(ratio - 1.0) > BALANCE_TOLERANCE:
+            # Linear in the error, so the mean count (not its geometric mean) meets the target.
+            st.scale *= min(MAX_STEP, max(1 / MAX_STEP, 1.0 + GAIN * (ratio - 1.0)))
+        else:
+            st.scale *= 1.0 + FINE_STEP if ratio > 1.0 else 1.0 - FINE_STEP
+
+    def _rebalance(self, st: _State, counts: list[int]) -> None:
+        """Moves the boundary between neighbours whose counts differ by more than 5%, towards
+        the heavier one, by half the blocks that would even them out (at most a quarter of it)."""
+        b = st.bounds.tolist()
+        for i in range(len(counts) - 1):
+            hi, lo = max(counts[i], counts[i + 1]), min(counts[i], counts[i + 1])
+            if hi == 0 or hi - lo <= BALANCE_TOLERANCE * hi:
+                continue
+            heavy = i if counts[i] > counts[i + 1] else i + 1
+            blocks = b[heavy + 1] - b[heavy]
+            per_block = hi / max(1, blocks)
+            move = min(blocks // 4, max(1, round((hi - lo) / (2 * per_block) / 2)))
+            if move <= 0:
+                continue
+            # heavy on the left gives its right end away; on the right, its left end
+            b[i + 1] += -move if heavy == i else move
+        st.bounds = torch.tensor(b, dtype=torch.int64)

@@ -1,0 +1,79 @@
+"""Error feedback, kept apart from selection (GRACE's "memory"): what a sparsifier does not send
+this step is remembered and added to the next step's gradient.
+
+A memory owns one buffer (or two, for DGC) per tensor name. ``compensate`` returns the tensor to
+select from; ``update`` moves the selection into the outgoing gradient and keeps the rest.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+
+
+class NoMemory:
+    """No error feedback: what is not selected is dropped."""
+
+    def compensate(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(tensor to select from, number of non-finite elements in it)."""
+        return grad, _C.count_nonfinite(grad)
+
+    def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
+               unit: int) -> None:
+        """Leaves only the selected units (``idx``, ascending, of ``unit`` elements) in ``out``."""
+        _C.extract_(out, out, idx, unit, False)
+
+    def reset(self, name: str) -> None:
+        pass
+
+
+class ResidualMemory(NoMemory):
+    """Residual accumulation: e = e + g; send the selection of e; e keeps what was not sent."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compensate(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+        e = self.residuals.get(name)
+        if e is None or e.shape != grad.shape or e.dtype != grad.dtype:
+            e = self.residuals[name] = torch.zeros_like(grad)
+        return e, _C.accumulate_(e, grad)
+
+    def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
+               unit: int) -> None:
+        _C.extract_(x, out, idx, unit, True)
+
+    def reset(self, name: str) -> None:
+        # A non-finite value went out dense; keeping it would poison every later step.
+        self.residuals.pop(name, None)
+
+
+class MomentumMemory(ResidualMemory):
+    """DGC's momentum correction and factor masking: u = m u + g, v = v + u; send the selection
+    of v; zero u and v where sent (so stale momentum does not push those coordinates again).
+
+    Use it with an optimizer without momentum: the momentum lives here, before sparsification.
+    """
+
+    def __init__(self, momentum: float = 0.9) -> None:
+        super().__init__()
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.momentum = momentum
+        self.velocities: dict[str, torch.Tensor] = {}
+
+    def compensate(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+        v = self.residuals.get(name)
+        if v is None or v.shape != grad.shape or v.dtype != grad.dtype:
+            v = self.residuals[name] = torch.zeros_like(grad)
+            self.velocities[name] = torch.zeros_like(grad)
+        return v, _C.momentum_accumulate_(self.velocities[name], v, grad, self.momentum)
+
+    def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
+               unit: int) -> None:
+        _C.extract_(x, out, idx, unit, True)
+        _C.zero_units_(self.velocities[name], idx, unit)
+
+    def reset(self, name: str) -> None:
+        super().reset(name)
+        self.velocities.pop(name, None)

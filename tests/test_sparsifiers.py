@@ -1,0 +1,308 @@
+"""Sparsifiers and their kernels against numpy/float64 references (single process; the ranks of
+ExDyna are simulated by giving each instance its rank and size)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hvd_sparse
+from hvd_sparse import _C, DGC, ExDyna, Threshold, TopK
+from hvd_sparse.sparsifiers.exdyna import _State
+
+ONE = {"rank": 0, "size": 1}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors: threads only add contention on the shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    _C.set_threads(1)
+    yield
+    torch.set_num_threads(before)
+    _C.set_threads(0)
+
+
+def topk_set(x: np.ndarray, k: int) -> set[int]:
+    return set(np.argpartition(-np.abs(x), k - 1)[:k].tolist()) if k < x.size else set(
+        range(x.size))
+
+
+# ---- TopK ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n,density", [(1, 1.0), (10, 0.1), (1000, 0.01), (100_003, 0.001),
+                                       (300_000, 0.1), (5000, 1.0)])
+def test_topk_selects_exactly_the_k_largest(n, density, dtype):
+    g = torch.from_numpy(np.random.default_rng(n).standard_normal(n)).to(dtype)
+    out = TopK(density, error_feedback=False, **ONE)("t", g.clone())
+    k = max(1, round(density * n))
+    nz = np.flatnonzero(out.numpy())
+    assert set(nz.tolist()) == topk_set(g.double().numpy(), k)
+    np.testing.assert_array_equal(out.numpy()[nz], g.numpy()[nz])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-5, 5), min_size=1, max_size=400), st.integers(0, 500),
+       st.integers(0, 2**31))
+def test_topk_kernel_with_ties_is_a_top_set(values, k, seed):
+    x = torch.tensor(values, dtype=torch.float32)
+    idx = _C.topk_abs(x, k, seed).numpy()
+    a = np.abs(np.array(values, dtype=np.float64))
+    assert len(idx) == min(k, len(values))
+    assert np.all(np.diff(idx) > 0)
+    rest = np.setdiff1d(np.arange(len(values)), idx)
+    if len(idx) and len(rest):
+        assert a[idx].min() >= a[rest].max()
+
+
+# ---- Threshold -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("thr", [0.0, 0.5, 1.5, 10.0])
+def test_threshold_matches_numpy(thr):
+    g = torch.randn(50_001, dtype=torch.float64)
+    out = Threshold(thr, error_feedback=False, **ONE)("t", g.clone()).numpy()
+    x = g.numpy()
+    np.testing.assert_array_equal(out, np.where(np.abs(x) >= thr, x, 0.0))
+
+
+# ---- error feedback ---------------------------------------------------------------------------
+
+def test_residual_memory_math_is_exact():
+    rng = np.random.default_rng(3)
+    sp = TopK(0.05, **ONE)
+    e = np.zeros(2000)
+    for step in range(6):
+        g = rng.standard_normal(2000)
+        out = sp("w", torch.from_numpy(g.copy())).numpy()
+        x = e + g
+        sel = np.zeros(2000, bool)
+        sel[list(topk_set(x, 100))] = True
+        np.testing.assert_array_equal(out, np.where(sel, x, 0.0), err_msg=f"step {step}")
+        e = np.where(sel, 0.0, x)
+        np.testing.assert_array_equal(sp.memory.residuals["w"].numpy(), e)
+
+
+def test_dgc_momentum_correction_and_masking():
+    rng = np.random.default_rng(4)
+    m, n, density = 0.9, 20_000, 0.01
+    sp = DGC(density, momentum=m, **ONE)
+    u, v = np.zeros(n), np.zeros(n)
+    for _ in range(5):
+        g = rng.standard_normal(n)
+        out = sp("w", torch.from_numpy(g.copy())).numpy()
+        u = m * u + g
+        v = v + u
+        sel = out != 0
+        # DGC's selection is a top set of |v| with about k elements (sampled threshold).
+        assert 0.5 * density * n <= sel.sum() <= 1.3 * density * n, sel.sum()
+        assert np.abs(v[sel]).min() >= np.abs(v[~sel]).max()
+        np.testing.assert_allclose(out[sel], v[sel], rtol=1e-12)
+        u[sel] = 0.0
+        v[sel] = 0.0
+        np.testing.assert_allclose(sp.memory.residuals["w"].numpy(), v, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(sp.memory.velocities["w"].numpy(), u, rtol=1e-12, atol=1e-12)
+
+
+def test_error_feedback_off_keeps_no_memory():
+    sp = TopK(0.1, error_feedback=False, **ONE)
+    g = torch.randn(1000)
+    sp("w", g.clone())
+    assert not hasattr(sp.memory, "residuals")
+    out = sp("w", g.clone())  # same input, no memory: same selection
+    assert set(np.flatnonzero(out.numpy()).tolist()) == topk_set(g.double().numpy(), 100)
+
+
+def test_warmup_decays_density_exponentially_to_the_request():
+    sp = TopK(0.01, warmup=4, error_feedback=False, **ONE)
+    seen = []
+    for _ in range(6):
+        sp("w", torch.randn(10_000))
+        seen.append(hvd_sparse.metrics()["w"]["achieved_density"])
+    want = [0.25 * (0.01 / 0.25) ** (t / 4) for t in range(4)] + [0.01, 0.01]
+    np.testing.assert_allclose(seen, want, atol=1e-4)  # k is rounded to whole elements
+
+
+# ---- ExDyna ----------------------------------------------------------------------------------
+
+def simulate(n: int, size: int, steps: int, density: float, bs: int, het: torch.Tensor):
+    sp = [ExDyna(density, rank=r, size=size, block_size=bs) for r in range(size)]
+    gen = torch.Generator().manual_seed(0)
+    dens, counts = [], []
+    for step in range(steps):
+        parts = [s.partition("w") if "w" in s.states else None for s in sp]
+        outs = [s("w", torch.randn(n, generator=gen) * het) for s in sp]
+        masks = [(o != 0).view(-1) for o in outs]
+        assert int(torch.stack(masks).sum(0).max()) <= 1, f"step {step}: index chosen twice"
+        for r, mask in enumerate(masks):
+            if parts[r] is not None and mask.any():
+                where = mask.nonzero().squeeze(1) // bs
+                assert parts[r][0] <= int(where.min()) and int(where.max()) < parts[r][1]
+        red = sum(outs)
+        for s in sp:
+            s.observe("w", red)
+        dens.append(hvd_sparse.metrics()["w"]["union_density"])
+        counts.append([int(m.view(-1, bs).any(1).sum()) for m in masks])
+    return sp, dens, counts
+
+
+def test_exdyna_is_exclusive_rotating_and_tracks_density():
+    n, bs = 40_000, 4
+    het = torch.ones(n)
+    het[: n // 8] = 5.0  # a hot region: its partitions must shrink
+    het[3 * n // 4:] = 0.2
+    sp, dens, counts = simulate(n, 4, 120, 0.01, bs, het)
+    after = float(np.mean(dens[40:]))
+    assert abs(after - 0.01) <= 0.001, after
+    b = sp[0].states["w"].bounds.tolist()
+    assert all(s.states["w"].bounds.tolist() == b for s in sp)  # every rank agrees
+    assert b[1] - b[0] < (n // bs) // 8  # the partition over the hot region shrank
+    first, last = np.array(counts[1:11]), np.array(counts[-10:])
+    spread = lambda c: float(np.mean(c.max(1) / np.maximum(1, c.min(1))))  # noqa: E731
+    assert spread(last) < spread(first)
+
+
+def test_exdyna_rebalance_moves_towards_the_heavier_neighbour():
+    sp = ExDyna(0.01, rank=0, size=4, block_size=1)
+    st_ = _State(torch.tensor([0, 100, 200, 300, 400]), 1)
+    sp._rebalance(st_, [40, 10, 10, 10])
+    b = st_.bounds.tolist()
+    assert b[1] < 100 and b[2:] == [200, 300, 400]  # only the uneven pair moved, towards 0
+    st_ = _State(torch.tensor([0, 100, 200, 300, 400]), 1)
+    sp._rebalance(st_, [10, 10, 10, 10])
+    assert st_.bounds.tolist() == [0, 100, 200, 300, 400]
+    sp._rebalance(st_, [100, 102, 104, 100])  # within 5%: stays
+    assert st_.bounds.tolist() == [0, 100, 200, 300, 400]
+    st_ = _State(torch.tensor([0, 100, 200, 300, 400]), 1)
+    for _ in range(50):  # repeated pressure never crosses boundaries
+        sp._rebalance(st_, [0, 1000, 0, 1000])
+        b = st_.bounds.tolist()
+        assert all(b[i] <= b[i + 1] for i in range(4)), b
+
+
+def test_exdyna_selects_whole_blocks_of_the_codec_size():
+    sp = ExDyna(0.05, rank=1, size=2, error_feedback=False)
+    g = torch.randn(10_000)
+    out = sp("w", g.clone(), 16)  # block size from the call (the codec's)
+    b0, b1 = sp.states["w"].bounds.tolist()[1:3]
+    mask = (out != 0).view(-1)
+    blocks = mask[: (len(mask) // 16) * 16].view(-1, 16)
+    assert bool((blocks.all(1) | ~blocks.any(1)).all())  # blocks go whole or not at all
+    sel = blocks.any(1).nonzero().squeeze(1)
+    assert len(sel) and b0 <= int(sel.min()) and int(sel.max()) < b1
+
+
+# ---- bad input and special values ----------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: TopK(0), lambda: TopK(1.5), lambda: TopK(-0.1), lambda: TopK(float("nan")),
+    lambda: DGC(2.0), lambda: DGC(0.01, sample=0), lambda: DGC(0.01, momentum=1.0),
+    lambda: ExDyna(0.0), lambda: ExDyna(1.01), lambda: ExDyna(0.01, block_size=0),
+    lambda: Threshold(-1.0), lambda: Threshold(float("nan")), lambda: TopK(0.1, warmup=-1),
+    lambda: hvd_sparse.Compression.sparse(sparsifier="topk"),
+])
+def test_bad_arguments_raise_value_error(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+@pytest.mark.parametrize("cls", [TopK, DGC, ExDyna])
+def test_integer_tensor_raises_value_error(cls):
+    with pytest.raises(ValueError, match="int64"):
+        cls(0.1, **ONE)("w", torch.arange(100))
+
+
+SPARSIFIERS = [lambda: TopK(0.1, **ONE), lambda: Threshold(0.5, **ONE),
+               lambda: DGC(0.1, **ONE), lambda: ExDyna(0.1, block_size=4, **ONE)]
+
+
+@pytest.mark.parametrize("make", SPARSIFIERS)
+def test_all_zero_gradient_reduces_like_dense(make):
+    sp = make()
+    for _ in range(3):
+        out = sp("w", torch.zeros(1000))
+        assert torch.equal(out, torch.zeros(1000))
+        sp.observe("w", out)
+    g = torch.randn(1000)  # still works after zeros
+    assert (sp("w", g.clone()) != 0).any()
+
+
+@pytest.mark.parametrize("make", SPARSIFIERS)
+def test_nan_gradient_goes_out_whole_and_clears_memory(make):
+    sp = make()
+    sp("w", torch.randn(1000))  # leaves a residual
+    g = torch.randn(1000)
+    g[17] = float("nan")
+    out = sp("w", g.clone())
+    assert torch.isnan(out[17]) and bool((out != 0).all()), "sent whole, NaN included"
+    assert hvd_sparse.metrics()["w"]["nonfinite"] == 1
+    assert torch.isnan(sp("w", torch.full((1000,), float("nan")))).all()
+    h = torch.randn(1000)
+    out = sp("w", h.clone())  # memory was cleared: only h's values can appear
+    nz = out != 0
+    assert torch.equal(out[nz], h[nz]) if not isinstance(sp, DGC) else torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_gradients_select_in_float32(dtype):
+    g = torch.randn(4000).to(dtype)
+    out = TopK(0.01, error_feedback=False, **ONE)("w", g.clone())
+    assert out.dtype == dtype
+    nz = np.flatnonzero(out.float().numpy())
+    assert len(nz) == 40
+    a = np.abs(g.float().numpy())
+    assert a[nz].min() >= np.delete(a, nz).max()
+
+
+def test_non_contiguous_gradient_is_sparsified_in_place():
+    base = torch.randn(200, 50)
+    g = base.t()  # a transposed view
+    ref = g.contiguous().view(-1).double().numpy()
+    TopK(0.02, error_feedback=False, **ONE)("w", g)
+    nz = np.flatnonzero(g.contiguous().view(-1).numpy())
+    assert set(nz.tolist()) == topk_set(ref, 200)
+
+
+def test_metrics_report_densities_union_and_time():
+    hvd_sparse.reset_metrics()
+    sp = TopK(0.01, **ONE)
+    out = sp("m", torch.randn(10_000))
+    sp.observe("m", out * 2)
+    r = hvd_sparse.metrics()["m"]
+    assert r["sparsifier"] == "TopK" and r["requested_density"] == 0.01
+    assert r["achieved_density"] == 0.01 and r["selected"] == 100
+    assert r["union"] == 100 and math.isclose(r["union_density"], 0.01)
+    assert r["selection_ms"] >= 0.0
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+def test_partition_counts_match_numpy():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(1003) * (rng.random(1003) < 0.05)
+    x[500] = np.inf
+    bounds = np.array([0, 10, 10, 60, 126])
+    counts, nnz, bad = _C.partition_counts(torch.from_numpy(x), 8, torch.from_numpy(bounds))
+    pad = np.zeros(126 * 8)
+    pad[:1003] = x
+    nzb = (pad.reshape(-1, 8) != 0).any(1)
+    ref = [int(nzb[bounds[i]:bounds[i + 1]].sum()) for i in range(4)]
+    assert counts.tolist() == ref and nnz == int((x != 0).sum()) and bad == 1
+
+
+def test_extract_moves_selected_units_with_ragged_tail():
+    src = torch.randn(1003, dtype=torch.float64)
+    ref = src.numpy().copy()
+    dst = torch.full((1003,), 7.0, dtype=torch.float64)
+    idx = torch.tensor([0, 5, 62], dtype=torch.int64)  # unit 62 is the 3-element tail
+    _C.extract_(src, dst, idx, 16, True)
+    want = np.zeros(1003)
+    for u in (0, 5, 62):
+        want[u * 16:(u + 1) * 16] = ref[u * 16:(u + 1) * 16]
+    np.testing.assert_array_equal(dst.numpy(), want)
+    np.testing.assert_array_equal(src.numpy(), np.where(want != 0, 0.0, ref))
