@@ -25,7 +25,7 @@ class Config:
     local_aggregators: int = -1  # how many rank 0 starts; -1: one per 4 workers; 0: none
     aggregator_host: str = ""  # address workers reach local aggregators at; "": automatic
     fallback: str = "error"  # when aggregation fails: "error" raises, "dense" redoes it dense
-    payload_bytes: int = 16384  # block values per datagram (block fusion); 1 block minimum
+    payload_bytes: int = 64512  # block values per datagram (block fusion): 63 float32 blocks
     slots: int = 64  # slots per aggregator per tensor: packets in flight per tensor
     rto: float = 0.05  # first retransmission timeout, seconds (then 3x round time, doubling)
 

@@ -49,14 +49,14 @@ class NetModel:
     # ranks' blocks in, the sum out to each), and the layout (payload bytes per packet, slots
     # over all aggregators) that sets how many rounds a tensor takes. None: no aggregators.
     omnireduce: tuple[float, float] | None = None
-    omni_layout: tuple[int, int] = (16384, 64)
+    omni_layout: tuple[int, int] = (64512, 64)
 
     @staticmethod
     def default(layout: tuple[int, int] | None = None) -> NetModel:
         # Conservative guess (about 1 GB/s links) used when probing is off.
         return NetModel((2e-4, 2e-9), (2e-4, 1e-9), (3e-4, 1e-9), 2e9, 4e9,
                         omnireduce=(5e-4, 1e-9) if layout else None,
-                        omni_layout=layout or (16384, 64))
+                        omni_layout=layout or (64512, 64))
 
 
 def _median_time(fn: Callable[[], object], reps: int = 5) -> float:
@@ -76,7 +76,7 @@ def _fit(small: tuple[float, float], big: tuple[float, float]) -> tuple[float, f
 
 
 def probe(omni: Callable[[int], float] | None = None,
-          layout: tuple[int, int] = (16384, 64)) -> NetModel:
+          layout: tuple[int, int] = (64512, 64)) -> NetModel:
     """Times the real collectives at two sizes (collective: every rank must call it);
     ``omni(numel)`` times one aggregation of a dense float32 tensor, when there are aggregators
     laid out as ``layout``.
@@ -152,7 +152,7 @@ def _cache_path(cache_dir: str, aggregators: str) -> Path:
 
 
 def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None = None,
-                  layout: tuple[int, int] = (16384, 64), aggregators: str = "") -> NetModel:
+                  layout: tuple[int, int] = (64512, 64), aggregators: str = "") -> NetModel:
     """The job's network model, identical on every rank (rank 0's cache or a fresh probe).
     ``aggregators`` describes the aggregator set the cached ``omni`` timings belong to."""
     if mode == "off" or hvd.size() == 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from conftest import launch
 
-SCHEMES = ["dense", "allgather", "zen", "auto"]
+SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
 CASES = [(s, "optimizer", "exdyna") for s in SCHEMES] + [
     (s, "compression", "topk") for s in SCHEMES] + [
     ("allgather", "compression", "dgc"), ("zen", "optimizer", "dgc")]

@@ -16,7 +16,7 @@ from torch import nn
 
 import hvd_sparse
 
-SCHEMES = ["dense", "allgather", "zen", "auto"]
+SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
 SPARSIFIERS = {"topk": lambda: hvd_sparse.TopK(0.01), "exdyna": lambda: hvd_sparse.ExDyna(0.01),
                "dgc": lambda: hvd_sparse.DGC(0.05)}
 BLOCK = 4
