@@ -31,6 +31,7 @@
 
 #include "halfconv.h"
 #include "protocol.h"
+#include "udp.h"
 
 namespace hvd_sparse::omni {
 namespace {
@@ -413,13 +414,9 @@ void on_signal(int sig) { (sig == SIGUSR1 ? g_dump : g_stop).store(true); }
 int open_socket(const Options& o, int port) {
   int fd = socket(AF_INET, SOCK_DGRAM, 0);
   if (fd < 0) { perror("socket"); std::exit(2); }
-  int one = 1, big = 64 << 20;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
-  // Bursts of whole windows arrive at once: without deep buffers the kernel drops them.
-  if (setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &big, sizeof big))
-    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
-  if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof big))
-    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);  // --threads sockets, one port
+  deepen_buffers(fd);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(uint16_t(port));
@@ -443,28 +440,16 @@ int bound_port(int fd) {
 }
 
 void serve(Aggregator& agg, const Options& o, int fd, uint64_t seed) {
-  constexpr int kBatch = 64;
-  std::vector<std::vector<uint8_t>> buf(kBatch, std::vector<uint8_t>(kMaxDatagram + 1));
-  std::vector<mmsghdr> msgs(kBatch);
-  std::vector<iovec> iov(kBatch);
-  std::vector<sockaddr_in> from(kBatch);
-  std::vector<int> order(kBatch);
+  RecvBatch batch;
+  std::vector<int> order(64);
   std::vector<Out> out;
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> u(0, 1);
   pollfd pfd{fd, POLLIN, 0};
   while (!g_stop.load()) {
     if (poll(&pfd, 1, 100) <= 0) continue;
-    for (int i = 0; i < kBatch; ++i) {
-      iov[i] = {buf[i].data(), buf[i].size()};
-      msgs[i].msg_hdr = {};
-      msgs[i].msg_hdr.msg_name = &from[i];
-      msgs[i].msg_hdr.msg_namelen = sizeof(sockaddr_in);
-      msgs[i].msg_hdr.msg_iov = &iov[i];
-      msgs[i].msg_hdr.msg_iovlen = 1;
-    }
-    int n = recvmmsg(fd, msgs.data(), kBatch, MSG_DONTWAIT, nullptr);
-    if (n <= 0) continue;
+    int n = batch.recv(fd);
+    if (n == 0) continue;
     for (int i = 0; i < n; ++i) order[i] = i;
     if (o.reorder > 0)  // test hook: deliver the batch out of order
       for (int i = 0; i < n; ++i)
@@ -475,7 +460,7 @@ void serve(Aggregator& agg, const Options& o, int fd, uint64_t seed) {
       if (o.drop_in > 0 && u(rng) < o.drop_in) { agg.c.injected_drops++; continue; }
       int copies = o.dup > 0 && u(rng) < o.dup ? 2 : 1;
       if (copies == 2) agg.c.injected_dups++;
-      for (int r = 0; r < copies; ++r) agg.handle(buf[i].data(), msgs[i].msg_len, from[i], out);
+      for (int r = 0; r < copies; ++r) agg.handle(batch.data(i), batch.size(i), batch.from(i), out);
     }
     // Send in batches; a full socket buffer drops the datagram, which loss recovery repairs.
     std::vector<mmsghdr> smsgs;

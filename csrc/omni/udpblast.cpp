@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "udp.h"
+
 namespace {
 
 double now_s() {
@@ -27,11 +29,7 @@ double now_s() {
 
 int udp_socket() {
   int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  int big = 64 << 20;
-  if (setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &big, sizeof big))
-    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
-  if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof big))
-    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+  hvd_sparse::omni::deepen_buffers(fd);
   return fd;
 }
 
@@ -80,24 +78,15 @@ int main(int argc, char** argv) {
     if (p == 0) sender(a, bytes, seconds);
     kids.push_back(p);
   }
-  constexpr int kBatch = 64;
-  std::vector<std::vector<uint8_t>> buf(kBatch, std::vector<uint8_t>(65536));
-  std::vector<mmsghdr> msgs(kBatch);
-  std::vector<iovec> iov(kBatch);
+  hvd_sparse::omni::RecvBatch batch;
   uint64_t packets = 0, received = 0;
   double start = now_s(), end = start + seconds;
   pollfd pfd{fd, POLLIN, 0};
   while (now_s() < end) {
     if (poll(&pfd, 1, 10) <= 0) continue;
-    for (int i = 0; i < kBatch; ++i) {
-      iov[i] = {buf[i].data(), buf[i].size()};
-      msgs[i].msg_hdr = {};
-      msgs[i].msg_hdr.msg_iov = &iov[i];
-      msgs[i].msg_hdr.msg_iovlen = 1;
-    }
-    int r = recvmmsg(fd, msgs.data(), kBatch, MSG_DONTWAIT, nullptr);
-    for (int i = 0; i < r; ++i) received += msgs[i].msg_len;
-    if (r > 0) packets += uint64_t(r);
+    int r = batch.recv(fd);
+    for (int i = 0; i < r; ++i) received += batch.size(i);
+    packets += uint64_t(r);
   }
   double took = now_s() - start;
   for (pid_t p : kids) { kill(p, SIGTERM); waitpid(p, nullptr, 0); }

@@ -32,6 +32,7 @@
 
 #include "../blocks.h"
 #include "protocol.h"
+#include "udp.h"
 
 namespace hvd_sparse::omni {
 namespace {
@@ -104,11 +105,7 @@ class Worker {
     for (auto& [host, port] : aggs) aggs_.push_back(resolve(host, port));
     fd_ = socket(AF_INET, SOCK_DGRAM, 0);
     TORCH_CHECK(fd_ >= 0, "omnireduce: socket: ", std::strerror(errno));
-    int big = 64 << 20;
-    if (setsockopt(fd_, SOL_SOCKET, SO_RCVBUFFORCE, &big, sizeof big))
-      setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
-    if (setsockopt(fd_, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof big))
-      setsockopt(fd_, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+    deepen_buffers(fd_);
     sockaddr_in any{};
     any.sin_family = AF_INET;
     TORCH_CHECK(bind(fd_, reinterpret_cast<sockaddr*>(&any), sizeof any) == 0,
@@ -580,11 +577,7 @@ class Worker {
   }
 
   void loop() {
-    constexpr int kBatch = 64;
-    std::vector<std::vector<uint8_t>> buf(kBatch, std::vector<uint8_t>(kMaxDatagram + 1));
-    std::vector<mmsghdr> msgs(kBatch);
-    std::vector<iovec> iov(kBatch);
-    std::vector<sockaddr_in> from(kBatch);
+    RecvBatch batch;
     pollfd pfd[2] = {{fd_, POLLIN, 0}, {wake_, POLLIN, 0}};
     double last_timers = 0, last_keepalive = now_s();
     while (true) {
@@ -595,19 +588,10 @@ class Worker {
       }
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) return;
-      for (int i = 0; i < kBatch; ++i) {
-        iov[i] = {buf[i].data(), buf[i].size()};
-        msgs[i].msg_hdr = {};
-        msgs[i].msg_hdr.msg_name = &from[i];
-        msgs[i].msg_hdr.msg_namelen = sizeof(sockaddr_in);
-        msgs[i].msg_hdr.msg_iov = &iov[i];
-        msgs[i].msg_hdr.msg_iovlen = 1;
-      }
       double now = now_s();
-      int n = recvmmsg(fd_, msgs.data(), kBatch, MSG_DONTWAIT, nullptr);
-      for (int i = 0; i < n; ++i) {
-        from_ = from[i];
-        on_packet(buf[i].data(), msgs[i].msg_len, now);
+      for (int i = 0, n = batch.recv(fd_); i < n; ++i) {
+        from_ = batch.from(i);
+        on_packet(batch.data(i), batch.size(i), now);
       }
       if (now - last_timers > 1e-3) {
         check_timers(now);
