@@ -49,10 +49,10 @@ and <out-dir>/sync.png. --quick: 4 Mi elements, 3 reps, 1 warm-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
-import random
 import shlex
 import shutil
 import statistics
@@ -72,7 +72,7 @@ from _report import console, print_table, save_png, write_json  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import hvd_sparse  # noqa: E402
-from hvd_sparse.aggregator import LocalAggregators  # noqa: E402
+from hvd_sparse.schemes import omnireduce  # noqa: E402
 from hvd_sparse.schemes.omnireduce import Session  # noqa: E402
 
 SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
@@ -153,12 +153,10 @@ class Method:
 
 def k2_session() -> Session:
     """A second aggregation session over two local aggregators (rank 0 starts them)."""
-    local = LocalAggregators(2, hvd.size(), "127.0.0.1") if hvd.rank() == 0 else None
-    ports = hvd.broadcast_object(local.ports if local else None, 0, name="bench.k2.ports")
-    token = hvd.broadcast_object(random.getrandbits(62) | 1, 0, name="bench.k2.token")
-    session = Session(hvd_sparse.basics.state().config, [("127.0.0.1", p) for p in ports],
-                      token, local)
-    session.worker.register(30.0)
+    cfg = dataclasses.replace(hvd_sparse.basics.state().config, aggregators="",
+                              local_aggregators=2)
+    session = omnireduce.start(cfg)
+    assert session is not None
     return session
 
 

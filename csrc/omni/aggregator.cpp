@@ -336,7 +336,7 @@ class Aggregator {
     s.present |= bitmap;
     set_bit(s.seen, h.worker);
     if (++s.count < job.nworkers) return;
-    complete(job, t, h, s, out);
+    complete(job, h, s, out);
   }
 
   static void add_block(double* a, const uint8_t* v, size_t bs, uint8_t dtype) {
@@ -359,7 +359,7 @@ class Aggregator {
 
   // Every worker has sent this round: build the RESULT, keep it as the shadow copy, send it to
   // all workers, and open the next round at the lanes' minimum announced positions.
-  void complete(Job& job, Tensor& t, const Header& h, Slot& s, std::vector<Out>& out) {
+  void complete(Job& job, const Header& h, Slot& s, std::vector<Out>& out) {
     const uint32_t present = uint32_t(__builtin_popcountll(s.present));
     bool last = true;
     for (uint32_t n : s.next) last = last && n == kInf;
@@ -398,7 +398,6 @@ class Aggregator {
       slot_bytes_ -= s.acc.size() * sizeof(double);
       std::vector<double>().swap(s.acc);
     }
-    (void)t;
     for (uint16_t w = 0; w < job.nworkers; ++w) out.push_back({job.addr[w], b});
   }
 
