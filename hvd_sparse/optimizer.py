@@ -1,6 +1,6 @@
 """``hvd_sparse.DistributedOptimizer``: Horovod's optimizer semantics, reductions by hvd_sparse.
 
-Same contract as ``hvd.DistributedOptimizer`` (op, gradient_predivide_factor,
+Same contract as ``hvd.DistributedOptimizer`` (op, gradient_predivide_factor, process_set,
 backward_passes_per_step, synchronize/skip_synchronize), without Horovod's placeholder
 allreduces: each gradient's reduction starts from a post-accumulate-grad hook during backward.
 """
