@@ -47,6 +47,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._passes_per_step = backward_passes_per_step
         self._passes: dict[torch.Tensor, int] = {}
         self._handles: dict[torch.Tensor, Handle] = {}
+        self._sparse: set[torch.Tensor] = set()  # parameters seen with sparse gradients
         self._synchronized = False
         self._should_synchronize = True
         for p in all_params:
@@ -64,15 +65,19 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     def _submit(self, p: torch.Tensor) -> None:
         if p.grad is None:  # another rank may have a gradient for it: take part with zeros
-            p.grad = torch.zeros_like(p)
+            p.grad = (torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long),
+                                              p.new_empty((0, *p.shape[1:])), p.shape)
+                      if p in self._sparse else torch.zeros_like(p))
+        elif p.grad.is_sparse:  # remembered: the peers of a step without it send rows
+            self._sparse.add(p)
         pre, post = ((1.0 / self._predivide, self._predivide) if self._op == hvd.Average
                      else (1.0, 1.0))
         if self._sparsifier is not None and not p.grad.is_sparse:
             self._sparsifier(self._names[id(p)], p.grad, self._codec_block_size())
         start = allreduce_async if p.grad.is_sparse else allreduce_async_
         self._handles[p] = start(p.grad, name=self._names[id(p)], op=self._op,
-                                           scheme=self._scheme, prescale_factor=pre,
-                                           postscale_factor=post, block_size=self._block_size)
+                                 scheme=self._scheme, prescale_factor=pre,
+                                 postscale_factor=post, block_size=self._block_size)
 
     def _codec_block_size(self) -> int:
         return self._block_size or basics.state().config.block_size
@@ -87,8 +92,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             out = synchronize(h)
             if self._sparsifier is not None and not p.grad.is_sparse:
                 self._sparsifier.observe(self._names[id(p)], out, self._codec_block_size())
-            if p.grad.is_sparse:  # keep sparse optimizers (SparseAdam) working
-                p.grad = out.to_sparse(sparse_dim=1) if out.dim() > 1 else out.to_sparse()
+            if p.grad.is_sparse:  # reduced by rows, coalesced: sparse optimizers take it
+                p.grad = out
             # dense gradients were reduced in place
         self._handles.clear()
         self._passes.clear()
