@@ -16,6 +16,7 @@
 #include "segment.h"
 
 void register_sparsify(pybind11::module_& m);
+void register_rows(pybind11::module_& m);  // csrc/rows.cpp
 
 namespace hvd_sparse {
 
@@ -523,5 +524,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_threads", [](int n) { g_threads = n; }, "codec threads (0: torch's setting)");
   m.attr("SEGMENT_HEADER_BYTES") = sizeof(SegHeader);
   register_sparsify(m);  // csrc/sparsify.cpp
+  register_rows(m);
   omni::register_omni(m);  // csrc/omni/worker.cpp
 }

@@ -45,7 +45,7 @@ class Job:
     """One tensor's reduction: what every scheme needs to know about it."""
 
     name: str
-    tensor: torch.Tensor  # contiguous, flat view of the input
+    tensor: torch.Tensor  # contiguous, flat view of the input ("rows": the sparse input)
     shape: torch.Size
     op: Any  # hvd.Sum or hvd.Average
     prescale: float

@@ -12,6 +12,7 @@ from . import basics, blocks, engine, metrics, schemes
 from .config import SCHEMES
 from .engine import Handle, Job
 from .errors import HvdSparseError
+from .schemes import rows
 
 _unnamed = itertools.count()
 
@@ -32,10 +33,11 @@ def allreduce_async(
 
     Ranks match tensors by ``name`` and may submit them in any order; unnamed tensors are
     matched by call order, as in Horovod. ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``.
-    A sparse COO tensor is reduced as its dense equivalent. Tensors the sparse codec does not
-    handle (integer, GPU, empty) use Horovod's dense allreduce. With ``process_set`` only its
-    ranks take part (every Horovod collective runs in it); the omnireduce scheme refuses one
-    that is not the global set.
+    A sparse COO tensor (an embedding's gradient) is reduced from its rows and the result is a
+    coalesced sparse tensor (``scheme="dense"``: densified, reduced by Horovod, returned dense).
+    Tensors the sparse codec does not handle (integer, GPU, empty) use Horovod's dense allreduce.
+    With ``process_set`` only its ranks take part (every Horovod collective runs in it); the
+    omnireduce scheme refuses one that is not the global set.
     """
     st = basics.state()
     op = hvd.Average if op is None else op
@@ -49,12 +51,15 @@ def allreduce_async(
         raise HvdSparseError(f"hvd_sparse: tensor {name!r}: rank {hvd.rank()} is not in "
                              f"process set {process_set.ranks}")
     t = tensor.detach()
-    if t.is_sparse:
-        t = t.coalesce().to_dense()
-    t = t.contiguous()
-    if not blocks.supported(t) or t.numel() == 0:
-        scheme = "dense"
-    job = Job(name=name, tensor=t.view(-1), shape=tensor.shape, op=op,
+    if t.is_sparse and scheme != "dense" and rows.supported(t):
+        scheme, inplace = "rows", False
+    else:
+        if t.is_sparse:
+            t = t.coalesce().to_dense()
+        t = t.contiguous().view(-1)
+        if not blocks.supported(t) or t.numel() == 0:
+            scheme = "dense"
+    job = Job(name=name, tensor=t, shape=tensor.shape, op=op,
               prescale=prescale_factor, postscale=postscale_factor,
               block_size=block_size or st.config.block_size, size=process_set.size(),
               rank=process_set.rank(), process_set=process_set,
@@ -72,7 +77,9 @@ def _record(h: Handle) -> None:
 def synchronize(handle: Handle) -> torch.Tensor:
     """Waits for ``handle``; returns the result with the input's shape and dtype."""
     job = handle.job
-    out = engine.synchronize(handle, basics.state().config.timeout).view(job.shape)
+    out = engine.synchronize(handle, basics.state().config.timeout)
+    if not out.is_sparse:
+        out = out.view(job.shape)
     if job.output is not None:
         if out.data_ptr() != job.output.data_ptr():
             job.output.copy_(out)

@@ -40,6 +40,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
         self._passes: dict[torch.Tensor, int] = {}
         self._handles: dict[torch.Tensor, Handle] = {}
+        self._sparse: set[torch.Tensor] = set()  # parameters seen with sparse gradients
         self._synchronized = False
         self._should_synchronize = True
         if not process_set.included():  # as Horovod: this rank steps on its own gradients
@@ -59,7 +60,11 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     def _submit(self, p: torch.Tensor) -> None:
         if p.grad is None:  # another rank may have a gradient for it: take part with zeros
-            p.grad = torch.zeros_like(p)
+            p.grad = (torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long),
+                                              p.new_empty((0, *p.shape[1:])), p.shape)
+                      if p in self._sparse else torch.zeros_like(p))
+        elif p.grad.is_sparse:  # remembered: the peers of a step without it send rows
+            self._sparse.add(p)
         pre, post = ((1.0 / self._predivide, self._predivide) if self._op == hvd.Average
                      else (1.0, 1.0))
         if self._sparsifier is not None and not p.grad.is_sparse:
@@ -85,8 +90,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             out = synchronize(h)
             if self._sparsifier is not None and not p.grad.is_sparse:
                 self._sparsifier.observe(self._names[id(p)], out, self._codec_block_size())
-            if p.grad.is_sparse:  # keep sparse optimizers (SparseAdam) working
-                p.grad = out.to_sparse(sparse_dim=1) if out.dim() > 1 else out.to_sparse()
+            if p.grad.is_sparse:  # reduced by rows, coalesced: sparse optimizers take it
+                p.grad = out
             # dense gradients were reduced in place
         self._handles.clear()
         self._passes.clear()

@@ -12,7 +12,7 @@ COMPRESSION_ONLY = ["sparse-as-dense", "groups-2", "groups-list", "groups-sparse
 CASES = ([f"compression-{s}/{c}" for s in SCHEMES for c in BOTH + COMPRESSION_ONLY]
          + [f"optimizer-{s}/{c}" for s in SCHEMES for c in BOTH]
          + [f"allreduce-{s}/process-set" for s in SCHEMES]
-         + ["auto/process-set-avoids-omnireduce", "reinit"])
+         + ["allreduce-rows/process-set", "auto/process-set-avoids-omnireduce", "reinit"])
 
 
 @pytest.fixture(scope="module")

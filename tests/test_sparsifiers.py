@@ -185,6 +185,30 @@ def test_exdyna_rebalance_moves_towards_the_heavier_neighbour():
         assert all(b[i] <= b[i + 1] for i in range(4)), b
 
 
+@pytest.mark.parametrize("n,bs", [(10, 256), (700, 256), (3, 1)])
+def test_exdyna_with_fewer_blocks_than_ranks_is_exclusive_and_loses_nothing(n, bs):
+    # A 10-element bias at the codec's 256: one block, four ranks; most partitions are empty.
+    size, steps = 4, 40
+    sp = [ExDyna(0.01, rank=r, size=size, block_size=bs) for r in range(size)]
+    gen = torch.Generator().manual_seed(1)
+    sent, given = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for step in range(steps):
+        grads = [torch.randn(n, generator=gen) for _ in range(size)]
+        given += sum(g.double() for g in grads)
+        outs = [s("b", g.clone(), bs) for s, g in zip(sp, grads, strict=True)]
+        assert int(torch.stack([o != 0 for o in outs]).sum(0).max()) <= 1, f"step {step}"
+        red = sum(o.double() for o in outs)
+        sent += red
+        for s in sp:
+            s.observe("b", red.float(), bs)
+        assert all(s.states["b"].bounds.tolist() == sp[0].states["b"].bounds.tolist()
+                   for s in sp)
+    # Error feedback: what was not sent is exactly what the memories still hold.
+    held = sum(s.memory.residuals["b"].double() for s in sp)
+    torch.testing.assert_close(sent + held, given, rtol=0, atol=1e-4)
+    assert bool((sent != 0).all()), "every element must go out at some step"
+
+
 def test_exdyna_selects_whole_blocks_of_the_codec_size():
     sp = ExDyna(0.05, rank=1, size=2, error_feedback=False)
     g = torch.randn(10_000)

@@ -71,7 +71,7 @@ struct TensorW {
   int64_t ticket = 0;
   uint64_t id = 0;
   std::string name;
-  at::Tensor input, output;
+  at::Tensor input, output;  // held until finish(): released there, with the GIL
   const uint8_t* in = nullptr;
   uint8_t* out = nullptr;
   uint8_t dtype = 0;
@@ -214,10 +214,15 @@ class Worker {
     return t->finished;
   }
 
-  // Forgets a finished ticket; returns its counters or raises its error.
+  // Forgets a finished ticket; returns its counters or raises its error. Called with the GIL:
+  // it is released while waiting for the mutex (the background thread may hold it for a
+  // while), and the tensors are released only after the mutex, with the GIL back: dropping
+  // the last reference to a tensor whose Python object Python has already let go of runs
+  // Python code, so it needs the GIL.
   py::dict finish(int64_t ticket) {
     std::unique_ptr<TensorW> t;
     {
+      py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mu_);
       auto it = tickets_.find(ticket);
       TORCH_CHECK(it != tickets_.end(), "omnireduce: unknown ticket");
@@ -242,17 +247,16 @@ class Worker {
   }
 
   py::dict stats() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::pair<const char*, uint64_t>> c;
+    {
+      py::gil_scoped_release nogil;  // never wait for the mutex holding the GIL
+      std::lock_guard<std::mutex> lock(mu_);
+      c = {{"tx_packets", tx_packets_}, {"tx_bytes", tx_bytes_}, {"rx_packets", rx_packets_},
+           {"rx_bytes", rx_bytes_}, {"retransmits", retransmits_}, {"malformed", malformed_},
+           {"stale", stale_}, {"injected_drops", injected_drops_}, {"inflight", by_id_.size()}};
+    }
     py::dict d;
-    d["tx_packets"] = tx_packets_;
-    d["tx_bytes"] = tx_bytes_;
-    d["rx_packets"] = rx_packets_;
-    d["rx_bytes"] = rx_bytes_;
-    d["retransmits"] = retransmits_;
-    d["malformed"] = malformed_;
-    d["stale"] = stale_;
-    d["injected_drops"] = injected_drops_;
-    d["inflight"] = by_id_.size();
+    for (auto& [k, v] : c) d[k] = v;
     return d;
   }
 
@@ -491,11 +495,10 @@ class Worker {
     finish_locked(t);
   }
 
+  // Neither touches t.input/t.output: this thread never releases a tensor (see finish).
   void finish_locked(TensorW& t) {
     t.finished = true;
     by_id_.erase(t.id);
-    t.input = at::Tensor();  // drop references early; output stays with the caller
-    t.output = at::Tensor();
     cv_.notify_all();
   }
 
@@ -503,8 +506,6 @@ class Worker {
     if (t.finished) return;
     t.error = "omnireduce: tensor '" + t.name + "': " + why;
     t.finished = true;
-    t.input = at::Tensor();
-    t.output = at::Tensor();
     cv_.notify_all();
   }
 

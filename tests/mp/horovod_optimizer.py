@@ -351,6 +351,15 @@ def allreduce_process_sets(scheme: str, mine: hvd.ProcessSet) -> str:
     return close_to(out, want, torch.float64)
 
 
+def rows_process_sets(mine: hvd.ProcessSet) -> str:
+    """A sparse COO tensor (reduced by rows) in each rank's own one-rank set."""
+    idx = torch.tensor([[1, 5, 5, 9 + hvd.rank()]])
+    t = torch.sparse_coo_tensor(idx, torch.rand(4, 3, dtype=torch.float64), (40, 3))
+    want = hvd.allreduce(t.to_dense(), op=hvd.Average, process_set=mine, name="ps.rows.ref")
+    out = hvd_sparse.allreduce(t, name="ps.rows", process_set=mine)
+    return close_to(out.to_dense(), want, torch.float64)
+
+
 def auto_avoids_omnireduce(mine: hvd.ProcessSet) -> str:
     """With a network model where aggregation is free, auto picks omnireduce on the global set
     (else this check proves nothing) and something else on a process set."""
@@ -425,6 +434,7 @@ def main() -> None:
             variant(results, path, scheme, even)
         case(results, f"allreduce-{scheme}/process-set",
              lambda: allreduce_process_sets(scheme, mine))  # noqa: B023 - called at once
+    case(results, "allreduce-rows/process-set", lambda: rows_process_sets(mine))
     case(results, "auto/process-set-avoids-omnireduce", lambda: auto_avoids_omnireduce(mine))
     case(results, "reinit", reinit)
     report(results)

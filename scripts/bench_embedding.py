@@ -1,0 +1,190 @@
+"""Embedding-heavy training step: Horovod dense, Horovod's sparse path, and ours, side by side.
+
+A recommendation model: 8 ``nn.EmbeddingBag(sparse=True)`` tables (100k-500k rows x 64), a
+bottom MLP on 13 dense features and a top MLP, batch 2048 per rank, SGD. Every method trains
+the same model from the same start on the same batches, one after another in one run:
+
+- hvd dense: ``hvd.DistributedOptimizer(sparse_as_dense=True)`` (every table allreduced dense)
+- hvd sparse: ``hvd.DistributedOptimizer`` (Horovod's sparse path: COO allgather, uncoalesced)
+- ours compression: ``hvd.DistributedOptimizer(sparse_as_dense=True,
+  compression=hvd_sparse.Compression.sparse("auto"))`` (blocks of the densified gradient)
+- ours rows: ``hvd_sparse.DistributedOptimizer`` (coalesced rows, csrc/rows.cpp)
+
+Per method: median step time (forward + backward + reduction + update) and sync time (the
+part of ``optimizer.synchronize()`` left after backward), the slowest rank's; bytes each rank
+sent for the tables; and how far the final tables' hot rows are from hvd dense's (they must
+agree to float rounding). Ids are Zipf-distributed (a few hot rows, a long tail; ``--zipf 0`` for
+uniform). Table, JSON and PNG go to --out-dir.
+
+    .venv/bin/horovodrun -np 4 -H localhost:4 --gloo .venv/bin/python scripts/bench_embedding.py
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+from _report import print_table, save_png, write_json
+from torch import nn
+
+import hvd_sparse
+
+METHODS = ("hvd dense", "hvd sparse", "ours compression", "ours rows")
+DENSE_FEATURES = 13
+HOT = 2000  # rows of each table compared across methods
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="100000,150000,200000,250000,300000,350000,400000,500000",
+                   help="rows of each table")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2048, help="per rank")
+    p.add_argument("--bag", type=int, default=4, help="ids per bag")
+    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids; 0: uniform")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per method")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--out-dir", default="bench_results/embedding")
+    return p.parse_args()
+
+
+class RecModel(nn.Module):
+    def __init__(self, rows: list[int], dim: int) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True)
+                                    for n in rows)
+        self.bottom = nn.Sequential(nn.Linear(DENSE_FEATURES, 128), nn.ReLU(),
+                                    nn.Linear(128, dim), nn.ReLU())
+        self.top = nn.Sequential(nn.Linear(dim * (len(rows) + 1), 256), nn.ReLU(),
+                                 nn.Linear(256, 1))
+
+    def forward(self, ids: list[torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
+        feats = [t(i) for t, i in zip(self.tables, ids, strict=True)] + [self.bottom(dense)]
+        return self.top(torch.cat(feats, 1)).squeeze(1)
+
+
+def batches(args: argparse.Namespace, rows: list[int], count: int) -> list:
+    """This rank's batches: Zipf ids per table (hot rows shared by all ranks), features, labels."""
+    rng = np.random.default_rng(1000 + hvd.rank())
+    out = []
+    for _ in range(count):
+        ids = []
+        for n in rows:
+            if args.zipf > 0:  # rank r of the Zipf law, folded into the table
+                raw = rng.zipf(1 + args.zipf, size=(args.batch, args.bag)) - 1
+                ids.append(torch.from_numpy(raw % n))
+            else:
+                ids.append(torch.from_numpy(rng.integers(0, n, size=(args.batch, args.bag))))
+        dense = torch.from_numpy(rng.standard_normal((args.batch, DENSE_FEATURES),
+                                                     dtype=np.float32))
+        out.append((ids, dense, torch.from_numpy(rng.integers(0, 2, args.batch)).float()))
+    return out
+
+
+def optimizer(method: str, model: nn.Module) -> torch.optim.Optimizer:
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    named = model.named_parameters()
+    if method == "hvd dense":
+        return hvd.DistributedOptimizer(base, named_parameters=named, sparse_as_dense=True)
+    if method == "hvd sparse":
+        return hvd.DistributedOptimizer(base, named_parameters=named)
+    if method == "ours compression":
+        return hvd.DistributedOptimizer(base, named_parameters=named, sparse_as_dense=True,
+                                        compression=hvd_sparse.Compression.sparse("auto"))
+    return hvd_sparse.DistributedOptimizer(base, named_parameters=named)
+
+
+def slowest(x: float) -> float:
+    return float(hvd.allreduce(torch.tensor([x]), name="bench.max", op=hvd.Max))
+
+
+def run(method: str, model: nn.Module, data: list, warmup: int) -> dict[str, object]:
+    opt = optimizer(method, model)
+    loss_fn = nn.BCEWithLogitsLoss()
+    steps, syncs = [], []
+    hvd_sparse.reset_metrics()
+    for i, (ids, dense, y) in enumerate(data):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss_fn(model(ids, dense), y).backward()
+        t1 = time.perf_counter()
+        lookups = sum(t.weight.grad._nnz() for t in model.tables)  # rows Horovod's path ships
+        opt.synchronize()
+        t2 = time.perf_counter()
+        with opt.skip_synchronize():
+            opt.step()
+        t3 = time.perf_counter()
+        if i >= warmup:
+            steps.append(slowest(t3 - t0))
+            syncs.append(slowest(t2 - t1))
+    # Bytes this rank sent for the tables in the last step, ring model (as hvd_sparse.metrics).
+    n, row_bytes = hvd.size(), model.tables[0].weight.shape[1] * 4
+    if method == "hvd dense":
+        sent = 2 * (n - 1) / n * sum(t.weight.numel() * 4 for t in model.tables)
+    elif method == "hvd sparse":  # allgather of every lookup's row and its int64 index
+        gathered = float(hvd.allreduce(torch.tensor([float(lookups)]), op=hvd.Sum,
+                                       name="bench.lookups"))
+        sent = (n - 1) / n * gathered * (row_bytes + 8)
+    else:  # hvd_sparse's own record of each table's last reduction
+        sent = sum(v.get("bytes_sent", 0) for k, v in hvd_sparse.metrics().items()
+                   if k.startswith(("tables.", "grad.tables.")))
+    return {"step_ms": statistics.median(steps) * 1e3, "sync_ms": statistics.median(syncs) * 1e3,
+            "tables MB sent/step": sent / 1e6}
+
+
+def main() -> None:
+    args = parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    hvd_sparse.init()
+    rows = [int(r) for r in args.rows.split(",")]
+    methods = args.methods.split(",")
+    torch.manual_seed(0)
+    start = RecModel(rows, args.dim)
+    data = batches(args, rows, args.warmup + args.steps)
+    results, finals = [], {}
+    for k, method in enumerate(methods):
+        if hvd.rank() == 0:
+            print(f"[{k + 1}/{len(methods)}] {method} ...", flush=True)
+        model = copy.deepcopy(start)
+        res = run(method, model, data, args.warmup)
+        # The hot rows (Zipf: low ids, touched by every rank): whole copies would not fit.
+        finals[method] = torch.cat([t.weight.detach()[:HOT].reshape(-1) for t in model.tables])
+        results.append({"method": method, **res})
+        del model
+    ref = finals.get("hvd dense")
+    best_hvd = min((r["step_ms"] for r in results if r["method"].startswith("hvd")), default=None)
+    hvd_sparse_ms = next((r["step_ms"] for r in results if r["method"] == "hvd sparse"), None)
+    for r in results:
+        r["max |Δ hot rows| vs hvd dense"] = (float((finals[r["method"]] - ref).abs().max())
+                                            if ref is not None else float("nan"))
+        r["speedup vs hvd sparse"] = hvd_sparse_ms / r["step_ms"] if hvd_sparse_ms else float("nan")
+        r["speedup vs best hvd"] = best_hvd / r["step_ms"] if best_hvd else float("nan")
+    if hvd.rank() != 0:
+        return
+    out = Path(args.out_dir)
+    caption = (f"{hvd.size()} ranks, {len(rows)} tables ({min(rows):,}-{max(rows):,} rows x "
+               f"{args.dim}), batch {args.batch}/rank x {args.bag} ids, zipf {args.zipf}; "
+               f"median of {args.steps} steps, slowest rank")
+    print_table(results, "Embedding-heavy training step", caption=caption)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r["method"] for r in results]
+    ax.barh(names, [r["step_ms"] for r in results], label="step")
+    ax.barh(names, [r["sync_ms"] for r in results], label="sync (after backward)")
+    ax.set_xlabel("ms (median, slowest rank)")
+    ax.set_title(caption, fontsize=7)
+    ax.legend()
+    print("wrote", write_json(out / "embedding.json", results, args=vars(args)),
+          save_png(fig, out / "embedding.png"))
+
+
+if __name__ == "__main__":
+    main()

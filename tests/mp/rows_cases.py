@@ -1,0 +1,99 @@
+"""Sparse COO tensors reduced by rows (horovodrun -np 4), against Horovod's dense allreduce of
+their dense equivalents in float64: duplicate rows, ranks without rows, hybrid and 2-D sparse
+indices, every float dtype, Average and Sum, shape mismatch, and training with
+nn.EmbeddingBag(sparse=True) through hvd_sparse.DistributedOptimizer."""
+from __future__ import annotations
+
+import copy
+
+import horovod.torch as hvd
+import torch
+from common import case, close_to, report, start
+from torch import nn
+
+import hvd_sparse
+from hvd_sparse import HvdSparseError
+
+ROWS = 5000
+
+
+def embedding_grad(step: int, dtype: torch.dtype, dim: int = 8, lookups: int = 600,
+                   ) -> torch.Tensor:
+    """An uncoalesced row gradient as nn.Embedding makes it: one row per lookup, hot rows
+    repeated (Zipf-like ids); rank 2 has none at step 1."""
+    g = torch.Generator().manual_seed(97 * hvd.rank() + step)
+    n = 0 if (hvd.rank() == 2 and step == 1) else lookups
+    ids = (torch.rand(n, generator=g) ** 3 * ROWS).long()
+    vals = torch.randn(n, dim, generator=g).to(dtype)
+    return torch.sparse_coo_tensor(ids.unsqueeze(0), vals, (ROWS, dim))
+
+
+def check(t: torch.Tensor, name: str, op=hvd.Average) -> str:
+    ref = hvd.allreduce(t.to_dense().double(), name=f"ref.{name}", op=op)
+    out = hvd_sparse.allreduce(t, name=name, op=op)
+    if not (out.is_sparse and out.is_coalesced()):
+        return "result is not a coalesced sparse tensor"
+    return close_to(out.to_dense(), ref, t.dtype)
+
+
+def train() -> str:
+    """EmbeddingBag(sparse=True) + a linear layer, SGD: ours vs Horovod's dense reference; in
+    one step one rank does no lookup (no gradient for the table)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.EmbeddingBag(ROWS, 16, mode="sum", sparse=True),
+                           "top": nn.Linear(16, 1)})
+    twin = copy.deepcopy(model)
+    ref_opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       sparse_as_dense=True)
+    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1),
+                                          named_parameters=twin.named_parameters())
+    for step in range(6):
+        g = torch.Generator().manual_seed(31 * hvd.rank() + step)
+        ids = (torch.rand(64, 5, generator=g) ** 3 * ROWS).long()
+        y = torch.randn(64, 1, generator=g)
+        skip = step == 3 and hvd.rank() == 1  # no lookups here: its peers still send rows
+        for m, o in ((model, ref_opt), (twin, opt)):
+            o.zero_grad()
+            feats = torch.zeros(64, 16) if skip else m["emb"](ids)
+            nn.functional.mse_loss(m["top"](feats), y).backward()
+            if m is twin and not skip and not twin["emb"].weight.grad.is_sparse:
+                return "the embedding gradient is not sparse"
+            o.step()
+        for (n, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+            if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+                return f"step {step}: {n} differs by {(a - b).abs().max().item():g}"
+    return ""
+
+
+def mismatch() -> str:
+    t = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.ones(2, 4 if hvd.rank() else 3),
+                                (10, 4 if hvd.rank() else 3))
+    try:
+        hvd_sparse.allreduce(t, name="rows.mismatch")
+    except HvdSparseError as e:
+        return "" if "rows.mismatch" in str(e) else f"error does not name the tensor: {e}"
+    return "no error for mismatched shapes"
+
+
+def main() -> None:
+    start(probe="off", timeout=20)
+    results: dict[str, object] = {}
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for step in range(2):
+            case(results, f"embedding.{dtype}.{step}",
+                 lambda s=step, d=dtype: check(embedding_grad(s, d), f"emb.{d}.{s}"))
+    case(results, "sum", lambda: check(embedding_grad(0, torch.float32), "emb.sum", hvd.Sum))
+    g = torch.Generator().manual_seed(hvd.rank())
+    dense = torch.randn(40, 30, generator=g) * (torch.rand(40, 30, generator=g) < 0.05)
+    case(results, "2d-indices", lambda: check(dense.to_sparse(), "coo2d"))
+    case(results, "hybrid-3d", lambda: check(
+        torch.randn(6, 3, 2, generator=g).to_sparse(sparse_dim=1)
+        * (hvd.rank() + 1), "hybrid"))
+    case(results, "mismatch", mismatch)
+    case(results, "train-embeddingbag", train)
+    report(results)
+
+
+if __name__ == "__main__":
+    main()
