@@ -19,6 +19,7 @@ log = logging.getLogger("hvd_sparse")
 class State:
     config: _config.Config
     net: costmodel.NetModel
+    world: tuple[int, int]  # Horovod's (rank, size) at init: what the state was built for
     omni: omnireduce.Session | None = None  # aggregators joined, when any
 
 
@@ -49,13 +50,25 @@ def init(**kwargs: object) -> None:
         cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
         layout=omni.layout() if omni else (0, 0), aggregators=omni.describe() if omni else "")
     log.debug("hvd_sparse: network model (%s): %s", net.source, net)
-    _state = State(cfg, net, omni)
+    _state = State(cfg, net, (hvd.rank(), hvd.size()), omni)
 
 
 def state() -> State:
+    """The state, valid while Horovod runs with the ranks it was built for. It outlives
+    ``hvd.shutdown(); hvd.init()`` on the same ranks (aggregators and the network model do not
+    depend on Horovod's session); any other change asks for ``hvd_sparse.init()`` again, rather
+    than re-initializing here: init is collective, and a reduction may start on some ranks only."""
     if _state is None:
         raise HvdSparseError(
             "hvd_sparse is not initialized: call hvd_sparse.init() after hvd.init()")
+    if not hvd.is_initialized():
+        raise HvdSparseError("hvd_sparse: Horovod is shut down: call hvd.init(), then "
+                             "hvd_sparse.init() if the ranks changed")
+    if (hvd.rank(), hvd.size()) != _state.world:
+        raise HvdSparseError(
+            f"hvd_sparse: Horovod was re-initialized as rank {hvd.rank()} of {hvd.size()}, "
+            f"hvd_sparse for rank {_state.world[0]} of {_state.world[1]}: call "
+            "hvd_sparse.init() again on every rank")
     return _state
 
 

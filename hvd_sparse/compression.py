@@ -4,7 +4,10 @@ Horovod calls ``compress(grad)`` from its backward hook, allreduces what it retu
 optimizer's op and scaling, and calls ``decompress(result, ctx)`` at ``synchronize()``. Here
 ``compress`` starts the sparse reduction of the gradient (a plain sum) and hands Horovod a
 one-element placeholder of ones; its reduced value tells ``decompress`` the op's scaling (1 for
-Average with any predivide factor, size for Sum), which is applied to the sum.
+Average with any predivide factor, size for Sum), which is applied to the sum. Tensors the codec
+does not take (integer, GPU) go back to Horovod unchanged, and sparse gradients with
+``sparse_as_dense=False`` never reach ``compress`` (Horovod's COO allgather reduces them):
+``decompress`` passes Horovod's result through.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
-from . import basics
+from . import basics, blocks
 from .config import SCHEMES
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async_, synchronize
@@ -26,13 +29,13 @@ from .sparsifiers import Sparsifier
 _HVD_ADASUM = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
 
 
-def _parameter_name(frame: FrameType | None) -> str | None:
-    """The parameter name Horovod's optimizer gave the gradient being compressed.
+def _caller(frame: FrameType | None) -> tuple[Any, torch.Tensor | None]:
+    """(Horovod's optimizer, parameter) whose gradient is being compressed, or (None, None).
 
-    Ranks match reductions by name, and ``compress`` receives only the tensor, so the name is
-    read from the calling optimizer: ``_allreduce_grad_async(self, p)`` calls ``compress``
-    directly, ``_grouped_allreduce_grad_async`` from a comprehension over ``p`` (its own frame
-    before Python 3.12).
+    Ranks match reductions by name, and ``compress`` receives only the tensor, so the name (and
+    the optimizer's process set) is read from the calling optimizer: ``_allreduce_grad_async(self,
+    p)`` calls ``compress`` directly, ``_grouped_allreduce_grad_async`` from a comprehension over
+    ``p`` (its own frame before Python 3.12).
     """
     p = None
     for _ in range(2):
@@ -42,11 +45,11 @@ def _parameter_name(frame: FrameType | None) -> str | None:
             raise HvdSparseError("hvd_sparse.Compression.sparse does not support op=hvd.Adasum: "
                                  "Adasum combines whole tensors, not sums of sparse blocks")
         p = frame.f_locals.get("p", p)
-        names = getattr(frame.f_locals.get("self"), "_parameter_names", None)
-        if names is not None and p is not None:
-            return names.get(p)
+        opt = frame.f_locals.get("self")
+        if p is not None and hasattr(opt, "_parameter_names"):
+            return opt, p
         frame = frame.f_back
-    return None
+    return None, None
 
 
 class SparseCompressor:
@@ -64,25 +67,39 @@ class SparseCompressor:
         self._unnamed = itertools.count()
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        name = "grad." + (_parameter_name(sys._getframe(1)) or f"compress.{next(self._unnamed)}")
+        opt, p = _caller(sys._getframe(1))
+        pname = opt._parameter_names.get(p) if opt is not None else None
+        name = "grad." + (pname or f"compress.{next(self._unnamed)}")
+        if tensor.is_sparse:  # from Horovod's grouped path, which ignores sparse_as_dense
+            raise HvdSparseError(
+                f"hvd_sparse: gradient {name!r} is sparse: Compression.sparse takes dense tensors "
+                "(with groups=, hvd.DistributedOptimizer ignores sparse_as_dense); use "
+                "groups=None or hvd_sparse.DistributedOptimizer")
+        process_set = getattr(opt, "process_set", hvd.global_process_set)
         if self.sparsifier is not None:  # the sparsified gradient is what gets reduced
             self.sparsifier(name, tensor, self._codec_block_size())
+        if not blocks.supported(tensor):  # integer or GPU: Horovod's allreduce, op and scaling
+            return tensor, None
         # In place, as Horovod reduces gradients: no fresh buffer to fault in.
         handle = allreduce_async_(tensor, name=name, op=hvd.Sum, scheme=self.scheme,
-                                  block_size=self.block_size)
-        return tensor.new_ones(1), (handle, name)
+                                  block_size=self.block_size, process_set=process_set)
+        return tensor.new_ones(1), (handle, name, process_set.size())
 
     def _codec_block_size(self) -> int:
         return self.block_size or basics.state().config.block_size
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        handle, name = ctx
+        if ctx is None:  # Horovod reduced it itself: a tensor handed back by compress, or a
+            # sparse gradient (sparse_as_dense=False), which Horovod's optimizer sends to its own
+            # sparse_allreduce_async (COO allgather) without calling compress
+            return tensor
+        handle, name, size = ctx
         total = synchronize(handle)
         if self.sparsifier is not None:
             self.sparsifier.observe(name, total, self._codec_block_size())
-        # The placeholder reduced to 1 (Average) or size (Sum), up to float rounding.
+        # The placeholder reduced to 1 (Average) or the process set's size (Sum), up to rounding.
         scale = round(float(tensor.reshape(-1)[0]))
-        return total.mul_(scale / hvd.size())
+        return total.mul_(scale / size)
 
 
 class Compression:

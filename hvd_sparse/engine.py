@@ -51,10 +51,12 @@ class Job:
     prescale: float
     postscale: float
     block_size: int
-    size: int
-    rank: int
+    size: int  # of the process set
+    rank: int  # in the process set
     meta: int
     scheme: str
+    # the ranks taking part: every Horovod collective of the job runs in this set
+    process_set: hvd.ProcessSet = hvd.global_process_set
     inplace: bool = False  # the schemes may write the result into ``tensor``
     output: torch.Tensor | None = None  # the caller's tensor, for allreduce_
     mask: torch.Tensor | None = None  # block mask, when already computed (auto)

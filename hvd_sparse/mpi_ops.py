@@ -11,6 +11,7 @@ import torch
 from . import basics, blocks, engine, metrics, schemes
 from .config import SCHEMES
 from .engine import Handle, Job
+from .errors import HvdSparseError
 from .schemes import rows
 
 _unnamed = itertools.count()
@@ -24,6 +25,7 @@ def allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     block_size: int | None = None,
+    process_set: hvd.ProcessSet = hvd.global_process_set,
     *,
     inplace: bool = False,
 ) -> Handle:
@@ -34,6 +36,8 @@ def allreduce_async(
     A sparse COO tensor (an embedding's gradient) is reduced from its rows and the result is a
     coalesced sparse tensor (``scheme="dense"``: densified, reduced by Horovod, returned dense).
     Tensors the sparse codec does not handle (integer, GPU, empty) use Horovod's dense allreduce.
+    With ``process_set`` only its ranks take part (every Horovod collective runs in it); the
+    omnireduce scheme refuses one that is not the global set.
     """
     st = basics.state()
     op = hvd.Average if op is None else op
@@ -43,6 +47,9 @@ def allreduce_async(
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     name = f"noname.{next(_unnamed)}" if name is None else name
+    if not process_set.included():
+        raise HvdSparseError(f"hvd_sparse: tensor {name!r}: rank {hvd.rank()} is not in "
+                             f"process set {process_set.ranks}")
     t = tensor.detach()
     if t.is_sparse and scheme != "dense" and rows.supported(t):
         scheme, inplace = "rows", False
@@ -54,7 +61,8 @@ def allreduce_async(
             scheme = "dense"
     job = Job(name=name, tensor=t, shape=tensor.shape, op=op,
               prescale=prescale_factor, postscale=postscale_factor,
-              block_size=block_size or st.config.block_size, size=hvd.size(), rank=hvd.rank(),
+              block_size=block_size or st.config.block_size, size=process_set.size(),
+              rank=process_set.rank(), process_set=process_set,
               meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
               # reduce in the caller's memory only when t is that memory (not a copy)
               inplace=inplace and t.numel() > 0 and t.data_ptr() == tensor.data_ptr(),
@@ -92,10 +100,11 @@ def allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     block_size: int | None = None,
+    process_set: hvd.ProcessSet = hvd.global_process_set,
 ) -> torch.Tensor:
     """Reduces ``tensor`` across ranks, shipping only its non-zero blocks where that pays."""
     return synchronize(allreduce_async(tensor, name, op, scheme, prescale_factor,
-                                       postscale_factor, block_size))
+                                       postscale_factor, block_size, process_set))
 
 
 def allreduce_async_(
@@ -106,13 +115,14 @@ def allreduce_async_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     block_size: int | None = None,
+    process_set: hvd.ProcessSet = hvd.global_process_set,
 ) -> Handle:
     """In-place ``allreduce_async``: ``synchronize`` writes the result into ``tensor``.
 
     Cheaper for large tensors: the sum is built in the tensor's own (already mapped) memory.
     """
     return allreduce_async(tensor, name, op, scheme, prescale_factor, postscale_factor,
-                           block_size, inplace=True)
+                           block_size, process_set, inplace=True)
 
 
 def allreduce_(
@@ -123,7 +133,8 @@ def allreduce_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     block_size: int | None = None,
+    process_set: hvd.ProcessSet = hvd.global_process_set,
 ) -> torch.Tensor:
     """In-place ``allreduce``: returns ``tensor`` holding the result."""
     return synchronize(allreduce_async_(tensor, name, op, scheme, prescale_factor,
-                                        postscale_factor, block_size))
+                                        postscale_factor, block_size, process_set))

@@ -1,24 +1,27 @@
 """``hvd_sparse.DistributedOptimizer``: Horovod's optimizer semantics, reductions by hvd_sparse.
 
-Same contract as ``hvd.DistributedOptimizer`` (op, gradient_predivide_factor,
+Same contract as ``hvd.DistributedOptimizer`` (op, gradient_predivide_factor, process_set,
 backward_passes_per_step, synchronize/skip_synchronize), without Horovod's placeholder
 allreduces: each gradient's reduction starts from a post-accumulate-grad hook during backward.
 """
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import horovod.torch as hvd
 import torch
+from horovod.torch.optimizer import DistributedOptimizer as _HvdDistributedOptimizer
 
 from . import basics
 from .config import SCHEMES
 from .engine import Handle
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
+from .schemes import omnireduce
 from .sparsifiers import Sparsifier
 
 
@@ -26,30 +29,22 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
                  scheme: str | None, block_size: int | None, op: Any,
                  gradient_predivide_factor: float, backward_passes_per_step: int,
-                 sparsifier: Sparsifier | None = None) -> None:
+                 sparsifier: Sparsifier | None, process_set: hvd.ProcessSet) -> None:
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            names = {id(p): n for n, p in named}
-            if len(names) != len(named):
-                raise ValueError("named_parameters has duplicate parameters")
-            unnamed = [p for p in all_params if id(p) not in names]
-            if unnamed:
-                raise ValueError(
-                    f"{len(unnamed)} optimizer parameter(s) missing from named_parameters")
-        else:
-            names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
-        self._names = names
+        self._names = _names(named_parameters, all_params)
         self._scheme, self._block_size, self._op = scheme, block_size, op
         self._sparsifier = sparsifier
         self._predivide = gradient_predivide_factor
         self._passes_per_step = backward_passes_per_step
+        self.process_set = process_set
         self._passes: dict[torch.Tensor, int] = {}
         self._handles: dict[torch.Tensor, Handle] = {}
         self._sparse: set[torch.Tensor] = set()  # parameters seen with sparse gradients
         self._synchronized = False
         self._should_synchronize = True
+        if not process_set.included():  # as Horovod: this rank steps on its own gradients
+            return
         for p in all_params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -76,14 +71,17 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._sparsifier(self._names[id(p)], p.grad, self._codec_block_size())
         start = allreduce_async if p.grad.is_sparse else allreduce_async_
         self._handles[p] = start(p.grad, name=self._names[id(p)], op=self._op,
-                                 scheme=self._scheme, prescale_factor=pre,
-                                 postscale_factor=post, block_size=self._block_size)
+                                 scheme=self._scheme, prescale_factor=pre, postscale_factor=post,
+                                 block_size=self._block_size, process_set=self.process_set)
 
     def _codec_block_size(self) -> int:
         return self._block_size or basics.state().config.block_size
 
     def synchronize(self) -> None:
         """Waits for every gradient's reduction and writes the results into ``p.grad``."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
         for g in self.param_groups:
             for p in g["params"]:
                 if p.requires_grad and p not in self._handles:
@@ -124,6 +122,28 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
 
+def _names(named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+           params: list[torch.Tensor]) -> dict[int, str]:
+    """id(parameter) -> name; the name keys its reduction on every rank, so it must be unique."""
+    if named_parameters is None:
+        return {id(p): f"param.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
+                         "as model.named_parameters() yields")
+    dups = sorted(n for n, count in Counter(n for n, _ in named).items() if count > 1)
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: "
+                         f"{', '.join(dups)}")
+    names = {id(p): n for n, p in named}
+    if len(names) != len(named):
+        raise ValueError("named_parameters has duplicate parameters")
+    unnamed = [p for p in params if id(p) not in names]
+    if unnamed:
+        raise ValueError(f"{len(unnamed)} optimizer parameter(s) missing from named_parameters")
+    return names
+
+
 def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -133,11 +153,14 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     gradient_predivide_factor: float = 1.0,
     backward_passes_per_step: int = 1,
     sparsifier: Sparsifier | None = None,
+    process_set: hvd.ProcessSet = hvd.global_process_set,
 ) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so ``step()`` applies gradients reduced across ranks by hvd_sparse.
 
     ``sparsifier`` (e.g. ``hvd_sparse.ExDyna(density=0.01)``) sparsifies each dense gradient
     before its reduction; element-wise ones (TopK, Threshold, DGC) want a small ``block_size``.
+    With ``process_set`` gradients are reduced over its ranks only; other ranks step on their
+    own gradients, as with Horovod's optimizer.
     """
     op = hvd.Average if op is None else op
     if op not in (hvd.Average, hvd.Sum):
@@ -150,7 +173,14 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     if sparsifier is not None and not isinstance(sparsifier, Sparsifier):
         raise ValueError(f"sparsifier must be an hvd_sparse Sparsifier, got {sparsifier!r}")
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(_SparseDistributedOptimizer.__dict__))
+    if scheme == "omnireduce" and not omnireduce.covers(process_set):
+        raise ValueError("scheme 'omnireduce' reduces over all ranks of the job, not over a "
+                         f"process set ({process_set.ranks}); use another scheme")
+    namespace = dict(_SparseDistributedOptimizer.__dict__)
+    # hvd.broadcast_optimizer_state creates missing state with step() on the ranks that lack it
+    # only, and skips the gradient reduction for classes from Horovod's optimizer module. Ours
+    # must be recognised too: its reduction on only some ranks would wait for the others.
+    namespace["__module__"] = _HvdDistributedOptimizer.__module__
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, scheme, block_size, op,
-               gradient_predivide_factor, backward_passes_per_step, sparsifier)
+               gradient_predivide_factor, backward_passes_per_step, sparsifier, process_set)

@@ -15,7 +15,8 @@ from ..segments import accumulator, decode_sum, finish, local_mask
 def run(job: Job) -> Stage:
     t, bs, n = job.tensor, job.block_size, job.size
     seg = _C.encode(t, bs, job.meta, local_mask(job))
-    gathered = yield "allgather", hvd.allgather_async(seg, name=job.op_name("allgather"))
+    gathered = yield "allgather", hvd.allgather_async(seg, name=job.op_name("allgather"),
+                                                     process_set=job.process_set)
     acc = accumulator(job)
     decode_sum(job, gathered, acc, part_is_rank=False)
     # Ring allgather: each rank forwards all but one of the n segments.

@@ -31,7 +31,8 @@ def run(job: Job) -> Stage:
         return (yield from dense.run(job))
     nnz_local = int(local_mask(job).sum())
     row = torch.tensor([[nnz_local, t.numel(), blocks.DTYPE_CODES[t.dtype], job.meta]])
-    rows = yield "stats", hvd.allgather_async(row, name=job.op_name("stats"))
+    rows = yield "stats", hvd.allgather_async(row, name=job.op_name("stats"),
+                                              process_set=job.process_set)
     for r, other in enumerate(rows.tolist()):
         if other[1:] != row[0, 1:].tolist():
             raise HvdSparseError(
@@ -42,6 +43,8 @@ def run(job: Job) -> Stage:
     ratio = _union_ratio.get(job.name)
     predicted = costmodel.predict(st.net, t.numel(), t.element_size(), job.block_size, nnz,
                                   None if ratio is None else ratio * sum(nnz))
+    if not omnireduce.covers(job.process_set):
+        predicted.seconds.pop("omnireduce", None)
     choice = costmodel.choose(predicted)
     job.stats.update(predicted_ms={k: round(v * 1e3, 3) for k, v in predicted.seconds.items()},
                      block_density=sum(nnz) / len(nnz) / max(1, blocks.num_blocks(

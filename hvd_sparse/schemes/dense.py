@@ -14,7 +14,8 @@ def run(job: Job) -> Stage:
     start = hvd.allreduce_async_ if job.inplace and wire is t else hvd.allreduce_async
     out = yield "allreduce", start(
         wire, name=job.op_name("allreduce"), op=job.op,
-        prescale_factor=job.prescale, postscale_factor=job.postscale)
+        prescale_factor=job.prescale, postscale_factor=job.postscale,
+        process_set=job.process_set)
     n = job.size
     job.stats.update(scheme="dense",
                      bytes_sent=int(2 * (n - 1) / n * wire.numel() * wire.element_size()))

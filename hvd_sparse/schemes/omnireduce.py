@@ -139,6 +139,12 @@ class _Ticket:
         return None
 
 
+def covers(process_set: hvd.ProcessSet) -> bool:
+    """Whether the aggregators sum over exactly ``process_set``'s ranks: they sum over every rank
+    of the job, all of which join them at init, so a smaller set would leave them waiting."""
+    return process_set.process_set_id == hvd.global_process_set.process_set_id
+
+
 def run(job: Job) -> Stage:
     from ..basics import state  # basics imports the schemes
 
@@ -148,6 +154,10 @@ def run(job: Job) -> Stage:
         raise HvdSparseError(
             f"hvd_sparse: tensor {job.name!r}: scheme 'omnireduce' needs aggregators: set "
             "HVD_SPARSE_AGGREGATORS=host:port,... or leave local_aggregators on")
+    if not covers(job.process_set):
+        raise HvdSparseError(
+            f"hvd_sparse: tensor {job.name!r}: scheme 'omnireduce' reduces over all ranks of "
+            f"the job, not over a process set ({job.process_set.ranks}); use another scheme")
     t = job.tensor
     if t.numel() * t.element_size() < st.config.small_bytes:  # a round trip costs more
         job.stats["reason"] = "small"

@@ -35,12 +35,13 @@ def run(job: Job) -> Stage:
     line = idx[0] if k == 1 else _linear(idx, g.shape[:k])
     rows, vals = _C.sum_rows(line.contiguous(), vals, nrows)
     header = torch.tensor([-1 - job.meta])  # negative: never a row; sum_rows skips it
-    h_rows = hvd.allgather_async(torch.cat([header, rows]), name=job.op_name("rows"))
+    h_rows = hvd.allgather_async(torch.cat([header, rows]), name=job.op_name("rows"),
+                                 process_set=job.process_set)
     vals = torch.cat([vals.new_zeros((1, *vals.shape[1:])), vals])
     # The allgather only moves values: bfloat16 (which Horovod 0.28 lacks) travels as its bits.
     bf16 = vals.dtype == torch.bfloat16
     h_vals = hvd.allgather_async(vals.view(torch.int16) if bf16 else vals,
-                                 name=job.op_name("values"))
+                                 name=job.op_name("values"), process_set=job.process_set)
     all_rows = yield "rows", h_rows
     all_vals = yield "values", h_vals
     if bf16:

@@ -19,13 +19,15 @@ def run(job: Job) -> Stage:
     t, bs, n = job.tensor, job.block_size, job.size
     buf, splits = _C.zen_encode(t, bs, n, job.meta, local_mask(job))
     recv, _ = yield "alltoall", hvd.alltoall_async(
-        buf, splits=torch.tensor(splits, dtype=torch.int32), name=job.op_name("alltoall"))
+        buf, splits=torch.tensor(splits, dtype=torch.int32), name=job.op_name("alltoall"),
+        process_set=job.process_set)
     try:
         part = _C.zen_reduce(recv, bs, job.meta, blocks.DTYPE_CODES[t.dtype], t.numel(), n,
                              job.rank, n, job.stats["nnz_local"])
     except RuntimeError as e:
         raise error(job, e) from e
-    gathered = yield "allgather", hvd.allgather_async(part, name=job.op_name("allgather"))
+    gathered = yield "allgather", hvd.allgather_async(part, name=job.op_name("allgather"),
+                                                     process_set=job.process_set)
     acc = accumulator(job)
     decode_sum(job, gathered, acc, part_is_rank=True)
     sent = sum(splits) - splits[job.rank] + gathered.numel() * (n - 1) / n
