@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import warnings
 from types import FrameType
 from typing import Any
 
@@ -27,6 +28,11 @@ from .mpi_ops import allreduce_async_, synchronize
 from .sparsifiers import Sparsifier
 
 _HVD_ADASUM = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
+_SPARSE_BYPASS = (
+    "hvd_sparse.Compression.sparse: hvd.DistributedOptimizer never hands sparse gradients to a "
+    "compression object (it reduces them with its own COO allgather, or densifies them with "
+    "sparse_as_dense=True); hvd_sparse.DistributedOptimizer reduces them by rows, without "
+    "densifying")
 
 
 def _caller(frame: FrameType | None) -> tuple[Any, torch.Tensor | None]:
@@ -92,6 +98,8 @@ class SparseCompressor:
         if ctx is None:  # Horovod reduced it itself: a tensor handed back by compress, or a
             # sparse gradient (sparse_as_dense=False), which Horovod's optimizer sends to its own
             # sparse_allreduce_async (COO allgather) without calling compress
+            if tensor.is_sparse:
+                warnings.warn(_SPARSE_BYPASS, stacklevel=2)
             return tensor
         handle, name, size = ctx
         total = synchronize(handle)

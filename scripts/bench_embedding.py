@@ -10,8 +10,9 @@ the same model from the same start on the same batches, one after another in one
   compression=hvd_sparse.Compression.sparse("auto"))`` (blocks of the densified gradient)
 - ours rows: ``hvd_sparse.DistributedOptimizer`` (coalesced rows, csrc/rows.cpp)
 
-Per method: median step time (forward + backward + reduction + update) and sync time (the
-part of ``optimizer.synchronize()`` left after backward), the slowest rank's; bytes each rank
+Per method: median step time (forward + backward + reduction + update), split into forward +
+backward (reductions start from its hooks), sync (what ``optimizer.synchronize()`` still waits
+for after backward) and the optimizer's update, each the slowest rank's; bytes each rank
 sent for the tables; and how far the final tables' hot rows are from hvd dense's (they must
 agree to float rounding). Ids are Zipf-distributed (a few hot rows, a long tail; ``--zipf 0`` for
 uniform). Table, JSON and PNG go to --out-dir.
@@ -107,7 +108,7 @@ def slowest(x: float) -> float:
 def run(method: str, model: nn.Module, data: list, warmup: int) -> dict[str, object]:
     opt = optimizer(method, model)
     loss_fn = nn.BCEWithLogitsLoss()
-    steps, syncs = [], []
+    steps, syncs, backs, updates = [], [], [], []
     hvd_sparse.reset_metrics()
     for i, (ids, dense, y) in enumerate(data):
         t0 = time.perf_counter()
@@ -123,6 +124,8 @@ def run(method: str, model: nn.Module, data: list, warmup: int) -> dict[str, obj
         if i >= warmup:
             steps.append(slowest(t3 - t0))
             syncs.append(slowest(t2 - t1))
+            backs.append(slowest(t1 - t0))
+            updates.append(slowest(t3 - t2))
     # Bytes this rank sent for the tables in the last step, ring model (as hvd_sparse.metrics).
     n, row_bytes = hvd.size(), model.tables[0].weight.shape[1] * 4
     if method == "hvd dense":
@@ -134,7 +137,9 @@ def run(method: str, model: nn.Module, data: list, warmup: int) -> dict[str, obj
     else:  # hvd_sparse's own record of each table's last reduction
         sent = sum(v.get("bytes_sent", 0) for k, v in hvd_sparse.metrics().items()
                    if k.startswith(("tables.", "grad.tables.")))
-    return {"step_ms": statistics.median(steps) * 1e3, "sync_ms": statistics.median(syncs) * 1e3,
+    ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    return {"step_ms": ms(steps), "forward+backward_ms": ms(backs), "sync_ms": ms(syncs),
+            "update_ms": ms(updates),
             "tables MB sent/step": sent / 1e6}
 
 
