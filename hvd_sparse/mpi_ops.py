@@ -41,20 +41,27 @@ def allreduce_async(
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     name = f"noname.{next(_unnamed)}" if name is None else name
-    t = tensor.detach()
-    if t.is_sparse:
-        t = t.coalesce().to_dense()
-    t = t.contiguous()
+    # A copy (of a sparse or non-contiguous input) is ours: the result is built in it, as in
+    # place, rather than in a second fresh tensor.
+    copied = tensor.is_sparse or not tensor.is_contiguous()
+    t = _dense(tensor.detach()) if tensor.is_sparse else tensor.detach().contiguous()
     if not blocks.supported(t) or t.numel() == 0:
         scheme = "dense"
     job = Job(name=name, tensor=t.view(-1), shape=tensor.shape, op=op,
               prescale=prescale_factor, postscale=postscale_factor,
               block_size=block_size or st.config.block_size, size=hvd.size(), rank=hvd.rank(),
               meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
-              # reduce in the caller's memory only when t is that memory (not a copy)
-              inplace=inplace and t.numel() > 0 and t.data_ptr() == tensor.data_ptr(),
+              inplace=t.numel() > 0 and (inplace or copied),
               output=tensor if inplace else None)
     return engine.submit(job, schemes.run(job), _record)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t.to_dense()`` (the same bits: values added into zeros) built in ``blocks.zeros``, so
+    that only the pages the values land in are touched."""
+    t = t.coalesce()
+    out = blocks.zeros(t.numel(), t.dtype).view(t.shape)
+    return out.index_put_(tuple(t.indices()), t.values(), accumulate=True)
 
 
 def _record(h: Handle) -> None:
