@@ -20,7 +20,7 @@ from horovod.torch.optimizer import _DistributedAdasumOptimizer
 from . import basics
 from .config import SCHEMES
 from .errors import HvdSparseError
-from .mpi_ops import allreduce_async_, synchronize
+from .mpi_ops import allreduce_async, allreduce_async_, synchronize
 from .sparsifiers import Sparsifier
 
 _HVD_ADASUM = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
@@ -64,12 +64,15 @@ class SparseCompressor:
         self._unnamed = itertools.count()
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        name = "grad." + (_parameter_name(sys._getframe(1)) or f"compress.{next(self._unnamed)}")
+        param = _parameter_name(sys._getframe(1))
+        name = "grad." + (param or f"compress.{next(self._unnamed)}")
         if self.sparsifier is not None:  # the sparsified gradient is what gets reduced
             self.sparsifier(name, tensor, self._codec_block_size())
-        # In place, as Horovod reduces gradients: no fresh buffer to fault in.
-        handle = allreduce_async_(tensor, name=name, op=hvd.Sum, scheme=self.scheme,
-                                  block_size=self.block_size)
+        # Horovod's optimizer replaces the gradient with the result: reduce it in place. Other
+        # callers (hvd.allreduce(t, compression=...)) get a new tensor and keep theirs.
+        start = allreduce_async_ if param is not None else allreduce_async
+        handle = start(tensor, name=name, op=hvd.Sum, scheme=self.scheme,
+                       block_size=self.block_size)
         return tensor.new_ones(1), (handle, name)
 
     def _codec_block_size(self) -> int:

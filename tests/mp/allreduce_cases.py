@@ -94,6 +94,24 @@ def main() -> None:
 
     case(results, "scaling-factors", scaled)
 
+    def compression_functional() -> str:
+        """hvd.allreduce(t, compression=Compression.sparse()) returns a new tensor, as Horovod
+        promises, and leaves t alone (Horovod's optimizer alone gets an in-place reduction)."""
+        t = sample((20000,), 0.05, torch.float32, seed=rank + 3)
+        orig = t.clone()
+        ref = hvd.allreduce(t.double(), name="ref.compression", op=hvd.Sum, postscale_factor=3.0)
+        errs = []
+        for s in SCHEMES:
+            out = hvd.allreduce(t, name=f"compression.{s}", op=hvd.Sum, postscale_factor=3.0,
+                                compression=hvd_sparse.Compression.sparse(scheme=s))
+            errs += [f"{s}: {e}" for e in [close_to(out, ref, torch.float32)] if e]
+            if not torch.equal(t, orig):
+                errs.append(f"{s}: the input was modified")
+                t.copy_(orig)
+        return "; ".join(errs)
+
+    case(results, "compression-functional", compression_functional)
+
     def inplace() -> str:
         errs = []
         for s in SCHEMES:
