@@ -263,6 +263,7 @@ int64_t sum_segments(const std::vector<Seg>& segs, V* out, int64_t numel, int64_
   const int64_t nblocks = num_blocks(numel, bs);
   const int64_t bytes = bs * static_cast<int64_t>(sizeof(V));
   const int64_t span = std::max<int64_t>(1, 16384 / bs);  // local buffer: 64-128 KiB
+  const A sc = static_cast<A>(scale);
   std::atomic<int64_t> written{0};
   par_for(0, nblocks, std::max<int64_t>(span, 4096 / bs * 64), [&](int64_t c0, int64_t c1) {
     std::vector<A> acc(static_cast<size_t>(span * bs));
@@ -285,7 +286,6 @@ int64_t sum_segments(const std::vector<Seg>& segs, V* out, int64_t numel, int64_
           add_block<A, V>(a, g.vals + (p - g.idx) * bytes, n);
         }
       }
-      const A sc = static_cast<A>(scale);
       for (int64_t b = b0; b < b1; ++b) {
         if (!seen[b - b0]) continue;
         const A* a = acc.data() + (b - b0) * bs;

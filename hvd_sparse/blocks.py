@@ -46,6 +46,6 @@ def meta_hash(shape: torch.Size, dtype: torch.dtype) -> int:
 
 
 def zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Flat zeros. Large ones are fresh mappings: pages are faulted in only where written, so
-    a sparse result costs the pages its blocks land in, not a memset of the whole tensor."""
+    """Flat zeros. Large ones are fresh mappings, whose pages are faulted in only where written,
+    or freed ones of the same size, re-zeroed (csrc/fresh_zeros.cpp)."""
     return _C.fresh_zeros(numel, dtype)

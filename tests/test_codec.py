@@ -203,8 +203,9 @@ def test_fresh_zeros_are_zero_and_writable(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fresh_zeros_after_free_are_zero_again(dtype):
-    """Freed mappings are returned to the kernel, never recycled with old contents, and not
-    leaked (the resident set does not grow by what was written)."""
+    """A freed mapping is reused for the next tensor of its size only once no tensor or view
+    holds it, and zeroed first; mappings are not leaked (the resident set does not grow by what
+    was written)."""
     def rss() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096
@@ -218,7 +219,17 @@ def test_fresh_zeros_after_free_are_zero_again(dtype):
         del z
         assert bool(keep.isnan().all())
         del keep
-    leak = rss() - before  # 12 such tensors were written
+    a = blocks.zeros(FRESH_NUMEL, dtype)
+    a.fill_(1)
+    b = blocks.zeros(FRESH_NUMEL, dtype)
+    assert b.data_ptr() != a.data_ptr() and not b.view(torch.uint8).any()
+    where = a.data_ptr()
+    del a
+    c = blocks.zeros(FRESH_NUMEL, dtype)
+    assert c.data_ptr() == where, "the freed mapping was not reused"
+    assert not c.view(torch.uint8).any(), "a reused mapping must be zeroed"
+    del b, c
+    leak = rss() - before  # 14 such tensors were written
     assert leak < 3 * FRESH_NUMEL * torch.finfo(dtype).bits // 8, "fresh_zeros leaks mappings"
 
 
