@@ -7,6 +7,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <numeric>
 #include <sstream>
 #include <stdexcept>
@@ -19,6 +20,8 @@ void register_sparsify(pybind11::module_& m);
 void register_rows(pybind11::module_& m);  // csrc/rows.cpp
 
 namespace hvd_sparse {
+
+void register_fresh_zeros(pybind11::module_& m);  // csrc/fresh_zeros.cpp
 
 // Threads the codec may use. Several ranks share a host, so hvd_sparse.init() sets this to
 // cores / local ranks: oversubscribed OpenMP teams spin and run many times slower.
@@ -250,36 +253,55 @@ void add_block<double, double>(double* out, const uint8_t* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += v[i];
 }
 
-// Sums segs, in rank order for every element (so all ranks get identical bits), into the flat
-// accumulator out, then multiplies each summed block by scale. Blocks no segment carries are left
-// alone: out must hold zeros there. overwrite: a block's old contents are dropped on its first
-// touch (out holds stale values only in blocks the segments carry, e.g. the caller's own input),
-// which spares zeroing the whole tensor. Parallel over disjoint block ranges: no two threads
-// touch one element.
+// Writes into out (the tensor's dtype V) every block some segment carries: the segments' sum in
+// A (float64 for float64, else float32), added in rank order for every element so all ranks get
+// identical bits, times scale, rounded once to V. Other blocks of out are neither read nor
+// written: out must hold +0 there, and fresh zero pages stay unmapped (fresh_zeros.cpp). Sums a
+// span of blocks at a time in a local buffer; parallel over disjoint block ranges. Returns the
+// number of blocks written.
 template <typename A, typename V>
-int64_t sum_segments(const std::vector<Seg>& segs, A* out, int64_t numel, int64_t bs, bool overwrite,
-                     double scale) {
+int64_t sum_segments(const std::vector<Seg>& segs, V* out, int64_t numel, int64_t bs, double scale) {
   const int64_t nblocks = num_blocks(numel, bs);
   const int64_t bytes = bs * static_cast<int64_t>(sizeof(V));
-  std::vector<uint8_t> seen(static_cast<size_t>(nblocks), 0);
-  par_for(0, nblocks, std::max<int64_t>(1, 4096 / bs * 64), [&](int64_t b0, int64_t b1) {
-    for (const Seg& g : segs) {
-      const uint32_t* end = g.idx + g.h->count;
-      const uint32_t* p = std::lower_bound(g.idx, end, static_cast<uint32_t>(b0));
-      for (; p != end && *p < b1; ++p) {
-        const int64_t b = *p, n = std::min(bs, numel - b * bs);
-        if (overwrite && !seen[static_cast<size_t>(b)]) std::fill(out + b * bs, out + b * bs + n, A(0));
-        add_block<A, V>(out + b * bs, g.vals + (p - g.idx) * bytes, n);
-        seen[static_cast<size_t>(b)] = 1;
+  const int64_t span = std::max<int64_t>(1, 16384 / bs);  // local buffer: 64-128 KiB
+  const A sc = static_cast<A>(scale);
+  std::atomic<int64_t> written{0};
+  par_for(0, nblocks, std::max<int64_t>(span, 4096 / bs * 64), [&](int64_t c0, int64_t c1) {
+    std::vector<A> acc(static_cast<size_t>(span * bs));
+    std::vector<uint8_t> seen(static_cast<size_t>(span));
+    std::vector<const uint32_t*> next(segs.size());  // per segment: its first block not yet summed
+    for (size_t s = 0; s < segs.size(); ++s)
+      next[s] = std::lower_bound(segs[s].idx, segs[s].idx + segs[s].h->count, static_cast<uint32_t>(c0));
+    int64_t count = 0;
+    for (int64_t b0 = c0; b0 < c1; b0 += span) {
+      const int64_t b1 = std::min(c1, b0 + span);
+      std::fill(seen.begin(), seen.end(), uint8_t(0));
+      for (size_t s = 0; s < segs.size(); ++s) {
+        const Seg& g = segs[s];
+        const uint32_t* end = g.idx + g.h->count;
+        for (const uint32_t*& p = next[s]; p != end && *p < b1; ++p) {
+          const int64_t b = *p, n = std::min(bs, numel - b * bs);
+          A* a = acc.data() + (b - b0) * bs;
+          if (!seen[b - b0]) std::fill(a, a + n, A(0));
+          seen[b - b0] = 1;
+          add_block<A, V>(a, g.vals + (p - g.idx) * bytes, n);
+        }
+      }
+      for (int64_t b = b0; b < b1; ++b) {
+        if (!seen[b - b0]) continue;
+        const A* a = acc.data() + (b - b0) * bs;
+        V* o = out + b * bs;
+        const int64_t n = std::min(bs, numel - b * bs);
+        if (scale == 1.0)
+          for (int64_t i = 0; i < n; ++i) o[i] = static_cast<V>(a[i]);
+        else
+          for (int64_t i = 0; i < n; ++i) o[i] = static_cast<V>(a[i] * sc);
+        ++count;
       }
     }
-    if (scale == 1.0) return;
-    const A s = static_cast<A>(scale);
-    for (int64_t b = b0; b < b1; ++b)
-      if (seen[static_cast<size_t>(b)])
-        for (A *o = out + b * bs, *e = o + std::min(bs, numel - b * bs); o != e; ++o) *o *= s;
+    written += count;
   });
-  return std::count(seen.begin(), seen.end(), uint8_t(1));
+  return written;
 }
 
 template <typename F>
@@ -362,14 +384,15 @@ at::Tensor encode(const at::Tensor& t, int64_t bs, uint64_t meta, c10::optional<
   return buf;
 }
 
-// Validates nsegs concatenated segments, sums them into acc (float32, or float64 for float64
-// tensors; numel elements, zero outside the blocks the segments carry; see sum_segments for
-// overwrite) and scales the sum. Returns (counts, nnz_local, union).
-py::tuple decode_sum(const at::Tensor& buf, at::Tensor& acc, int64_t bs, uint64_t meta, int64_t dtype,
-                     int64_t numel, int64_t nsegs, bool part_is_rank, bool overwrite, double scale) {
+// Validates nsegs concatenated segments and writes their scaled sum into out (the tensor's
+// dtype, numel elements) in every block they carry; out must be +0 in all other blocks (see
+// sum_segments). Returns (counts, nnz_local, union).
+py::tuple decode_sum(const at::Tensor& buf, at::Tensor& out, int64_t bs, uint64_t meta, int64_t dtype,
+                     int64_t numel, int64_t nsegs, bool part_is_rank, double scale) {
   Expect ex{static_cast<uint8_t>(dtype), bs, numel, meta};
-  TORCH_CHECK(acc.is_contiguous() && acc.numel() == numel, "decode_sum: accumulator size");
-  TORCH_CHECK(acc.scalar_type() == (dtype == kF64 ? at::kDouble : at::kFloat), "decode_sum: accumulator dtype");
+  TORCH_CHECK(out.is_contiguous() && out.numel() == numel, "decode_sum: output size");
+  TORCH_CHECK(out.device().is_cpu() && dtype_code(out.scalar_type()) == ex.dtype,
+              "decode_sum: output must be a CPU tensor of the segments' dtype");
   std::vector<Seg> segs;
   int64_t uni;
   {
@@ -377,10 +400,8 @@ py::tuple decode_sum(const at::Tensor& buf, at::Tensor& acc, int64_t bs, uint64_
     segs = parse(buf, nsegs, ex, -1, part_is_rank);
     uni = dispatch_wire(ex.dtype, [&](auto v) -> int64_t {
       using V = decltype(v);
-      if constexpr (std::is_same_v<V, double>)
-        return sum_segments<double, V>(segs, acc.data_ptr<double>(), numel, bs, overwrite, scale);
-      else
-        return sum_segments<float, V>(segs, acc.data_ptr<float>(), numel, bs, overwrite, scale);
+      using A = std::conditional_t<std::is_same_v<V, double>, double, float>;
+      return sum_segments<A, V>(segs, static_cast<V*>(out.data_ptr()), numel, bs, scale);
     });
   }
   return stats_tuple(segs, uni);
@@ -512,9 +533,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack", &unpack, py::arg("out"), py::arg("idx"), py::arg("vals"), py::arg("block_size"), nogil());
   m.def("encode", &encode, py::arg("t"), py::arg("block_size"), py::arg("meta"), py::arg("mask") = py::none(),
         nogil());
-  m.def("decode_sum", &decode_sum, py::arg("buf"), py::arg("acc"), py::arg("block_size"), py::arg("meta"),
+  m.def("decode_sum", &decode_sum, py::arg("buf"), py::arg("out"), py::arg("block_size"), py::arg("meta"),
         py::arg("dtype"), py::arg("numel"), py::arg("nsegs"), py::arg("part_is_rank") = false,
-        py::arg("overwrite") = false, py::arg("scale") = 1.0);
+        py::arg("scale") = 1.0);
   m.def("zen_encode", &zen_encode, py::arg("t"), py::arg("block_size"), py::arg("nparts"), py::arg("meta"),
         py::arg("mask") = py::none(), nogil());
   m.def("zen_reduce", &zen_reduce, py::arg("buf"), py::arg("block_size"), py::arg("meta"), py::arg("dtype"),
@@ -525,5 +546,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SEGMENT_HEADER_BYTES") = sizeof(SegHeader);
   register_sparsify(m);  // csrc/sparsify.cpp
   register_rows(m);
+  register_fresh_zeros(m);
   omni::register_omni(m);  // csrc/omni/worker.cpp
 }

@@ -45,6 +45,7 @@ def meta_hash(shape: torch.Size, dtype: torch.dtype) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def accumulator(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Zeroed sum buffer: float64 for float64, float32 for everything narrower."""
-    return torch.zeros(numel, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+def zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Flat zeros. Large ones are fresh mappings, whose pages are faulted in only where written,
+    or freed ones of the same size, re-zeroed (csrc/fresh_zeros.cpp)."""
+    return _C.fresh_zeros(numel, dtype)

@@ -24,7 +24,7 @@ from horovod.torch.optimizer import _DistributedAdasumOptimizer
 from . import basics, blocks
 from .config import SCHEMES
 from .errors import HvdSparseError
-from .mpi_ops import allreduce_async_, synchronize
+from .mpi_ops import allreduce_async, allreduce_async_, synchronize
 from .sparsifiers import Sparsifier
 
 _HVD_ADASUM = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
@@ -86,9 +86,11 @@ class SparseCompressor:
             self.sparsifier(name, tensor, self._codec_block_size())
         if not blocks.supported(tensor):  # integer or GPU: Horovod's allreduce, op and scaling
             return tensor, None
-        # In place, as Horovod reduces gradients: no fresh buffer to fault in.
-        handle = allreduce_async_(tensor, name=name, op=hvd.Sum, scheme=self.scheme,
-                                  block_size=self.block_size, process_set=process_set)
+        # Horovod's optimizer replaces the gradient with the result: reduce it in place. Other
+        # callers (hvd.allreduce(t, compression=...)) get a new tensor and keep theirs.
+        start = allreduce_async_ if opt is not None else allreduce_async
+        handle = start(tensor, name=name, op=hvd.Sum, scheme=self.scheme,
+                       block_size=self.block_size, process_set=process_set)
         return tensor.new_ones(1), (handle, name, process_set.size())
 
     def _codec_block_size(self) -> int:

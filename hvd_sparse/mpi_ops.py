@@ -52,11 +52,12 @@ def allreduce_async(
                              f"process set {process_set.ranks}")
     t = tensor.detach()
     if t.is_sparse and scheme != "dense" and rows.supported(t):
-        scheme, inplace = "rows", False
+        scheme, inplace, copied = "rows", False, False
     else:
-        if t.is_sparse:
-            t = t.coalesce().to_dense()
-        t = t.contiguous().view(-1)
+        # A copy (of a sparse or non-contiguous input) is ours: the result is built in it, as in
+        # place, rather than in a second fresh tensor.
+        copied = t.is_sparse or not t.is_contiguous()
+        t = (_dense(t) if t.is_sparse else t.contiguous()).view(-1)
         if not blocks.supported(t) or t.numel() == 0:
             scheme = "dense"
     job = Job(name=name, tensor=t, shape=tensor.shape, op=op,
@@ -64,10 +65,17 @@ def allreduce_async(
               block_size=block_size or st.config.block_size, size=process_set.size(),
               rank=process_set.rank(), process_set=process_set,
               meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
-              # reduce in the caller's memory only when t is that memory (not a copy)
-              inplace=inplace and t.numel() > 0 and t.data_ptr() == tensor.data_ptr(),
+              inplace=t.numel() > 0 and (inplace or copied),
               output=tensor if inplace else None)
     return engine.submit(job, schemes.run(job), _record)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t.to_dense()`` (the same bits: values added into zeros) built in ``blocks.zeros``, so
+    that only the pages the values land in are touched."""
+    t = t.coalesce()
+    out = blocks.zeros(t.numel(), t.dtype).view(t.shape)
+    return out.index_put_(tuple(t.indices()), t.values(), accumulate=True)
 
 
 def _record(h: Handle) -> None:

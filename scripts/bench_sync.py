@@ -43,7 +43,8 @@ core in every rank, oversubscribes the cores and makes every OpenMP region crawl
 Bytes sent per rank: ours from hvd_sparse.metrics() (mean over ranks); Horovod dense
 2(n-1)/n * numel * 4; Horovod sparse (n-1)/n * total gathered bytes (4 B value + 8 B index per
 non-zero element, summed over ranks). Rank 0 prints the table and writes <out-dir>/sync.json
-and <out-dir>/sync.png. --quick: 4 Mi elements, 3 reps, 1 warm-up.
+and <out-dir>/sync.png. --quick: 4 Mi elements, 3 reps, 1 warm-up. --methods runs a subset
+("hvd dense" and "hvd sparse", the baselines of every ratio, always run).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ METHODS = ["hvd dense", "hvd dense in-place", "hvd sparse", "hvd sparse e2e",
 RTOL, ATOL = 1e-5, 1e-6
 TARGET_ALLGATHER_DENSITY, TARGET_ALLGATHER_X = 0.01, 1.5
 TARGET_AUTO_X = 0.95
+TARGET_OOP_DENSITY, TARGET_OOP_X, TARGET_INPLACE_X = 0.01, 1.0, 1.5
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,6 +92,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--np", type=int, default=4, help="ranks when self-launching")
     ap.add_argument("--numel", type=int, help="default 26,214,400 (--quick: 4Mi)")
     ap.add_argument("--densities", default="1.0,0.4,0.1,0.01")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated subset of: " + ", ".join(METHODS))
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--reps", type=int, help="default 5 (--quick: 3)")
     ap.add_argument("--warmup", type=int, help="default 2 (--quick: 1)")
@@ -106,6 +110,10 @@ def parse_args() -> argparse.Namespace:
     for key, full, quick in (("numel", 26_214_400, 4 * 2**20), ("reps", 5, 3), ("warmup", 2, 1)):
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
+    chosen = {m.strip() for m in args.methods.split(",")} | {"hvd dense", "hvd sparse"}
+    if chosen - set(METHODS):
+        ap.error(f"unknown methods: {sorted(chosen - set(METHODS))}")
+    args.methods = [m for m in METHODS if m in chosen]
     return args
 
 
@@ -160,7 +168,7 @@ def k2_session() -> Session:
     return session
 
 
-def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: Session) -> torch.Tensor:
+def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: Session | None) -> torch.Tensor:
     name = f"bench.{scheme.replace(' ', '.')}{'_' if inplace else ''}"
     fn = hvd_sparse.allreduce_ if inplace else hvd_sparse.allreduce
     if scheme != "omnireduce K=2":
@@ -173,8 +181,8 @@ def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: Session) -> torch.Te
         st.omni = own
 
 
-def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor,
-            k2: Session) -> dict[str, Method]:
+def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor, k2: Session | None,
+            chosen: list[str]) -> dict[str, Method]:
     def restore() -> torch.Tensor:
         return work.copy_(t)
 
@@ -193,7 +201,7 @@ def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor,
         ms[f"ours {s}"] = Method(lambda s=s: reduce(s, False, t, k2))
     for s in OURS:
         ms[f"ours {s} in-place"] = Method(lambda s=s: reduce(s, True, work, k2), restore)
-    return ms
+    return {m: ms[m] for m in chosen}
 
 
 def udp_limit(n: int, payload_bytes: int) -> dict:
@@ -277,11 +285,11 @@ def run(args: argparse.Namespace) -> int:
     hvd_sparse.init(block_size=args.block_size, probe=args.probe)
     rank, n = hvd.rank(), hvd.size()
     densities = [float(d) for d in args.densities.split(",")]
-    k2 = k2_session()
+    k2 = k2_session() if any("K=2" in m for m in args.methods) else None
     udp = udp_limit(n, hvd_sparse.basics.state().config.payload_bytes)
     rows: list[dict] = []
     progress = Progress(console=console)
-    task = progress.add_task("bench", total=len(densities) * len(METHODS) *
+    task = progress.add_task("bench", total=len(densities) * len(args.methods) *
                              (1 + args.warmup + args.reps))
     if rank == 0:  # update/advance on the other ranks are harmless no-ops on screen
         progress.start()
@@ -300,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         ref = hvd.allreduce(t, name="bench.ref", op=hvd.Sum)
 
         # Correctness first; all ranks agree on each verdict so none waits on a skipped call.
-        fns = methods(t, coo, work, k2)
+        fns = methods(t, coo, work, k2, args.methods)
         drows: dict[str, dict] = {}
         for method, m in list(fns.items()):
             problem, err = check(m, ref, t, t_orig)
@@ -316,11 +324,12 @@ def run(args: argparse.Namespace) -> int:
 
         for method, ms in time_methods(fns, args.warmup, args.reps, tick).items():
             drows[method]["ms"] = ms
-        for method in ("hvd dense", "hvd dense in-place"):
+        for method in {"hvd dense", "hvd dense in-place"} & drows.keys():
             drows[method]["MB sent/rank"] = 2 * (n - 1) / n * t.numel() * t.element_size() / 1e6
         drows["hvd sparse"] |= {"MB sent/rank": (n - 1) / n * total_coo / 1e6,
                                 "to_sparse ms": coo_ms}
-        drows["hvd sparse e2e"]["MB sent/rank"] = (n - 1) / n * total_coo / 1e6
+        if "hvd sparse e2e" in drows:
+            drows["hvd sparse e2e"]["MB sent/rank"] = (n - 1) / n * total_coo / 1e6
         for s, suffix in ((s, x) for s in OURS for x in ("", " in-place")):
             method = f"ours {s}{suffix}"
             if method in fns:  # metrics of the last (timed) call
@@ -340,7 +349,8 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         progress.stop()
         report(rows, densities, args, n, udp)
-    k2.close()
+    if k2 is not None:
+        k2.close()
     hvd_sparse.shutdown()
     return 0
 
@@ -390,15 +400,18 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
         if ag in by:
             target(f"allgather{suffix} vs hvd sparse @ {TARGET_ALLGATHER_DENSITY:g}",
                    by[ag]["x vs hvd sparse"], TARGET_ALLGATHER_X)
-            e2e = ms[(TARGET_ALLGATHER_DENSITY, "hvd sparse e2e")]
+            e2e = ms.get((TARGET_ALLGATHER_DENSITY, "hvd sparse e2e"), nan)
             console.print(f"  (informational: vs hvd sparse e2e: {e2e / ms[ag]:.2f}x)")
         else:
             console.print(f"[yellow]density {TARGET_ALLGATHER_DENSITY} not run: allgather "
                           "target not evaluated[/]")
         baselines = ["hvd dense", "hvd sparse"] + (["hvd dense in-place"] if suffix else [])
         for d in densities:
-            # nan (a wrong, untimed baseline) must not win the min
-            best = min((ms[(d, b)] for b in baselines), key=lambda v: (math.isnan(v), v))
+            if (d, f"ours auto{suffix}") not in by:
+                continue
+            # nan (a wrong or not run baseline) must not win the min
+            best = min((ms.get((d, b), nan) for b in baselines),
+                       key=lambda v: (math.isnan(v), v))
             target(f"auto{suffix} vs best of {'/'.join(baselines)} @ {d:g} (auto picked "
                    f"{by[(d, f'ours auto{suffix}')].get('scheme', '?')})",
                    best / ms[(d, f"ours auto{suffix}")], TARGET_AUTO_X)
@@ -412,30 +425,37 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
                     target(f"{k}{suffix} vs hvd dense @ {d:g}", r["x vs hvd dense"], need_dense)
                     target(f"{k}{suffix} vs hvd sparse @ {d:g}", r["x vs hvd sparse"],
                            need_sparse)
+    # Issue 12: every sparse scheme against Horovod's COO path at 1%, out of place and in place.
+    for s in ("allgather", "zen", "omnireduce", "auto"):
+        for suffix, need in (("", TARGET_OOP_X), (" in-place", TARGET_INPLACE_X)):
+            if (TARGET_OOP_DENSITY, f"ours {s}{suffix}") in by:
+                target(f"{s}{suffix} vs hvd sparse @ {TARGET_OOP_DENSITY:g}",
+                       by[(TARGET_OOP_DENSITY, f"ours {s}{suffix}")]["x vs hvd sparse"], need)
     out = write_json(args.out_dir / "sync.json", rows, args=vars(args), ranks=n, targets=targets,
                      udp_limit=udp)
     plot(rows, densities, args.out_dir / "sync.png",
-         f"{args.numel:,} float32, {n} ranks x {args.threads} threads")
+         f"{args.numel:,} float32, {n} ranks x {args.threads} threads", args.methods)
     console.print(f"wrote {out} and {args.out_dir / 'sync.png'}")
 
 
-def plot(rows: list[dict], densities: list[float], path: Path, title: str) -> None:
+def plot(rows: list[dict], densities: list[float], path: Path, title: str,
+         methods: list[str]) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(13, 5))
     ax = fig.subplots()
     by = {(r["density"], r["method"]): r for r in rows}
-    width = 0.8 / len(METHODS)
-    bases = list(dict.fromkeys(m.removesuffix(" in-place") for m in METHODS))
-    for j, method in enumerate(METHODS):
-        xs = [i + (j - (len(METHODS) - 1) / 2) * width for i in range(len(densities))]
-        ys = [by[(d, method)].get("ms", 0.0) for d in densities]  # 0: wrong, not timed
+    width = 0.8 / len(methods)
+    bases = list(dict.fromkeys(m.removesuffix(" in-place") for m in methods))
+    for j, method in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(densities))]
+        ys = [by.get((d, method), {}).get("ms", 0.0) for d in densities]  # 0: wrong/not run
         base = method.removesuffix(" in-place")  # in place: its out-of-place colour, hatched
         bars = ax.bar(xs, ys, width, label=method, color=f"C{bases.index(base)}",
                       hatch="//" if base != method else None)
         if method.startswith("ours auto"):
             for bar, d in zip(bars, densities, strict=True):
-                ax.annotate(by[(d, method)].get("scheme", "?"), (bar.get_x() + width / 2,
+                ax.annotate(by.get((d, method), {}).get("scheme", "?"), (bar.get_x() + width / 2,
                             bar.get_height() or 1), ha="center", va="bottom", fontsize=7,
                             rotation=90)
     ax.set_xticks(range(len(densities)), [f"{d:g}" for d in densities])

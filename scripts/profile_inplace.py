@@ -61,8 +61,7 @@ def main() -> None:
         mask = timed("mask (+ clear -0)", lambda: _C.block_mask(w, bs, True))
         seg = timed("encode", lambda mask=mask: _C.encode(w, bs, meta, mask))
         got = timed("allgather", lambda seg=seg: hvd.allgather(seg, name="prof.ag"))
-        timed("decode (overwrite)", lambda got=got: _C.decode_sum(
-            got, w, bs, meta, code, numel, n, False, overwrite=True, scale=1.0))
+        timed("decode", lambda got=got: _C.decode_sum(got, w, bs, meta, code, numel, n, False))
         w.copy_(t)
         barrier()
         timed("hvd_sparse.allreduce_", lambda: hvd_sparse.allreduce_(

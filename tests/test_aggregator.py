@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hvd_sparse import _C, wire
+from hvd_sparse import _C, blocks, wire
 
 ROOT = Path(__file__).resolve().parents[1]
 BINARY = ROOT / "hvd_sparse" / "bin" / "hvd-sparse-aggregator"
@@ -166,11 +166,8 @@ def reference(inputs: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
     dtype = inputs[0].dtype
     s = np.sum([f64(x) for x in inputs], axis=0)
     ref = round_once(s, dtype)
-    if scale != 1.0:  # the worker scales the rounded sum in the tensor's dtype
-        if dtype == torch.float32:
-            ref = torch.from_numpy(ref.numpy() * np.float32(scale))
-        else:
-            ref = ref * scale
+    if scale != 1.0:  # the worker scales the rounded sum as torch does: x.mul_(scale)
+        ref = ref * scale
     return ref
 
 
@@ -203,7 +200,7 @@ def run(workers, inputs: list[torch.Tensor], tensor_id: int, bs: int, *, inplace
         scale: float = 1.0, meta: int = 7, order=None):
     """Every worker reduces its input; returns (outputs, finish() stats)."""
     ins = [x.clone() for x in inputs]
-    outs = ins if inplace else [torch.full_like(x, float("nan")) for x in ins]
+    outs = ins if inplace else [torch.zeros_like(x) for x in ins]
     ranks = order or range(len(workers))
     tickets = {r: workers[r].submit(tensor_id, ins[r], outs[r], bs, meta, None, f"t{tensor_id}",
                                     scale) for r in ranks}
@@ -240,7 +237,8 @@ def cases(rng: np.random.Generator, n: int):
     for r in range(1, n):
         mixed[r] = block_sparse(rng, numel, 64, 0.2, torch.float32)
     out.append(("one empty worker", mixed, 64, False, 1.0))
-    for dtype, scale in ((torch.float32, 0.125), (torch.float32, 1 / 3), (torch.float64, 1 / 3)):
+    for dtype, scale in ((torch.float32, 0.125), (torch.float32, 1 / 3), (torch.float64, 1 / 3),
+                         (torch.float16, 1 / 3), (torch.bfloat16, 0.1)):
         ins = [block_sparse(rng, numel, 64, 0.2, dtype) for _ in range(n)]
         out.append((f"scale {scale} {dtype}", ins, 64, False, scale))
         out.append((f"scale {scale} {dtype} in place", ins, 64, True, scale))
@@ -262,7 +260,7 @@ def test_sum_matches_float64_reference(aggs, make_workers, n, k):
         for i in order:
             name, ins, bs, inplace, scale = todo[i]
             x = ins[r].clone()
-            o = x if inplace else torch.full_like(x, float("nan"))  # garbage: must be zeroed
+            o = x if inplace else torch.zeros_like(x)
             tickets[r, i] = (w.submit(100 + i, x, o, bs, 7, None, name, scale), o)
     for (r, i), (t, _) in tickets.items():
         assert ws[r].wait(t, WAIT), f"rank {r} case {todo[i][0]} did not finish"
@@ -299,7 +297,7 @@ def test_edge_sizes_and_masks(aggs, make_workers):
             assert_result(o, reference(ins), f"numel={numel} bs={bs}")
     numel, bs = 64 * 90 + 1, 64
     ins = [block_sparse(rng, numel, bs, 0.1, torch.float32) for _ in range(n)]
-    outs, tickets = [torch.full_like(x, float("nan")) for x in ins], []
+    outs, tickets = [torch.zeros_like(x) for x in ins], []
     for r, w in enumerate(ws):
         mask = (ins[r].new_zeros(91 * 64).index_copy_(0, torch.arange(numel), ins[r])
                 .view(91, 64) != 0).any(1).to(torch.uint8)
@@ -310,6 +308,47 @@ def test_edge_sizes_and_masks(aggs, make_workers):
         assert w.wait(tickets[r], WAIT)
         w.finish(tickets[r])
         assert_result(outs[r], reference(ins), f"mask rank {r}")
+
+
+def test_only_blocks_some_worker_sends_are_written(aggs, make_workers):
+    """Out of place the output is not zeroed by the worker: the caller passes zeros (fresh pages
+    that stay unmapped where nothing lands). Prefilled with NaN, it must keep NaN exactly in
+    the blocks zero on every worker and hold the sum elsewhere."""
+    n, bs = 3, 64
+    ws = make_workers([aggs(n)], n, payload_bytes=2048, slots_per_aggregator=8)
+    rng = np.random.default_rng(9)
+    numel = bs * 333 + 5
+    ins = [block_sparse(rng, numel, bs, 0.05, torch.float32) for _ in range(n)]
+    outs = [torch.full_like(x, float("nan")) for x in ins]
+    tickets = [w.submit(5, ins[r], outs[r], bs, 7, None, "nan", 1.0) for r, w in enumerate(ws)]
+    for r, w in enumerate(ws):
+        assert w.wait(tickets[r], WAIT)
+        w.finish(tickets[r])
+    nonzero = torch.zeros(-(-numel // bs) * bs, dtype=torch.bool)
+    nonzero[:numel] = (torch.stack(ins) != 0).any(0)
+    sent = nonzero.view(-1, bs).any(1).repeat_interleave(bs)[:numel]
+    ref = reference(ins)
+    for o in outs:
+        assert bool(o[~sent].isnan().all()), "a block no worker sent was written"
+        assert_result(o[sent], ref[sent], "blocks some worker sent")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_large_output_in_fresh_zeros(aggs, make_workers, dtype):
+    """What the omnireduce scheme does out of place: a fresh-zeros output (a new mapping above
+    4 MiB), 1% of the blocks non-zero per worker, scaled."""
+    n, bs = 2, 256
+    ws = make_workers([aggs(n)], n)
+    rng = np.random.default_rng(WIRE_DTYPE[dtype])
+    numel = 2**21 + 77
+    ins = [block_sparse(rng, numel, bs, 0.01, dtype, force=(0,) if r else ()) for r in range(n)]
+    outs = [blocks.zeros(numel, dtype) for _ in range(n)]
+    tickets = [w.submit(6, ins[r], outs[r], bs, 7, None, "fresh", 0.5) for r, w in enumerate(ws)]
+    for r, w in enumerate(ws):
+        assert w.wait(tickets[r], WAIT)
+        w.finish(tickets[r])
+    for o in outs:
+        assert_result(o, reference(ins, 0.5), f"fresh zeros {dtype}")
 
 
 def test_half_precision_sums_are_rounded_once(aggs, make_workers):
@@ -357,7 +396,7 @@ tickets = {}
 for j, (dtype, inplace, bs) in enumerate(specs):
     for r, w in ws.items():
         x = torch.from_numpy(np.load(f"{d}/in{j}_{r}.npy")).to(getattr(torch, dtype))
-        o = x if inplace else torch.full_like(x, float("nan"))
+        o = x if inplace else torch.zeros_like(x)
         tickets[j, r] = (w.submit(j, x, o, bs, 3, None, f"x{j}", 1.0), o)
 for (j, r), (t, o) in tickets.items():
     assert ws[r].wait(t, 60.0), (j, r)
@@ -626,7 +665,7 @@ def test_fuzz_malformed_and_foreign_packets_during_a_job(fuzz_job, junk):
              for i, (kind, seed, raw) in enumerate(junk)]
     sync(sock, agg)
     before = agg.stats()
-    outs = [torch.full_like(x, float("nan")) for x in ins]
+    outs = [torch.zeros_like(x) for x in ins]
     # ranks 0 and 1 start; the junk arrives while the tensor waits for rank 2, then during it
     tickets = [ws[r].submit(tensor, ins[r], outs[r], Job.bs, 7, None, "fz", 1.0)
                for r in range(2)]
@@ -755,7 +794,7 @@ def test_two_jobs_share_an_aggregator_without_mixing(aggs, make_workers):
     tickets = []
     for job, ws, ins in (("a", a, ins_a), ("b", b, ins_b)):  # same tensor id, interleaved
         for r, w in enumerate(ws):
-            outs[job, r] = torch.full_like(ins[r], float("nan"))
+            outs[job, r] = torch.zeros_like(ins[r])
             tickets.append((w, w.submit(42, ins[r], outs[job, r], 64, 7, None, "same", 1.0)))
     for w, t in tickets:
         assert w.wait(t, WAIT)

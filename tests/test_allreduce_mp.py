@@ -27,6 +27,7 @@ def test_async_out_of_order_scaling_and_inplace(reports):
     for rep in reports:
         assert rep["async/out-of-order"] == ""
         assert rep["scaling-factors"] == ""
+        assert rep["compression-functional"] == ""
         assert rep["inplace"] == ""
         assert rep["inplace-bits"] == ""
 

@@ -52,20 +52,43 @@ def test_mask_pack_unpack_match_numpy(case):
     np.testing.assert_array_equal(out.double().numpy(), np.where(x == 0, 0.0, x))
 
 
+def ref_sum(ranks: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+    """What decode_sum promises: +0, plus each rank's values in rank order, in float64 for
+    float64 and float32 otherwise, times scale, rounded once to the dtype (numpy arithmetic)."""
+    dtype = ranks[0].dtype
+    wide = np.float64 if dtype == torch.float64 else np.float32
+    acc = np.zeros(ranks[0].numel(), dtype=wide)
+    for r in ranks:
+        acc = acc + r.to(torch.float64).numpy().astype(wide)
+    if scale != 1.0:
+        acc = acc * wide(scale)
+    return torch.from_numpy(acc).to(dtype)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal values, NaN where NaN, and the same sign on zeros (-0 vs +0)."""
+    g, w = got.double().numpy(), want.double().numpy()
+    np.testing.assert_array_equal(g, w)
+    zeros = w == 0
+    np.testing.assert_array_equal(np.signbit(g[zeros]), np.signbit(w[zeros]))
+
+
 @settings(max_examples=200, deadline=None)
-@given(sparse_tensors(), st.integers(1, 5))
-def test_segments_sum_like_numpy(case, nranks):
+@given(sparse_tensors(), st.integers(1, 5), st.sampled_from([1.0, 0.25, 1 / 3]))
+def test_segments_sum_like_numpy(case, nranks, scale):
     t, bs = case
     g = torch.Generator().manual_seed(nranks)
     ranks = [t * torch.randint(0, 2, t.shape, generator=g).to(t.dtype) for _ in range(nranks)]
     code = blocks.DTYPE_CODES[t.dtype]
-    ref = sum(r.double() for r in ranks) if nranks else None
     buf = torch.cat([_C.encode(r, bs, 42) for r in ranks])
-    acc = blocks.accumulator(t.numel(), t.dtype)
-    counts, nnz, _ = _C.decode_sum(buf, acc, bs, 42, code, t.numel(), nranks, False)
-    assert counts == nnz == [int(blocks.block_mask(r, bs).sum()) for r in ranks]
-    tol = 1e-12 if t.dtype == torch.float64 else 1e-5
-    np.testing.assert_allclose(acc.double().numpy(), ref.numpy(), rtol=tol, atol=tol)
+    out = blocks.zeros(t.numel(), t.dtype)
+    counts, nnz, union = _C.decode_sum(buf, out, bs, 42, code, t.numel(), nranks, False,
+                                       scale=scale)
+    masks = [blocks.block_mask(r, bs) for r in ranks]
+    assert counts == nnz == [int(m.sum()) for m in masks]
+    assert union == int(torch.stack(masks).amax(0).sum())
+    assert out.dtype == t.dtype
+    assert_same_bits(out, ref_sum(ranks, scale))
 
 
 @settings(max_examples=150, deadline=None)
@@ -87,13 +110,11 @@ def test_zen_partitions_are_lossless(case, nparts):
             chunks.append(buf[start:start + splits[p]])
         parts.append(_C.zen_reduce(torch.cat(chunks), bs, 7, code, t.numel(), len(ranks), p,
                                    nparts, 0))
-    acc = blocks.accumulator(t.numel(), t.dtype)
-    counts, _, union = _C.decode_sum(torch.cat(parts), acc, bs, 7, code, t.numel(), nparts, True)
+    out = blocks.zeros(t.numel(), t.dtype)
+    counts, _, union = _C.decode_sum(torch.cat(parts), out, bs, 7, code, t.numel(), nparts, True)
     assert sum(counts) == union
-    ref = sum(r.double() for r in ranks)
-    # one rounding to the wire dtype after the partition's sum
-    np.testing.assert_allclose(acc.double().numpy(), ref.to(t.dtype).double().numpy(),
-                               rtol=1e-12, atol=0)
+    # every block lies in one partition: decoding adds one partition sum to +0
+    assert_same_bits(out, ref_sum([ref_sum(ranks)]))
 
 
 def test_partition_hash_is_balanced():
@@ -150,10 +171,8 @@ def test_pack_is_zero_copy_friendly_on_large_tensors():
 @given(sparse_tensors(), st.integers(1, 4), st.sampled_from([1.0, 0.25, 3.0]))
 def test_in_place_decode_equals_zeroed_decode(case, nranks, scale):
     """What allreduce_ does: clear -0 blocks while masking, then decode over the rank's own
-    input, rewriting only the carried blocks. Same bits as summing into zeros, then scaling."""
+    input, rewriting only the carried blocks. Same bits as decoding into zeros."""
     t, bs = case
-    if t.dtype not in (torch.float32, torch.float64):
-        return
     g = torch.Generator().manual_seed(nranks)
     ranks = [t * torch.randint(0, 2, t.shape, generator=g).to(t.dtype) for _ in range(nranks)]
     ranks[0] = torch.where(ranks[0] == 0, torch.tensor(-0.0, dtype=t.dtype), ranks[0])
@@ -164,9 +183,96 @@ def test_in_place_decode_equals_zeroed_decode(case, nranks, scale):
     # values unchanged; only -0 in all-zero blocks became +0
     assert torch.allclose(own, ranks[0], rtol=0, atol=0, equal_nan=True)
     buf = torch.cat([_C.encode(r, bs, 5) for r in ranks])
-    ref = torch.zeros_like(t)
-    _C.decode_sum(buf, ref, bs, 5, code, t.numel(), nranks, False)
-    ref.mul_(scale)
-    _C.decode_sum(buf, own, bs, 5, code, t.numel(), nranks, False, overwrite=True, scale=scale)
-    bits = torch.int64 if t.dtype == torch.float64 else torch.int32
-    assert torch.equal(own.view(bits), ref.view(bits))
+    _C.decode_sum(buf, own, bs, 5, code, t.numel(), nranks, False, scale=scale)
+    assert_same_bits(own, ref_sum(ranks, scale))
+
+
+# Fresh zeros: large outputs are new mappings that only the decode's writes fault in.
+FRESH_NUMEL = 2**21 + 77  # over the 4 MiB threshold for every dtype, with a ragged end
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fresh_zeros_are_zero_and_writable(dtype):
+    for numel in (0, 1, 1000, FRESH_NUMEL):
+        z = blocks.zeros(numel, dtype)
+        assert z.shape == (numel,) and z.dtype == dtype and z.is_contiguous()
+        assert not z.view(torch.uint8).any(), "every byte +0 (no -0, no garbage)"
+        z.fill_(-1.5)
+        assert bool((z == -1.5).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fresh_zeros_after_free_are_zero_again(dtype):
+    """A freed mapping is reused for the next tensor of its size only once no tensor or view
+    holds it, and zeroed first; mappings are not leaked (the resident set does not grow by what
+    was written)."""
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss()
+    for _ in range(12):
+        z = blocks.zeros(FRESH_NUMEL, dtype)
+        assert not z.view(torch.uint8).any()
+        z.fill_(float("nan"))
+        keep = z[10:20]  # a view keeps the mapping alive after z is gone
+        del z
+        assert bool(keep.isnan().all())
+        del keep
+    a = blocks.zeros(FRESH_NUMEL, dtype)
+    a.fill_(1)
+    b = blocks.zeros(FRESH_NUMEL, dtype)
+    assert b.data_ptr() != a.data_ptr() and not b.view(torch.uint8).any()
+    where = a.data_ptr()
+    del a
+    c = blocks.zeros(FRESH_NUMEL, dtype)
+    assert c.data_ptr() == where, "the freed mapping was not reused"
+    assert not c.view(torch.uint8).any(), "a reused mapping must be zeroed"
+    del b, c
+    leak = rss() - before  # 14 such tensors were written
+    assert leak < 3 * FRESH_NUMEL * torch.finfo(dtype).bits // 8, "fresh_zeros leaks mappings"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_into_fresh_zeros_writes_only_the_union(dtype):
+    """Out of place: the result is exactly the reference in carried blocks and +0 everywhere
+    else, -0 inputs included (in all-zero blocks and inside carried ones)."""
+    bs, nranks = 256, 3
+    g = np.random.default_rng(int(blocks.DTYPE_CODES[dtype]))
+    nb = -(-FRESH_NUMEL // bs)
+    ranks = []
+    for _ in range(nranks):
+        x = np.zeros(nb * bs)
+        chosen = g.random(nb) < 0.01
+        x.reshape(nb, bs)[chosen] = g.standard_normal((int(chosen.sum()), bs))
+        x[g.random(x.size) < 0.1] = -0.0
+        ranks.append(torch.from_numpy(x[:FRESH_NUMEL].copy()).to(dtype))
+    buf = torch.cat([_C.encode(r, bs, 3) for r in ranks])
+    out = blocks.zeros(FRESH_NUMEL, dtype)
+    _, _, union = _C.decode_sum(buf, out, bs, 3, blocks.DTYPE_CODES[dtype], FRESH_NUMEL, nranks,
+                                False, scale=0.5)
+    masks = torch.stack([blocks.block_mask(r, bs) for r in ranks]).amax(0).bool()
+    assert union == int(masks.sum()) > 0
+    outside = ~masks.repeat_interleave(bs)[:FRESH_NUMEL]
+    assert not out[outside].view(torch.uint8).any(), "+0 outside the union of non-zero blocks"
+    assert_same_bits(out, ref_sum(ranks, 0.5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", [3000, FRESH_NUMEL])
+def test_sparse_inputs_densify_like_to_dense(dtype, numel):
+    """allreduce of a COO tensor densifies it in fresh zeros: the bits of ``to_dense()``
+    (duplicates summed, -0 values added to +0), plain and hybrid (nn.Embedding's gradients)."""
+    from hvd_sparse.mpi_ops import _dense
+
+    g = torch.Generator().manual_seed(numel)
+    rows, k = numel // 8, numel // 50
+    idx = torch.randint(0, rows, (1, k), generator=g)
+    vals = torch.randn(k, 8, generator=g).to(dtype)
+    vals[::7] = -0.0
+    hybrid = torch.sparse_coo_tensor(idx, vals, (rows, 8))  # uncoalesced: repeated rows
+    plain = hybrid.to_dense().to_sparse()
+    for coo in (hybrid, plain):
+        got, want = _dense(coo), coo.to_dense()
+        assert got.shape == want.shape and got.dtype == dtype
+        assert_same_bits(got.reshape(-1), want.reshape(-1))

@@ -78,7 +78,6 @@ struct TensorW {
   int esize = 4;
   int64_t numel = 0;
   uint32_t bs = 0, nblocks = 0, nslots = 0, lanes = 0, meta = 0;
-  bool zero_gaps = false;  // out of place: blocks no round covers must be zeroed
   double scale = 1.0;
   std::vector<uint32_t> start, pos;  // CSR: non-zero positions of each stream
   std::vector<SlotW> slots;
@@ -152,6 +151,7 @@ class Worker {
     }
   }
 
+  // output: the input itself, or zeros; only blocks some worker sends are written (write_block).
   int64_t submit(uint64_t id, at::Tensor input, at::Tensor output, int64_t bs, int64_t meta,
                  std::optional<at::Tensor> mask, const std::string& name, double scale) {
     TORCH_CHECK(input.is_contiguous() && output.is_contiguous() && input.device().is_cpu() &&
@@ -180,7 +180,6 @@ class Worker {
     const int64_t k = int64_t(aggs_.size());
     t->nslots = uint32_t(std::clamp<int64_t>((nb + t->lanes - 1) / t->lanes, 1,
                                              k * slots_per_agg_));
-    t->zero_gaps = t->out != t->in;
     t->scale = scale;
     index(*t, mask);
     {
@@ -407,32 +406,34 @@ class Worker {
     send_raw(agg, p, kHeaderBytes);
   }
 
-  void zero_block(TensorW& t, uint32_t g, uint32_t l, uint32_t pos) {
-    uint64_t b = stream_block(g, l, pos, t.nslots, t.lanes);
-    size_t valid = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs)) * t.esize;
-    std::memset(t.out + b * size_t(t.bs) * t.esize, 0, valid);
-  }
-
+  // Writes one block of the result, times scale: float32 and 16-bit values multiply in float32
+  // (as torch's x.mul_(scale) does), float64 in float64. Blocks no worker sends are never
+  // written: the output must be zero there (the input itself in place, else fresh zeros).
   void write_block(TensorW& t, uint64_t b, const uint8_t* v) {
     const size_t n = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs));
     uint8_t* o = t.out + b * size_t(t.bs) * t.esize;
-    if (t.scale == 1.0 || t.dtype > 1) {  // 16-bit types are scaled by the caller
+    if (t.scale == 1.0) {
       std::memcpy(o, v, n * t.esize);
+    } else if (t.dtype == 1) {
+      scale_block<double>(o, v, n, t.scale);
     } else if (t.dtype == 0) {
-      const float s = float(t.scale);
-      for (size_t i = 0; i < n; ++i) {
-        float x;
-        std::memcpy(&x, v + 4 * i, 4);
-        x *= s;
-        std::memcpy(o + 4 * i, &x, 4);
-      }
+      scale_block<float>(o, v, n, t.scale);
+    } else if (t.dtype == 2) {
+      scale_block<c10::Half>(o, v, n, t.scale);
     } else {
-      for (size_t i = 0; i < n; ++i) {
-        double x;
-        std::memcpy(&x, v + 8 * i, 8);
-        x *= t.scale;
-        std::memcpy(o + 8 * i, &x, 8);
-      }
+      scale_block<c10::BFloat16>(o, v, n, t.scale);
+    }
+  }
+
+  template <typename V>
+  static void scale_block(uint8_t* o, const uint8_t* v, size_t n, double scale) {
+    using A = std::conditional_t<std::is_same_v<V, double>, double, float>;
+    const A s = A(scale);
+    for (size_t i = 0; i < n; ++i) {
+      V x;
+      std::memcpy(&x, v + sizeof(V) * i, sizeof(V));
+      x = V(A(x) * s);
+      std::memcpy(o + sizeof(V) * i, &x, sizeof(V));
     }
   }
 
@@ -457,12 +458,6 @@ class Worker {
         write_block(t, stream_block(s.g, l, off, t.nslots, t.lanes), v);
         v += vb;
         t.union_blocks++;
-      } else if (t.zero_gaps) {
-        zero_block(t, s.g, l, off);
-      }
-      if (t.zero_gaps) {
-        uint32_t end = nxt == kInf ? stream_length(s.g, l, t.nblocks, t.nslots, t.lanes) : nxt;
-        for (uint32_t q = off + 1; q < end; ++q) zero_block(t, s.g, l, q);
       }
       s.cur[l] = nxt;
       last = last && nxt == kInf;

@@ -9,7 +9,7 @@ import horovod.torch as hvd
 
 from .. import _C
 from ..engine import Job, Stage
-from ..segments import accumulator, decode_sum, finish, local_mask
+from ..segments import decode_sum, local_mask, output
 
 
 def run(job: Job) -> Stage:
@@ -17,8 +17,8 @@ def run(job: Job) -> Stage:
     seg = _C.encode(t, bs, job.meta, local_mask(job))
     gathered = yield "allgather", hvd.allgather_async(seg, name=job.op_name("allgather"),
                                                      process_set=job.process_set)
-    acc = accumulator(job)
-    decode_sum(job, gathered, acc, part_is_rank=False)
+    out = output(job)
+    decode_sum(job, gathered, out, part_is_rank=False)
     # Ring allgather: each rank forwards all but one of the n segments.
     job.stats.update(scheme="allgather", bytes_sent=int(gathered.numel() * (n - 1) / n))
-    return finish(acc, job)
+    return out

@@ -23,7 +23,7 @@ from .. import _C
 from ..config import Config
 from ..engine import Job, Stage
 from ..errors import HvdSparseError
-from ..segments import local_mask
+from ..segments import local_mask, output
 from . import dense
 
 if TYPE_CHECKING:  # imported late: `python -m hvd_sparse.aggregator` must find it unloaded
@@ -63,7 +63,7 @@ class Session:
         """Median seconds of aggregating a dense float32 tensor (collective)."""
         x, times = torch.ones(numel), []
         for _ in range(reps + 1):
-            out = torch.empty_like(x)
+            out = torch.empty_like(x)  # x has no zero block: every block is written
             t0 = time.perf_counter()
             ticket = self.worker.submit(self.tensor_id(f"hvd_sparse.probe.omni{numel}"), x, out,
                                         256, 0, None, "probe", 1.0)
@@ -162,14 +162,11 @@ def run(job: Job) -> Stage:
     if t.numel() * t.element_size() < st.config.small_bytes:  # a round trip costs more
         job.stats["reason"] = "small"
         return (yield from dense.run(job))
-    out = t if job.inplace else torch.empty_like(t)
+    out = output(job)  # results are scaled as they land, only in blocks some rank sent
     fallback = st.config.fallback == "dense"
     backup = t.clone() if fallback and job.inplace else None  # results overwrite the input
-    # float32/64 results are scaled as they land; 16-bit ones once at the end.
-    wide = t.dtype in (torch.float32, torch.float64)
     ticket = session.worker.submit(session.tensor_id(job.name), t, out, job.block_size,
-                                   job.meta & 0xFFFFFFFF, local_mask(job), job.name,
-                                   job.scale if wide else 1.0)
+                                   job.meta & 0xFFFFFFFF, local_mask(job), job.name, job.scale)
     failure: str | None = None
     try:
         yield "omnireduce", _Ticket(session.worker, ticket)
@@ -193,6 +190,4 @@ def run(job: Job) -> Stage:
                      bytes_received=stats["bytes_received"], union=stats["union"],
                      retransmits=stats["retransmits"], rounds=stats["rounds"],
                      block_density=stats["nnz_local"] / max(1, -(-t.numel() // job.block_size)))
-    if not wide and job.scale != 1.0:
-        out.mul_(job.scale)
     return out

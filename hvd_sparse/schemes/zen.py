@@ -12,7 +12,7 @@ import torch
 
 from .. import _C, blocks
 from ..engine import Job, Stage
-from ..segments import accumulator, decode_sum, error, finish, local_mask
+from ..segments import decode_sum, error, local_mask, output
 
 
 def run(job: Job) -> Stage:
@@ -28,8 +28,8 @@ def run(job: Job) -> Stage:
         raise error(job, e) from e
     gathered = yield "allgather", hvd.allgather_async(part, name=job.op_name("allgather"),
                                                      process_set=job.process_set)
-    acc = accumulator(job)
-    decode_sum(job, gathered, acc, part_is_rank=True)
+    out = output(job)
+    decode_sum(job, gathered, out, part_is_rank=True)
     sent = sum(splits) - splits[job.rank] + gathered.numel() * (n - 1) / n
     job.stats.update(scheme="zen", bytes_sent=int(sent))
-    return finish(acc, job)
+    return out

@@ -49,6 +49,7 @@ def main() -> None:
     def edge(scheme: str) -> str:
         g = torch.Generator().manual_seed(rank)
         base = torch.randn(300, 41, generator=g) * (torch.rand(300, 41, generator=g) < 0.02)
+        orig = base.clone()
         tensors = {"empty": torch.zeros(0), "one": torch.tensor([float(rank + 1)]),
                    "noncontig": base.t(), "sliced": base[::3, 1:], "scalar": torch.tensor(2.0)}
         errs = []
@@ -56,13 +57,16 @@ def main() -> None:
             ref = hvd.allreduce(t.double().contiguous(), name=f"ref.{k}.{scheme}")
             out = hvd_sparse.allreduce(t, name=f"edge.{k}.{scheme}", scheme=scheme)
             errs += [f"{k}: {e}" for e in [close_to(out, ref, torch.float32)] if e]
-        coo = base.to_sparse()
         ref = hvd.allreduce(base.double(), name=f"ref.coo.{scheme}")
-        out = hvd_sparse.allreduce(coo, name=f"edge.coo.{scheme}", scheme=scheme)
-        # Reduced by rows unless the scheme is dense, which densifies as Horovod would.
-        if out.is_sparse != (scheme != "dense"):
-            errs.append(f"coo: result is_sparse={out.is_sparse}")
-        errs += [f"coo: {e}" for e in [close_to(out.to_dense(), ref, torch.float32)] if e]
+        # Sparse inputs, plain and hybrid (nn.Embedding's gradients), are reduced by rows unless
+        # the scheme is dense, which densifies (in a copy) as Horovod would.
+        for k, coo in (("coo", base.to_sparse()), ("hybrid", base.to_sparse(sparse_dim=1))):
+            out = hvd_sparse.allreduce(coo, name=f"edge.{k}.{scheme}", scheme=scheme)
+            if out.is_sparse != (scheme != "dense"):
+                errs.append(f"{k}: result is_sparse={out.is_sparse}")
+            errs += [f"{k}: {e}" for e in [close_to(out.to_dense(), ref, torch.float32)] if e]
+        if not torch.equal(base, orig):
+            errs.append("the caller's tensor (viewed as noncontig, sliced) was modified")
         return "; ".join(errs)
 
     # NaN and Inf propagate exactly as in Horovod's dense allreduce.
