@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace hvd_sparse {
 
@@ -53,5 +54,9 @@ inline uint32_t partition_of(uint64_t block, uint32_t nparts) {
 }
 
 inline int64_t num_blocks(int64_t numel, int64_t bs) { return (numel + bs - 1) / bs; }
+
+// What sums of V are added in before one rounding to V: float64 for float64, else float32.
+template <typename V>
+using acc_t = std::conditional_t<std::is_same_v<V, double>, double, float>;
 
 }  // namespace hvd_sparse

@@ -400,7 +400,7 @@ py::tuple decode_sum(const at::Tensor& buf, at::Tensor& out, int64_t bs, uint64_
     segs = parse(buf, nsegs, ex, -1, part_is_rank);
     uni = dispatch_wire(ex.dtype, [&](auto v) -> int64_t {
       using V = decltype(v);
-      using A = std::conditional_t<std::is_same_v<V, double>, double, float>;
+      using A = acc_t<V>;
       return sum_segments<A, V>(segs, static_cast<V*>(out.data_ptr()), numel, bs, scale);
     });
   }
@@ -490,7 +490,7 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
     uint8_t* vals = body + (kind == kIndexList ? align8(4ull * U) : align8((npos + 7) / 8));
     dispatch_wire(ex.dtype, [&](auto v) {
       using V = decltype(v);
-      using A = std::conditional_t<std::is_same_v<V, double>, double, float>;
+      using A = acc_t<V>;
       // Accumulate the partition's union compactly, then round once to the wire dtype.
       par_for(0, U, 16, [&](int64_t u0, int64_t u1) {
         std::vector<A> acc(static_cast<size_t>(bs));

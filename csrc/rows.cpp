@@ -12,13 +12,11 @@
 #include <numeric>
 #include <vector>
 
+#include "blocks.h"
 #include "parallel.h"
 
 namespace hvd_sparse {
 namespace {
-
-template <typename T>
-using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 // Sorted distinct rows of `rows` (entries < 0 skipped: header rows) with, for each, the
 // positions of its occurrences in input order (CSR: `first` and `order`).
@@ -66,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Te
   std::copy(g.row.begin(), g.row.end(), out_rows.data_ptr<int64_t>());
   at::Tensor out = at::empty(shape, values.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "sum_rows", [&] {
-    using A = Acc<scalar_t>;
+    using A = acc_t<scalar_t>;
     const scalar_t* v = values.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const A s = A(scale);

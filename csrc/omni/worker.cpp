@@ -427,7 +427,7 @@ class Worker {
 
   template <typename V>
   static void scale_block(uint8_t* o, const uint8_t* v, size_t n, double scale) {
-    using A = std::conditional_t<std::is_same_v<V, double>, double, float>;
+    using A = acc_t<V>;
     const A s = A(scale);
     for (size_t i = 0; i < n; ++i) {
       V x;
