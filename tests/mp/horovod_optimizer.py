@@ -89,14 +89,14 @@ def pair(make: Make, opt_fn=sgd, module=Net, **kw):
     return ref, wrap(ref, reference), test, wrap(test, make)
 
 
-def train(make: Make, steps: int = 3, head: Callable[[int], int] = lambda rank: 1,
-          clip: bool = False, **kw) -> str:
-    """Steps the pair on the same batches; ``head`` picks each rank's loss head."""
-    ref, ref_opt, test, test_opt = pair(make, **kw)
-    for step in range(steps):
+def lockstep(ref: nn.Module, ref_opt: torch.optim.Optimizer, test: nn.Module,
+             test_opt: torch.optim.Optimizer, steps: range,
+             head: int = 1, clip: bool = False) -> str:
+    """Steps the pair on the same batches, loss on output ``head``; '' or the first difference."""
+    for step in steps:
         for m, opt in ((ref, ref_opt), (test, test_opt)):
             opt.zero_grad()
-            m(batch(step))[head(hvd.rank())].pow(2).sum().backward()
+            m(batch(step))[head].pow(2).sum().backward()
             if clip:  # Horovod's pattern: reduce, clip the reduced gradients, then step
                 opt.synchronize()
                 nn.utils.clip_grad_norm_(m.parameters(), 0.1)
@@ -107,6 +107,12 @@ def train(make: Make, steps: int = 3, head: Callable[[int], int] = lambda rank: 
         if err := differs(ref, test, f"step {step}"):
             return err
     return ""
+
+
+def train(make: Make, steps: int = 3, head: Callable[[int], int] = lambda rank: 1,
+          clip: bool = False, **kw) -> str:
+    """A fresh pair in lockstep; ``head`` picks each rank's loss head."""
+    return lockstep(*pair(make, **kw), range(steps), head(hvd.rank()), clip)
 
 
 def step_warning(make: Make) -> str:
@@ -188,35 +194,29 @@ def resume(make: Make) -> str:
     broadcast_parameters and broadcast_optimizer_state; training goes on as if never stopped."""
     ref, ref_opt, test, test_opt = pair(make, opt_fn=lambda m: torch.optim.Adam(m.parameters(),
                                                                                 lr=0.01))
-    for step in range(4):
-        if step == 2:  # stop and resume the tested run from rank 0's checkpoint
-            buf = io.BytesIO()
-            torch.save({"model": test.state_dict(), "opt": test_opt.state_dict()}, buf)
-            torch.manual_seed(1 + hvd.rank())  # a fresh model, different on every rank
-            test = Net().double()
-            test_opt = make(torch.optim.Adam(test.parameters(), lr=0.01),
-                            test.named_parameters())
-            if hvd.rank() == 0:
-                buf.seek(0)
-                ckpt = torch.load(buf)
-                test.load_state_dict(ckpt["model"])
-                test_opt.load_state_dict(ckpt["opt"])
-            hvd.broadcast_parameters(test.state_dict(), root_rank=0)
-            hvd.broadcast_optimizer_state(test_opt, root_rank=0)
-            for pr, pt in zip(ref.parameters(), test.parameters(), strict=True):
-                sr, st = ref_opt.state[pr], test_opt.state[pt]
-                for k in ("exp_avg", "exp_avg_sq"):
-                    if why := close_to(st[k], sr[k], torch.float64):
-                        return f"optimizer state {k} after resume: {why}"
-                if float(st["step"]) != float(sr["step"]):
-                    return f"step count {float(st['step'])} != {float(sr['step'])} after resume"
-        for m, opt in ((ref, ref_opt), (test, test_opt)):
-            opt.zero_grad()
-            m(batch(step))[1].pow(2).sum().backward()
-            opt.step()
-        if err := differs(ref, test, f"step {step}"):
-            return err
-    return ""
+    if err := lockstep(ref, ref_opt, test, test_opt, range(2)):
+        return err
+    # Stop and resume the tested run from rank 0's checkpoint.
+    buf = io.BytesIO()
+    torch.save({"model": test.state_dict(), "opt": test_opt.state_dict()}, buf)
+    torch.manual_seed(1 + hvd.rank())  # a fresh model, different on every rank
+    test = Net().double()
+    test_opt = make(torch.optim.Adam(test.parameters(), lr=0.01), test.named_parameters())
+    if hvd.rank() == 0:
+        buf.seek(0)
+        ckpt = torch.load(buf)
+        test.load_state_dict(ckpt["model"])
+        test_opt.load_state_dict(ckpt["opt"])
+    hvd.broadcast_parameters(test.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(test_opt, root_rank=0)
+    for pr, pt in zip(ref.parameters(), test.parameters(), strict=True):
+        sr, st = ref_opt.state[pr], test_opt.state[pt]
+        for k in ("exp_avg", "exp_avg_sq"):
+            if why := close_to(st[k], sr[k], torch.float64):
+                return f"optimizer state {k} after resume: {why}"
+        if float(st["step"]) != float(sr["step"]):
+            return f"step count {float(st['step'])} != {float(sr['step'])} after resume"
+    return lockstep(ref, ref_opt, test, test_opt, range(2, 4))
 
 
 def state_options(make: Make) -> str:
@@ -250,14 +250,7 @@ def no_grad_param(make: Make) -> str:
     hvd.broadcast_optimizer_state(ref_opt, root_rank=0)
     if test.idx.grad is not None:
         return "frozen parameter got a gradient"
-    for step in range(2):
-        for m, opt in ((ref, ref_opt), (test, test_opt)):
-            opt.zero_grad()
-            m(batch(step))[0].pow(2).sum().backward()
-            opt.step()
-        if err := differs(ref, test, f"step {step}"):
-            return err
-    return ""
+    return lockstep(ref, ref_opt, test, test_opt, range(2), head=0)
 
 
 class Emb(nn.Module):
