@@ -27,7 +27,8 @@ class Config:
     fallback: str = "error"  # when aggregation fails: "error" raises, "dense" redoes it dense
     payload_bytes: int = 64512  # block values per datagram (block fusion): 63 float32 blocks
     slots: int = 64  # slots per aggregator per tensor: packets in flight per tensor
-    rto: float = 0.05  # first retransmission timeout, seconds (then 3x round time, doubling)
+    # least retransmission timeout, seconds; above it srtt + 4 rttvar of measured round times
+    rto: float = 0.05
 
     def validate(self) -> Config:
         if self.block_size < 1 or self.block_size > 1 << 24:
