@@ -58,6 +58,25 @@ class NetModel:
                         omnireduce=(5e-4, 1e-9) if layout else None,
                         omni_layout=layout or (64512, 64))
 
+    @staticmethod
+    def for_link(rate_bps: float, n: int, base: NetModel, aggregators: int | None = None,
+                 slots: int = 64) -> NetModel:
+        """``base`` (a measured model) moved onto links of ``rate_bps`` bit/s, fully used, with
+        ``n`` workers: each beta becomes the wire time of the bytes a rank must receive per
+        byte of the term (ring allreduce 2 (n-1)/n, allgather (n-1)/n, alltoall's bytes
+        already leave the rank); latencies and CPU-side rates stay as measured. Aggregation
+        (``aggregators`` hosts, default one per 4 workers, ``slots`` each): in and out share
+        the aggregator links full duplex, and no more than the n worker links carry them."""
+        s = 8 / rate_bps  # seconds per byte on one link
+        f = (n - 1) / n
+        a = aggregators or max(1, n // 4)
+        omni_alpha = base.omnireduce[0] if base.omnireduce else 5e-4  # default()'s guess
+        return NetModel(
+            (base.allreduce[0], 2 * f * s), (base.allgather[0], f * s), (base.alltoall[0], s),
+            base.decode_bps, base.local_bps, source=f"link {rate_bps:g} bit/s, {n} workers",
+            omnireduce=(omni_alpha, s / (2 * min(a, n))),
+            omni_layout=(base.omni_layout[0] or 64512, slots * a))
+
 
 def _median_time(fn: Callable[[], object], reps: int = 5) -> float:
     fn()
