@@ -11,7 +11,8 @@
 //
 // Congestion control, per aggregator: a window of DATA packets in flight, AIMD on loss (TCP
 // Reno's rule: +1 packet per window answered, halved at most once per round trip when a
-// retransmission timer fires), paced over the round time once the window is large. Loss, not
+// retransmission timer fires while a later round was answered), paced over the round time
+// once the window is large. Loss, not
 // delay, is the signal: a round's time includes waiting for the slowest worker, which on a
 // loaded host is mostly CPU scheduling, so delay says little about the path. Slots beyond the
 // window wait in a FIFO; the lowest unfinished slot of each tensor on each aggregator always
@@ -72,6 +73,7 @@ struct Aggregator {
   double cwnd = kInitialWindow, ssthresh = kMaxWindow;
   int64_t inflight = 0;         // DATA packets sent and not yet answered
   double last_cut = 0;          // when the window was last halved
+  double answered_sent_at = 0;  // latest send time of an answered round
   double next_send = 0;         // pacing: earliest time of the next send
   uint64_t cuts = 0;
   std::deque<std::pair<uint64_t, uint32_t>> ready;  // (tensor, slot) waiting for the window
@@ -422,6 +424,7 @@ class Worker {
   void on_answer(Aggregator& a, SlotW& s, double now) {
     s.inflight = false;
     a.inflight--;
+    a.answered_sent_at = std::max(a.answered_sent_at, s.sent_at);
     if (!s.resent) {  // Karn: a retransmitted round's time is ambiguous
       double sample = now - s.sent_at;
       if (a.srtt == 0) {
@@ -435,8 +438,12 @@ class Worker {
     a.cwnd = std::min(kMaxWindow, a.cwnd + (a.cwnd < a.ssthresh ? 1.0 : 1.0 / a.cwnd));
   }
 
-  // A retransmission timer fired: the packet or its answer was lost (or is very late).
-  void on_loss(Aggregator& a, double now) {
+  // A retransmission timer fired for a round sent at `sent`. Only when a round sent later was
+  // answered meanwhile is that loss on the path (RACK's rule); otherwise the round may be
+  // waiting for a peer that has not sent it yet (a straggler submits late), which says
+  // nothing about congestion and must not shrink the window.
+  void on_timeout(Aggregator& a, double sent, double now) {
+    if (a.answered_sent_at <= sent) return;
     if (now - a.last_cut < std::max(a.srtt, 1e-3)) return;  // one cut per round trip
     a.ssthresh = std::max(a.cwnd / 2, kMinWindow);
     a.cwnd = a.ssthresh;
@@ -673,7 +680,7 @@ class Worker {
           s.resent = true;
           t->retransmits++;
           retransmits_++;
-          on_loss(aggs_[s.agg], now);
+          on_timeout(aggs_[s.agg], s.sent_at, now);
           // Backoff, jittered so that slots lost together are not resent together.
           s.rto = std::min(s.rto * (2 + 0.5 * unif_(rng_)), kMaxRto);
           send_slot(*t, s, now);

@@ -67,14 +67,19 @@ class Session:
         """What the probe's timings depend on: how many aggregators, local or not, fusion."""
         return f"{len(self.addrs)}x{'local' if self.local else 'remote'}/{self.layout()}"
 
-    def probe_time(self, numel: int, reps: int = 3) -> float:
-        """Median seconds of aggregating a dense float32 tensor (collective)."""
-        x, times = torch.ones(numel), []
+    def probe_time(self, numel: int, density: float = 1.0, reps: int = 3) -> float:
+        """Median seconds of aggregating a float32 tensor with ``density`` of its 256-blocks
+        non-zero, the same blocks on every rank (collective)."""
+        x, times = torch.zeros(numel // 256, 256), []
+        g = torch.Generator().manual_seed(0)
+        x[torch.randperm(x.shape[0], generator=g)[:max(1, round(density * x.shape[0]))]] = 1
+        x = x.view(-1)
         for _ in range(reps + 1):
-            out = torch.empty_like(x)  # x has no zero block: every block is written
+            out = torch.zeros_like(x)  # only the union's blocks are written
             t0 = time.perf_counter()
-            ticket = self.worker.submit(self.tensor_id(f"hvd_sparse.probe.omni{numel}"), x, out,
-                                        256, 0, None, "probe", 1.0)
+            ticket = self.worker.submit(
+                self.tensor_id(f"hvd_sparse.probe.omni{numel}.{density}"), x, out, 256, 0, None,
+                "probe", 1.0)
             self.worker.wait(ticket, self.cfg.timeout)
             self.worker.finish(ticket)
             times.append(time.perf_counter() - t0)

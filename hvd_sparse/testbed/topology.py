@@ -8,19 +8,16 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import runfile
+
 STATE_DIR = Path(os.environ.get("HVD_SPARSE_TESTBED_DIR", "/run/hvd-sparse"))
 SUBNET = "10.77.0"  # every testbed has its own switch, so testbeds never see each other's
 AGGREGATOR_PORT = 9999
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
 def parse_rate(rate: str | float) -> int:
     """'1gbit', '250mbit', '1e9' -> bits per second (tc's spelling of rates)."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(rate))
-    unit = (m.group(2).lower() or "bit") if m else ""
-    if not m or unit not in _UNITS:
-        raise ValueError(f"rate {rate!r}: expected a number of bit/s or e.g. '1gbit', '100mbit'")
-    return int(float(m.group(1)) * _UNITS[unit])
+    return int(runfile.parse_rate(rate))
 
 
 @dataclass
