@@ -101,13 +101,16 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         base = by.get((r["rate"], r["density"], "hvd sparse"), {})
         r["x vs hvd sparse"] = base.get("ms", nan) / r.get("ms", nan)
     cols = ["rate", "density", "method", "ms", "x vs hvd sparse", "bound ms", "x of bound",
-            "util %", "worker rx MB", "aggregators tx MB", "scheme", "retransmits", "ok"]
+            "util %", "worker rx MB", "aggregators tx MB", "scheme", "retransmits", "model ms",
+            "model err %", "ok"]
     print_table(rows, f"in-place allreduce of {args.numel:,} float32 on 4 emulated hosts, "
                 f"median of {args.reps} (slowest rank)", cols,
                 caption="bound: the bytes the worker that must receive most must receive (blocks "
                 "non-zero on some other rank), over the link rate. util: the busiest worker's "
                 "received bits / time / rate. worker rx MB: mean over workers, per call (eth0 "
-                "counters). aggregators tx MB: all aggregator hosts together, per call.")
+                "counters). aggregators tx MB: all aggregator hosts together, per call. model: "
+                "the cost model's prediction (probed at init on these links; omnireduce's terms "
+                "fitted on the 4 aggregator hosts, so x1 has none).")
     targets = []
 
     def target(name: str, value: float, need: float, higher: bool = True) -> None:
@@ -170,7 +173,7 @@ def rank_side(args: argparse.Namespace) -> None:
     from bench_sync import Method, check, gather, make_tensor, slowest_median_ms, sync
 
     import hvd_sparse
-    from hvd_sparse import _C, basics
+    from hvd_sparse import _C, basics, costmodel
     from hvd_sparse.schemes import omnireduce
     from hvd_sparse.testbed import links
     from hvd_sparse.testbed.topology import Testbed
@@ -205,6 +208,11 @@ def rank_side(args: argparse.Namespace) -> None:
         masks = hvd.allgather(_C.block_mask(t, 256)[None], name="bench.masks") > 0
         need = [int((masks[[j for j in range(n) if j != r]].any(0)).sum()) * 256 * 4
                 for r in range(n)]
+        # What the cost model (probed at init on these links) predicts, for its validation.
+        pred = costmodel.predict(st.net, args.numel, 4, 256, masks.sum(1).tolist(),
+                                 float(masks.any(0).sum())).seconds
+        model_of = {"hvd dense": "dense", "allgather": "allgather", "zen": "zen",
+                    "omnireduce x4": "omnireduce"}
 
         def restore() -> torch.Tensor:
             return work.copy_(t)
@@ -223,6 +231,8 @@ def rank_side(args: argparse.Namespace) -> None:
             bad = gather([float(bool(problem))], "bench.ok").sum().item()
             drows[m] = {"density": d, "method": m, "ok": bad == 0,
                         "bound ms": max(need) * 8 / tb.rate_bps * 1e3}
+            if m in model_of:
+                drows[m]["model ms"] = pred[model_of[m]] * 1e3
             if bad:
                 drows[m]["problem"] = problem or "wrong on another rank"
                 del fns[m]
@@ -261,6 +271,8 @@ def rank_side(args: argparse.Namespace) -> None:
                                              for h in tb.aggregator_hosts) / 1e6
                 r["util %"] = 100 * max(wrx) * 8 / (ms / 1e3) / tb.rate_bps
                 r["x of bound"] = ms / r["bound ms"]
+                if "model ms" in r:
+                    r["model err %"] = 100 * (r["model ms"] - ms) / ms
             key = f"bench.{m.replace(' ', '.')}"
             if key in metrics:
                 r["scheme"] = metrics[key]["scheme"]

@@ -1,6 +1,9 @@
 """hvd-sparse demo: dense vs sparse gradient sync on a synthetic click-through model.
 
-Run under Horovod (this is what ``make demo`` does)::
+``make demo`` runs ``python scripts/demo.py``, which launches itself: as root on a machine
+with network namespaces, on a testbed of 4 worker hosts and 1 aggregator host joined by
+1 Gbit/s links (hvd-sparse testbed, Open MPI); elsewhere on loopback under horovodrun, with a
+one-line reason. Under a launcher already it just runs::
 
     horovodrun -np 4 -H localhost:4 --gloo python scripts/demo.py
 
@@ -17,8 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +45,7 @@ from rich.table import Table
 from torch import nn
 
 import hvd_sparse
+from hvd_sparse import runfile
 
 # Categorical fields: (name, vocabulary size, Zipf exponent). Ids are frequency-ranked (id 0 is
 # the most common), as vocabularies built from counts usually are. 264k rows x 32 dims make a
@@ -183,6 +190,8 @@ class RunResult:
     eval_loss: float = math.nan  # after training, averaged over ranks
     bytes_per_step: float | None = None  # per rank; None where not measured
     bytes_note: str = ""
+    rx_per_step: float | None = None  # bytes a worker host's link received (testbed only)
+    link_util: float | None = None  # those bits over the run's time and the link rate
     tensors: list[dict[str, Any]] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -269,6 +278,7 @@ def train(
     log_every = max(1, args.steps // 8)
     local_loss: list[float] = []
     hvd.barrier()  # start the clock with every rank at the same point
+    rx0 = rx_bytes()
     for step in range(args.steps):
         loss, sync_ms, step_ms = train_step(
             model, opt, train_data, slice(step * bs, (step + 1) * bs)
@@ -282,9 +292,24 @@ def train(
                 f"{run.name:>6} step {step + 1:3d}/{args.steps}  loss {loss:.4f}  "
                 f"sync {sync_ms:7.1f} ms  step {step_ms:7.1f} ms"
             )
+    rx1 = rx_bytes()
+    if rx0 is not None and rx1 is not None:  # on the testbed: what the links really carried
+        rate = runfile.parse_rate(os.environ["HVD_SPARSE_LINK_RATE"])
+        run.rx_per_step = float(mean_over_ranks((rx1 - rx0) / args.steps, f"demo.{run.name}.rx"))
+        run.link_util = run.rx_per_step * 8 / (statistics.mean(run.step_ms) / 1e3) / rate
     run.loss = mean_over_ranks(local_loss, f"demo.{run.name}.loss").tolist()
     run.eval_loss = evaluate(model, eval_data, f"demo.{run.name}.eval")
     run.params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def rx_bytes() -> int | None:
+    """Bytes this host's link has received, on the testbed (each rank is a host there)."""
+    if "HVD_SPARSE_TESTBED" not in os.environ:
+        return None
+    try:
+        return int(Path("/sys/class/net/eth0/statistics/rx_bytes").read_text())
+    except OSError:
+        return None
 
 
 def param_for_metric(metric_name: str, param_names: list[str]) -> str | None:
@@ -375,7 +400,8 @@ def report(
     t = Table(
         title=f"dense vs sparse gradient sync — {hvd.size()} ranks, medians of {args.steps} steps"
     )
-    for col in ("run", "sync path", "sync ms", "step ms", "final loss", "eval loss", "bytes/step"):
+    for col in ("run", "sync path", "sync ms", "step ms", "final loss", "eval loss", "bytes/step",
+                "link rx/step", "link util"):
         t.add_column(col, justify="left" if col in ("run", "sync path") else "right")
     for r in runs:
         s = stats[r.name]
@@ -387,12 +413,16 @@ def report(
             f"{s['final_loss']:.5f}",
             f"{s['eval_loss']:.5f}",
             fmt_bytes(r.bytes_per_step),
+            fmt_bytes(r.rx_per_step),
+            f"{r.link_util:.0%}" if r.link_util is not None else "-",
         )
     t.caption = (
         f"sync speedup {speedup_sync:.2f}x, step speedup {speedup_step:.2f}x, "
         f"{bytes_ratio:.0f}x fewer bytes; "
         f"eval loss at init {eval0:.4f}\nbytes/step: what one rank sends (mean over ranks); dense "
-        f"= ring model 2 (n - 1) / n x gradient bytes, sparse = hvd_sparse.metrics() bytes_sent"
+        f"= ring model 2 (n - 1) / n x gradient bytes, sparse = hvd_sparse.metrics() bytes_sent;"
+        f"\nlink rx/step, link util: what a worker's link received (eth0 counters, mean over "
+        f"ranks), and those bits over the step time and the link rate (testbed only)"
     )
     console.print(t)
 
@@ -572,5 +602,34 @@ def main() -> int:
         hvd_sparse.shutdown()
 
 
+def launch(argv: list[str]) -> int:
+    """``make demo``: the demo on emulated hosts when this machine can host them, else on
+    loopback. Either way the sparse run's calls go to bench_results/demo_run.json
+    (``hvd-sparse analyze`` reads it)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {"OMP_NUM_THREADS": "1",
+           "HVD_SPARSE_METRICS_FILE": str(root / "bench_results" / "demo_run.json")}
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
+    try:
+        from hvd_sparse.testbed import launch as testbed
+        from hvd_sparse.testbed import lifecycle
+        from hvd_sparse.testbed.topology import Testbed
+
+        lifecycle.down("hvdemo")  # what a killed demo may have left
+        tb = lifecycle.up(Testbed("hvdemo", workers=4, aggregators=1, rate="1gbit", mtu=9000))
+    except Exception as e:  # noqa: BLE001 - any reason to fall back is reported, not raised
+        print(f"[demo] on loopback under horovodrun: no testbed here ({e})", flush=True)
+        runner = shutil.which("horovodrun") or str(Path(sys.executable).parent / "horovodrun")
+        return subprocess.call([runner, "-np", "4", "-H", "localhost:4", "--gloo", *cmd],
+                               env={**os.environ, **env})
+    print("[demo] on emulated hosts: 4 workers + 1 aggregator host, 1 Gbit/s links, MTU 9000 "
+          "(hvd-sparse testbed; Open MPI)", flush=True)
+    try:
+        return testbed.run(tb, cmd, env=env).returncode
+    finally:
+        lifecycle.down("hvdemo")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    under_launcher = any(k in os.environ for k in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"))
+    sys.exit(main() if under_launcher else launch(sys.argv[1:]))
