@@ -73,7 +73,7 @@ class Build(BuildExtension):
                 continue
             out.parent.mkdir(parents=True, exist_ok=True)
             cmd = [os.environ.get("CXX", "c++"), "-O3", "-std=c++17", "-march=x86-64-v2",
-                   "-Wall", "-pthread", "-Icsrc", src, "-o", str(out)]
+                   "-Wall", "-pthread", f"-I{ROOT / 'csrc'}", str(ROOT / src), "-o", str(out)]
             print(" ".join(cmd))
             subprocess.check_call(cmd)
 
