@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import horovod.torch as hvd
 
-from . import _C, costmodel, engine
+from . import _C, costmodel, engine, runfile
 from . import config as _config
 from .errors import HvdSparseError
 from .schemes import omnireduce
@@ -33,7 +33,8 @@ def init(**kwargs: object) -> None:
     timeout, small_bytes, probe ("auto", "force", "off"), cache_dir, log_level, threads;
     for the omnireduce scheme: aggregators ("host:port,..."; when empty rank 0 starts
     local_aggregators of its own), aggregator_host, fallback ("error" or "dense"),
-    payload_bytes, slots, rto. See config.py.
+    payload_bytes, slots, rto; metrics_file, metrics_records, link_rate (the run file for
+    ``hvd-sparse analyze``). See config.py.
     """
     global _state
     if not hvd.is_initialized():
@@ -51,6 +52,23 @@ def init(**kwargs: object) -> None:
         layout=omni.layout() if omni else (0, 0), aggregators=omni.describe() if omni else "")
     log.debug("hvd_sparse: network model (%s): %s", net.source, net)
     _state = State(cfg, net, (hvd.rank(), hvd.size()), omni)
+    _start_run_file(cfg, net, omni)
+
+
+def _start_run_file(cfg: _config.Config, net: costmodel.NetModel,
+                    omni: omnireduce.Session | None) -> None:
+    if not cfg.metrics_file:
+        runfile.stop()
+        return
+    runfile.start(cfg.metrics_file, hvd.rank(), cfg.metrics_records, {
+        "world_size": hvd.size(),
+        "hosts": hvd.cross_size(),  # as Horovod counts them: by hostname
+        "aggregators": len(omni.addrs) if omni else 0,
+        "aggregators_local": bool(omni) and not cfg.aggregator_list(),  # on rank 0's host
+        "link_rate_bps": runfile.parse_rate(cfg.link_rate) if cfg.link_rate else None,
+        "net": asdict(net),
+        "config": asdict(cfg),
+    })
 
 
 def state() -> State:
@@ -84,3 +102,4 @@ def shutdown() -> None:
     if _state is not None and _state.omni is not None:
         _state.omni.close()
     _state = None
+    runfile.flush()

@@ -1,12 +1,15 @@
 """``hvd-sparse``: the command-line entry point.
 
     hvd-sparse aggregator --bind 0.0.0.0:9999 --workers 8 [--threads T] [--stats 10]
+    hvd-sparse testbed {up,run,set,status,down} ...   (emulated hosts; needs root)
+    hvd-sparse analyze RUN.json [--png out.png] [--json out.json]
 """
 from __future__ import annotations
 
 import sys
 
-USAGE = "usage: hvd-sparse aggregator [options]   (hvd-sparse aggregator --help for options)"
+USAGE = ("usage: hvd-sparse aggregator|analyze [options]   (hvd-sparse COMMAND --help)\n"
+         "       hvd-sparse testbed {up,run,set,status,down} [options]")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,6 +20,12 @@ def main(argv: list[str] | None = None) -> None:
     if args[0] == "aggregator":
         from . import aggregator
         aggregator.main(args[1:])
+    if args[0] == "testbed":
+        from .testbed import cli
+        sys.exit(cli.main(args[1:]))
+    if args[0] == "analyze":
+        from . import analyze
+        sys.exit(analyze.main(args[1:]))
     print(f"hvd-sparse: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
     sys.exit(2)
 

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .runfile import parse_rate
+
 SCHEMES = ("dense", "allgather", "zen", "omnireduce", "auto")
 
 
@@ -27,7 +29,13 @@ class Config:
     fallback: str = "error"  # when aggregation fails: "error" raises, "dense" redoes it dense
     payload_bytes: int = 64512  # block values per datagram (block fusion): 63 float32 blocks
     slots: int = 64  # slots per aggregator per tensor: packets in flight per tensor
-    rto: float = 0.05  # first retransmission timeout, seconds (then 3x round time, doubling)
+    # least retransmission timeout, seconds; above it srtt + 4 rttvar of measured round times
+    rto: float = 0.05
+    # run file for `hvd-sparse analyze` (runfile.py): every call recorded, rank 0 writes it at
+    # shutdown and exit ("{rank}" in the path: every rank); the latest metrics_records calls kept
+    metrics_file: str = ""
+    metrics_records: int = 50_000  # about 500 bytes each
+    link_rate: str | float = ""  # hosts' link rate ("10gbit", bit/s): base of utilization
 
     def validate(self) -> Config:
         if self.block_size < 1 or self.block_size > 1 << 24:
@@ -42,6 +50,10 @@ class Config:
             raise ValueError(f"fallback must be 'error' or 'dense', got {self.fallback!r}")
         if not 1 <= self.slots <= 4096 or self.payload_bytes < 1 or self.rto <= 0:
             raise ValueError("slots must be in [1, 4096], payload_bytes >= 1 and rto > 0")
+        if self.metrics_records < 1:
+            raise ValueError(f"metrics_records must be >= 1, got {self.metrics_records}")
+        if self.link_rate:
+            parse_rate(self.link_rate)
         return self
 
     def aggregator_list(self) -> list[tuple[str, int]]:

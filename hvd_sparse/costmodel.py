@@ -45,18 +45,38 @@ class NetModel:
     decode_bps: float  # bytes per second of segment decoding on this host
     local_bps: float  # bytes per second of a tensor's mask scan plus zeroing its output
     source: str = "default"
-    # Aggregation: seconds per round of a slot, seconds per byte through the aggregators (all
-    # ranks' blocks in, the sum out to each), and the layout (payload bytes per packet, slots
-    # over all aggregators) that sets how many rounds a tensor takes. None: no aggregators.
-    omnireduce: tuple[float, float] | None = None
+    # Aggregation: seconds per round of the busiest slot (latency), per packet a rank sends
+    # (one per round of every slot: host and aggregator work), per byte through the
+    # aggregators (all ranks' blocks in, the sum out to each); and the layout (payload bytes
+    # per packet, slots over all aggregators) that sets the rounds. None: no aggregators.
+    omnireduce: tuple[float, float, float] | None = None
     omni_layout: tuple[int, int] = (64512, 64)
 
     @staticmethod
     def default(layout: tuple[int, int] | None = None) -> NetModel:
         # Conservative guess (about 1 GB/s links) used when probing is off.
         return NetModel((2e-4, 2e-9), (2e-4, 1e-9), (3e-4, 1e-9), 2e9, 4e9,
-                        omnireduce=(5e-4, 1e-9) if layout else None,
+                        omnireduce=(5e-4, 2e-5, 1e-9) if layout else None,
                         omni_layout=layout or (64512, 64))
+
+    @staticmethod
+    def for_link(rate_bps: float, n: int, base: NetModel, aggregators: int | None = None,
+                 slots: int = 64) -> NetModel:
+        """``base`` (a measured model) moved onto links of ``rate_bps`` bit/s, fully used, with
+        ``n`` workers: each beta becomes the wire time of the bytes a rank must receive per
+        byte of the term (ring allreduce 2 (n-1)/n, allgather (n-1)/n, alltoall's bytes
+        already leave the rank); latencies and CPU-side rates stay as measured. Aggregation
+        (``aggregators`` hosts, default one per 4 workers, ``slots`` each): in and out share
+        the aggregator links full duplex, and no more than the n worker links carry them."""
+        s = 8 / rate_bps  # seconds per byte on one link
+        f = (n - 1) / n
+        a = aggregators or max(1, n // 4)
+        latency, packet = base.omnireduce[:2] if base.omnireduce else (5e-4, 2e-5)  # default()
+        return NetModel(
+            (base.allreduce[0], 2 * f * s), (base.allgather[0], f * s), (base.alltoall[0], s),
+            base.decode_bps, base.local_bps, source=f"link {rate_bps:g} bit/s, {n} workers",
+            omnireduce=(latency, packet, s / (2 * min(a, n))),
+            omni_layout=(base.omni_layout[0] or 64512, slots * a))
 
 
 def _median_time(fn: Callable[[], object], reps: int = 5) -> float:
@@ -78,8 +98,8 @@ def _fit(small: tuple[float, float], big: tuple[float, float]) -> tuple[float, f
 def probe(omni: Callable[[int], float] | None = None,
           layout: tuple[int, int] = (64512, 64)) -> NetModel:
     """Times the real collectives at two sizes (collective: every rank must call it);
-    ``omni(numel)`` times one aggregation of a dense float32 tensor, when there are aggregators
-    laid out as ``layout``.
+    ``omni(numel, density)`` times one aggregation of a float32 tensor with that fraction of
+    blocks non-zero (the same on every rank), when there are aggregators laid out as ``layout``.
     """
     n = hvd.size()
     small, big = 256, 1 << 20  # float32 elements per rank
@@ -105,23 +125,57 @@ def probe(omni: Callable[[int], float] | None = None,
         source="probe",
     )
     if omni is not None:
-        # t = rounds * a + bytes * b at two sizes: one round of one block; dense 4 MiB.
-        r1, r2 = (omni_rounds(k // 256, k // 256, layout) for k in (small, big))
-        x1, x2 = (2 * n * k * 4 for k in (small, big))
-        t1, t2 = omni(small), omni(big)
-        b = max((t2 - t1 * r2 / r1) / (x2 - x1 * r2 / r1), 1e-12)
-        model.omnireduce = (max((t1 - b * x1) / r1, 1e-6), b)
+        # t = latency * rounds + packet * slots * rounds + byte * bytes: dense probes alone
+        # cannot tell packets from bytes (both grow together), so a sparse one joins them.
+        points = []
+        for k, density in ((small, 1.0), (big, 1.0), (big, 1 / 32)):
+            nblocks = k // 256
+            nnz = max(1, round(density * nblocks))
+            rounds = omni_rounds(nblocks, nnz, layout)
+            points.append(((rounds, omni_slots(nblocks, layout) * rounds, 2 * n * nnz * 1024),
+                           omni(k, density)))
+        model.omnireduce = _fit_nonnegative(points)
         model.omni_layout = layout
     return model
+
+
+def _fit_nonnegative(points: list[tuple[tuple[float, ...], float]]) -> tuple[float, ...]:
+    """Least-squares coefficients >= 0 of t = sum(c_i * x_i): the best fit over the subsets of
+    terms whose unconstrained solution is non-negative (a noisy probe must not give a term a
+    negative cost); terms left out get a negligible 1e-12."""
+    import itertools
+
+    import numpy as np
+    x = np.array([p[0] for p in points], dtype=float)
+    t = np.array([p[1] for p in points], dtype=float)
+    best, best_err = None, math.inf
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            c, *_ = np.linalg.lstsq(x[:, cols], t, rcond=None)
+            if (c < 0).any():
+                continue
+            err = float(((x[:, cols] @ c - t) ** 2).sum())
+            if err < best_err:
+                coef = np.full(x.shape[1], 1e-12)
+                coef[list(cols)] = c
+                best, best_err = coef, err
+    return tuple(max(float(v), 1e-12) for v in best)  # type: ignore[union-attr]
+
+
+def omni_slots(nblocks: int, layout: tuple[int, int], esize: int = 4, bs: int = 256) -> int:
+    """Slots a tensor of ``nblocks`` blocks uses (docs/PROTOCOL.md)."""
+    payload, slots = layout
+    lanes = max(1, min(64, payload // (bs * esize)))
+    return max(1, min(slots, -(-nblocks // lanes)))
 
 
 def omni_rounds(nblocks: int, union: float, layout: tuple[int, int], esize: int = 4,
                 bs: int = 256) -> float:
     """Expected rounds of the busiest slot: a slot's lanes step together, so it takes as many
     rounds as its fullest lane has union blocks, plus the first (docs/PROTOCOL.md)."""
-    payload, slots = layout
+    payload, _ = layout
     lanes = max(1, min(64, payload // (bs * esize)))
-    nslots = max(1, min(slots, -(-nblocks // lanes)))
+    nslots = omni_slots(nblocks, layout, esize, bs)
     positions = nblocks / (nslots * lanes)  # per lane
     u = min(1.0, union / max(1, nblocks))  # chance a position is in the union
     # the fullest lane (mean + 2 sd), plus round 0 unless it carries data anyway
@@ -147,7 +201,7 @@ def _local_speed() -> float:
 def _cache_path(cache_dir: str, aggregators: str) -> Path:
     hosts = sorted(hvd.allgather_object(socket.gethostname(), name="hvd_sparse.probe.hosts"))
     key = json.dumps([hosts, hvd.size(), hvd.gloo_enabled(), torch.__version__, os.cpu_count(),
-                      torch.get_num_threads(), aggregators, 3])  # 3: version of the fields
+                      torch.get_num_threads(), aggregators, 4])  # 4: version of the fields
     return Path(cache_dir) / f"netmodel-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -225,7 +279,9 @@ def predict(
         # Every rank's blocks into the aggregators, the union back out to every rank.
         through = (sum(nnz) + n * union) * (block + OMNI_LANE)
         rounds = omni_rounds(nblocks, union, m.omni_layout, esize, bs)
-        p.seconds["omnireduce"] = local + m.omnireduce[0] * rounds + m.omnireduce[1] * through
+        packets = omni_slots(nblocks, m.omni_layout, esize, bs) * rounds
+        latency, packet, per_byte = m.omnireduce
+        p.seconds["omnireduce"] = local + latency * rounds + packet * packets + per_byte * through
         p.received["omnireduce"] = union * block
     return p
 

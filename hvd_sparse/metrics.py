@@ -15,7 +15,7 @@ def record(name: str, scheme: str, seconds: float, stats: dict[str, Any]) -> Non
         r["calls"] += 1
         r.update(scheme=stats.get("scheme", scheme), seconds=seconds,
                  bytes_sent=stats.get("bytes_sent", 0))
-        for key in ("block_density", "union", "predicted_ms", "reason"):
+        for key in ("bytes_received", "block_density", "union", "predicted_ms", "reason"):
             if key in stats:
                 r[key] = stats[key]
 
@@ -30,7 +30,8 @@ def metrics() -> dict[str, dict[str, Any]]:
     """name -> {scheme, calls, bytes_sent, block_density, seconds, ...} of each tensor's last call.
 
     ``scheme`` is what ran (for "auto", what it chose); ``bytes_sent`` is what this rank put on
-    the wire, modelling Horovod's ring collectives; ``block_density`` is the mean fraction of
+    the wire, modelling Horovod's ring collectives, ``bytes_received`` what it received (the
+    other ranks' segments; dense: the ring model); ``block_density`` is the mean fraction of
     non-zero blocks over ranks (absent for dense, which never looks).
 
     With a sparsifier, also: ``sparsifier``, ``requested_density``, ``achieved_density`` (this

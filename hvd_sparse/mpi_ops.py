@@ -8,7 +8,7 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from . import basics, blocks, engine, metrics, schemes
+from . import basics, blocks, engine, metrics, runfile, schemes
 from .config import SCHEMES
 from .engine import Handle, Job
 from .errors import HvdSparseError
@@ -79,7 +79,9 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def _record(h: Handle) -> None:
-    metrics.record(h.job.name, h.job.scheme, time.monotonic() - h.started, h.job.stats)
+    seconds = time.monotonic() - h.started
+    metrics.record(h.job.name, h.job.scheme, seconds, h.job.stats)
+    runfile.record(h.job, h.started, seconds)
 
 
 def synchronize(handle: Handle) -> torch.Tensor:

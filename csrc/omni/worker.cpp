@@ -4,9 +4,20 @@
 // only the blocks this rank holds non-zero, writes each round's RESULT straight into the output
 // tensor and announces its next non-zero position, so a slot advances past blocks that are zero
 // on every worker without anyone sending them. Each outstanding packet has a retransmission
-// timer with backoff; a slot that makes no progress for `timeout` seconds fails its tensor with
-// an error naming the aggregator. Tensors are keyed by an id every rank derives from the name,
-// so ranks may submit them in any order and any number may be in flight.
+// timer from the measured round times (srtt + 4 rttvar, doubling while unanswered); a slot that
+// makes no progress for `timeout` seconds fails its tensor with an error naming the aggregator.
+// Tensors are keyed by an id every rank derives from the name, so ranks may submit them in any
+// order and any number may be in flight.
+//
+// Congestion control, per aggregator: a window of DATA packets in flight, AIMD on loss (TCP
+// Reno's rule: +1 packet per window answered, halved at most once per round trip when a
+// retransmission timer fires while a later round was answered), paced over the round time
+// once the window is large. Loss, not
+// delay, is the signal: a round's time includes waiting for the slowest worker, which on a
+// loaded host is mostly CPU scheduling, so delay says little about the path. Slots beyond the
+// window wait in a FIFO; the lowest unfinished slot of each tensor on each aggregator always
+// goes, which keeps every tensor moving whatever the windows and submission orders of the
+// other ranks (that slot is the same on every rank and never waits on a later one).
 #include <torch/extension.h>
 
 #include <arpa/inet.h>
@@ -21,6 +32,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -50,10 +62,21 @@ uint8_t wire_dtype(at::ScalarType s) {
   }
 }
 
+constexpr double kInitialWindow = 8, kMinWindow = 2, kMaxWindow = 4096;
+constexpr double kPaceAbove = 16;  // packets: smaller windows go out at once
+constexpr double kMaxRto = 1.0;
+
 struct Aggregator {
   sockaddr_in addr{};
   std::string name;
-  double srtt = 0;  // smoothed round time, from rounds answered without retransmission
+  double srtt = 0, rttvar = 0;  // round time and its deviation, from unretransmitted rounds
+  double cwnd = kInitialWindow, ssthresh = kMaxWindow;
+  int64_t inflight = 0;         // DATA packets sent and not yet answered
+  double last_cut = 0;          // when the window was last halved
+  double answered_sent_at = 0;  // latest send time of an answered round
+  double next_send = 0;         // pacing: earliest time of the next send
+  uint64_t cuts = 0;
+  std::deque<std::pair<uint64_t, uint32_t>> ready;  // (tensor, slot) waiting for the window
 };
 
 struct SlotW {
@@ -65,6 +88,7 @@ struct SlotW {
   std::vector<uint8_t> pkt;      // the DATA packet in flight (resent on timeout)
   double sent_at = 0, rto = 0, progress_at = 0;
   bool done = false, resent = false;
+  bool inflight = false, queued = false;  // its DATA is out / waits for the window
 };
 
 struct TensorW {
@@ -81,6 +105,7 @@ struct TensorW {
   double scale = 1.0;
   std::vector<uint32_t> start, pos;  // CSR: non-zero positions of each stream
   std::vector<SlotW> slots;
+  std::vector<uint32_t> lowest;  // per aggregator: its lowest unfinished slot (always sent)
   uint32_t remaining = 0;
   bool finished = false;
   std::string error;
@@ -247,15 +272,25 @@ class Worker {
 
   py::dict stats() {
     std::vector<std::pair<const char*, uint64_t>> c;
+    struct Window { std::string name; double cwnd, ssthresh, srtt, rto, cuts; };
+    std::vector<Window> windows;
     {
       py::gil_scoped_release nogil;  // never wait for the mutex holding the GIL
       std::lock_guard<std::mutex> lock(mu_);
       c = {{"tx_packets", tx_packets_}, {"tx_bytes", tx_bytes_}, {"rx_packets", rx_packets_},
            {"rx_bytes", rx_bytes_}, {"retransmits", retransmits_}, {"malformed", malformed_},
            {"stale", stale_}, {"injected_drops", injected_drops_}, {"inflight", by_id_.size()}};
+      for (auto& a : aggs_)
+        windows.push_back({a.name, a.cwnd, a.ssthresh, a.srtt, rto_for(a), double(a.cuts)});
     }
     py::dict d;
     for (auto& [k, v] : c) d[k] = v;
+    py::list aggs;  // the congestion state of each aggregator's path
+    for (auto& w : windows)
+      aggs.append(py::dict(py::arg("name") = w.name, py::arg("window") = w.cwnd,
+                           py::arg("ssthresh") = w.ssthresh, py::arg("srtt") = w.srtt,
+                           py::arg("rto") = w.rto, py::arg("window_cuts") = w.cuts));
+    d["aggregators"] = aggs;
     return d;
   }
 
@@ -325,6 +360,7 @@ class Worker {
     double now = now_s();
     t.slots.resize(t.nslots);
     t.remaining = t.nslots;
+    for (uint32_t k = 0; k < aggs_.size(); ++k) t.lowest.push_back(k);  // slot g is on g % K
     for (uint32_t g = 0; g < t.nslots; ++g) {
       SlotW& s = t.slots[g];
       s.g = g;
@@ -337,8 +373,90 @@ class Worker {
       }
       s.progress_at = now;
       build_data(t, s);
-      send_slot(t, s, now);
+      offer(t, s, now);
     }
+  }
+
+  // A slot whose next DATA is built: out now if the window allows (or it is its tensor's
+  // lowest unfinished slot there, which always goes), else in the aggregator's FIFO.
+  void offer(TensorW& t, SlotW& s, double now) {
+    Aggregator& a = aggs_[s.agg];
+    if (t.lowest[s.agg] == s.g || (a.ready.empty() && a.inflight < a.cwnd && paced(a, now))) {
+      transmit(t, s, now);
+    } else {
+      s.queued = true;
+      a.ready.emplace_back(t.id, s.g);
+    }
+  }
+
+  void transmit(TensorW& t, SlotW& s, double now) {
+    Aggregator& a = aggs_[s.agg];
+    s.queued = false;
+    s.inflight = true;
+    a.inflight++;
+    if (a.cwnd > kPaceAbove && a.srtt > 0)  // a window spread over a round time, 1.25x faster
+      a.next_send = std::max(a.next_send, now - 1e-3) + a.srtt / (1.25 * a.cwnd);
+    s.rto = rto_for(a);
+    send_slot(t, s, now);
+  }
+
+  bool paced(const Aggregator& a, double now) const {
+    return a.cwnd <= kPaceAbove || a.srtt == 0 || now >= a.next_send;
+  }
+
+  // Sends what waits for aggregator k's window, in FIFO order, as far as window and pace allow.
+  void pump(size_t k, double now) {
+    Aggregator& a = aggs_[k];
+    while (!a.ready.empty() && a.inflight < a.cwnd && paced(a, now)) {
+      auto [id, g] = a.ready.front();
+      a.ready.pop_front();
+      auto it = by_id_.find(id);
+      if (it == by_id_.end() || !it->second->slots[g].queued) continue;  // gone, or sent
+      transmit(*it->second, it->second->slots[g], now);
+    }
+  }
+
+  double rto_for(const Aggregator& a) const {
+    return a.srtt == 0 ? rto_ : std::clamp(a.srtt + 4 * a.rttvar, rto_, kMaxRto);
+  }
+
+  // The window's response to one answered round: RTT estimate, then AIMD growth.
+  void on_answer(Aggregator& a, SlotW& s, double now) {
+    s.inflight = false;
+    a.inflight--;
+    a.answered_sent_at = std::max(a.answered_sent_at, s.sent_at);
+    if (!s.resent) {  // Karn: a retransmitted round's time is ambiguous
+      double sample = now - s.sent_at;
+      if (a.srtt == 0) {
+        a.srtt = sample;
+        a.rttvar = sample / 2;
+      } else {
+        a.rttvar = 0.75 * a.rttvar + 0.25 * std::abs(a.srtt - sample);
+        a.srtt = 0.875 * a.srtt + 0.125 * sample;
+      }
+    }
+    a.cwnd = std::min(kMaxWindow, a.cwnd + (a.cwnd < a.ssthresh ? 1.0 : 1.0 / a.cwnd));
+  }
+
+  // A retransmission timer fired for a round sent at `sent`. Only when a round sent later was
+  // answered meanwhile is that loss on the path (RACK's rule); otherwise the round may be
+  // waiting for a peer that has not sent it yet (a straggler submits late), which says
+  // nothing about congestion and must not shrink the window.
+  void on_timeout(Aggregator& a, double sent, double now) {
+    if (a.answered_sent_at <= sent) return;
+    if (now - a.last_cut < std::max(a.srtt, 1e-3)) return;  // one cut per round trip
+    a.ssthresh = std::max(a.cwnd / 2, kMinWindow);
+    a.cwnd = a.ssthresh;
+    a.last_cut = now;
+    a.cuts++;
+  }
+
+  void release_window(TensorW& t) {
+    for (auto& s : t.slots)
+      if (s.inflight) {
+        s.inflight = false;
+        aggs_[s.agg].inflight--;
+      }
   }
 
   // DATA for the slot's current round: the blocks this rank holds at the lanes' positions and,
@@ -383,7 +501,6 @@ class Worker {
 
   void send_slot(TensorW& t, SlotW& s, double now) {
     s.sent_at = now;
-    if (s.rto == 0) s.rto = rto_;
     t.packets++;
     t.bytes_sent += s.pkt.size();
     int copies = dup_ > 0 && unif_(rng_) < dup_ ? 2 : 1;
@@ -464,22 +581,20 @@ class Worker {
     }
     t.rounds++;
     t.bytes_received += h.present * vb;
-    if (!s.resent) {
-      double& srtt = aggs_[s.agg].srtt, sample = now - s.sent_at;
-      srtt = srtt == 0 ? sample : 0.875 * srtt + 0.125 * sample;
-    }
+    on_answer(aggs_[s.agg], s, now);
     s.round++;
     s.progress_at = now;
     s.resent = false;
-    // A round waits for the slowest worker: time out well above the usual round time.
-    s.rto = std::min(std::max(rto_, 3 * aggs_[s.agg].srtt), 1.0);
     if (last) {
       s.done = true;
-      if (--t.remaining == 0) complete(t);
+      if (--t.remaining == 0) return complete(t);
+      uint32_t& lo = t.lowest[s.agg];  // the next lowest may wait in the FIFO: it goes now
+      while (lo < t.nslots && t.slots[lo].done) lo += uint32_t(aggs_.size());
+      if (lo < t.nslots && t.slots[lo].queued) transmit(t, t.slots[lo], now);
       return;
     }
     build_data(t, s);
-    send_slot(t, s, now);
+    offer(t, s, now);
   }
 
   void complete(TensorW& t) {
@@ -505,6 +620,7 @@ class Worker {
   }
 
   void fail(TensorW& t, const std::string& why) {
+    release_window(t);
     fail_locked(t, why);
     by_id_.erase(t.id);
   }
@@ -560,11 +676,13 @@ class Worker {
               "submitted this tensor");
           break;
         }
-        if (now - s.sent_at > s.rto) {
+        if (s.inflight && now - s.sent_at > s.rto) {
           s.resent = true;
           t->retransmits++;
           retransmits_++;
-          s.rto = std::min(s.rto * 2, 1.0);
+          on_timeout(aggs_[s.agg], s.sent_at, now);
+          // Backoff, jittered so that slots lost together are not resent together.
+          s.rto = std::min(s.rto * (2 + 0.5 * unif_(rng_)), kMaxRto);
           send_slot(*t, s, now);
         }
       }
@@ -577,7 +695,9 @@ class Worker {
     pollfd pfd[2] = {{fd_, POLLIN, 0}, {wake_, POLLIN, 0}};
     double last_timers = 0, last_keepalive = now_s();
     while (true) {
-      ::poll(pfd, 2, 2);
+      bool waiting = false;  // paced sends due within the millisecond
+      for (auto& a : aggs_) waiting = waiting || !a.ready.empty();
+      ::poll(pfd, 2, waiting ? 1 : 2);
       if (pfd[1].revents) {
         uint64_t v;
         (void)!read(wake_, &v, sizeof v);
@@ -593,6 +713,7 @@ class Worker {
         check_timers(now);
         last_timers = now;
       }
+      for (size_t k = 0; k < aggs_.size(); ++k) pump(k, now);
       if (now - last_keepalive > kKeepalive) {  // aggregators forget jobs idle for long
         for (size_t k = 0; k < aggs_.size(); ++k) send_control(int(k), kRegister, 0);
         last_keepalive = now;

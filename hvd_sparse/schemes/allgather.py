@@ -19,6 +19,7 @@ def run(job: Job) -> Stage:
                                                      process_set=job.process_set)
     out = output(job)
     decode_sum(job, gathered, out, part_is_rank=False)
-    # Ring allgather: each rank forwards all but one of the n segments.
-    job.stats.update(scheme="allgather", bytes_sent=int(gathered.numel() * (n - 1) / n))
+    # Ring allgather: each rank forwards all but one of the n segments, and receives the others'.
+    job.stats.update(scheme="allgather", bytes_sent=int(gathered.numel() * (n - 1) / n),
+                     bytes_received=gathered.numel() - seg.numel())
     return out

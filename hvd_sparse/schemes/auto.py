@@ -51,6 +51,10 @@ def run(job: Job) -> Stage:
                          t.numel(), job.block_size)))
     log.debug("hvd_sparse: %s -> %s (predicted ms %s)", job.name, choice, job.stats["predicted_ms"])
     out = yield from _RUN[choice](job)
+    # The decision's own allgather: n - 1 rows in, as many out (ring).
+    row_bytes = (len(nnz) - 1) * row.nbytes
+    for key in ("bytes_sent", "bytes_received"):
+        job.stats[key] = job.stats.get(key, 0) + row_bytes
     if choice != "dense" and sum(nnz) > 0:
         _union_ratio[job.name] = job.stats["union"] / sum(nnz)
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 import socket
 import statistics
@@ -36,12 +37,19 @@ class Session:
     """This rank's worker engine, joined to the job's aggregators."""
 
     def __init__(self, cfg: Config, addrs: list[tuple[str, int]], token: int,
-                 local: LocalAggregators | None) -> None:
+                 local: LocalAggregators | None, max_datagram: int | None = None) -> None:
         self.cfg, self.addrs, self.local = cfg, addrs, local
+        # Block values per packet: the configured fusion, cut so that a whole packet (header,
+        # bitmap, up to MAX_LANES lane entries) fits one frame of the path: an IP fragment
+        # lost on a busy link loses the whole datagram.
+        p = _C.omni_protocol()
+        max_datagram = max_datagram or p["MAX_DATAGRAM"]
+        self.payload = max(1, min(cfg.payload_bytes, max_datagram - p["HEADER_BYTES"]
+                                  - p["BITMAP_BYTES"] - p["MAX_LANES"] * p["LANE_BYTES"]))
         # The engine's own no-progress timeout fires a little before the caller's, so the error
         # names the aggregator rather than only the tensor.
         self.worker = _C.OmniWorker(addrs, token, hvd.rank(), hvd.size(),
-                                    payload_bytes=cfg.payload_bytes,
+                                    payload_bytes=self.payload,
                                     slots_per_aggregator=cfg.slots, rto=cfg.rto,
                                     timeout=cfg.timeout * 0.9, seed=hvd.rank())
         self._calls: dict[str, int] = defaultdict(int)
@@ -53,20 +61,25 @@ class Session:
 
     def layout(self) -> tuple[int, int]:
         """(payload bytes per packet, slots over all aggregators): what sets a tensor's rounds."""
-        return self.cfg.payload_bytes, self.cfg.slots * len(self.addrs)
+        return self.payload, self.cfg.slots * len(self.addrs)
 
     def describe(self) -> str:
         """What the probe's timings depend on: how many aggregators, local or not, fusion."""
         return f"{len(self.addrs)}x{'local' if self.local else 'remote'}/{self.layout()}"
 
-    def probe_time(self, numel: int, reps: int = 3) -> float:
-        """Median seconds of aggregating a dense float32 tensor (collective)."""
-        x, times = torch.ones(numel), []
+    def probe_time(self, numel: int, density: float = 1.0, reps: int = 3) -> float:
+        """Median seconds of aggregating a float32 tensor with ``density`` of its 256-blocks
+        non-zero, the same blocks on every rank (collective)."""
+        x, times = torch.zeros(numel // 256, 256), []
+        g = torch.Generator().manual_seed(0)
+        x[torch.randperm(x.shape[0], generator=g)[:max(1, round(density * x.shape[0]))]] = 1
+        x = x.view(-1)
         for _ in range(reps + 1):
-            out = torch.empty_like(x)  # x has no zero block: every block is written
+            out = torch.zeros_like(x)  # only the union's blocks are written
             t0 = time.perf_counter()
-            ticket = self.worker.submit(self.tensor_id(f"hvd_sparse.probe.omni{numel}"), x, out,
-                                        256, 0, None, "probe", 1.0)
+            ticket = self.worker.submit(
+                self.tensor_id(f"hvd_sparse.probe.omni{numel}.{density}"), x, out, 256, 0, None,
+                "probe", 1.0)
             self.worker.wait(ticket, self.cfg.timeout)
             self.worker.finish(ticket)
             times.append(time.perf_counter() - t0)
@@ -90,12 +103,16 @@ def start(cfg: Config) -> Session | None:
         if count == 0:
             return None
         reply: object = None
+        # Ranks may share a hostname and still be apart (containers, network namespaces), so
+        # loopback serves only ranks in one network namespace of one running kernel.
+        where = hvd.allgather_object(_whereabouts(), name="hvd_sparse.omni.where")
         if hvd.rank() == 0:
-            single_host = hvd.local_size() == hvd.size()
-            host = cfg.aggregator_host or ("127.0.0.1" if single_host else _host_address())
+            together = len({w[:2] for w in where}) == 1
             from ..aggregator import LocalAggregators
             try:
-                local = LocalAggregators(count, hvd.size(), "127.0.0.1" if single_host
+                host = cfg.aggregator_host or ("127.0.0.1" if together else
+                                               _address_toward([w[2] for w in where[1:]]))
+                local = LocalAggregators(count, hvd.size(), "127.0.0.1" if together
                                          else "0.0.0.0")
                 reply = [(host, p) for p in local.ports]
             except HvdSparseError as e:
@@ -106,7 +123,10 @@ def start(cfg: Config) -> Session | None:
         addrs = [tuple(a) for a in reply]  # type: ignore[union-attr]
     token = hvd.broadcast_object(random.SystemRandom().getrandbits(63) | 1, root_rank=0,
                                  name="hvd_sparse.omni.token")
-    session = Session(cfg, addrs, token, local)
+    # Every rank must lay tensors out alike: the smallest path MTU of any rank decides.
+    mtu = hvd.allreduce(torch.tensor([min(_max_datagram(h, p) for h, p in addrs)]),
+                        op=hvd.Min, name="hvd_sparse.omni.mtu")
+    session = Session(cfg, addrs, token, local, int(mtu))
     try:
         session.worker.register(cfg.timeout)
     except RuntimeError as e:
@@ -116,14 +136,49 @@ def start(cfg: Config) -> Session | None:
     return session
 
 
-def _host_address() -> str:
-    """An address of this host that other hosts can reach (the one routing to the outside)."""
+def _whereabouts() -> tuple[str, int, list[str]]:
+    """(kernel boot id, network namespace, IPv4 addresses): what tells ranks apart."""
+    import psutil
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    addrs = [a.address for nic in psutil.net_if_addrs().values() for a in nic
+             if a.family == socket.AF_INET and not a.address.startswith(("127.", "169.254."))]
+    return boot, netns, addrs
+
+
+def _address_toward(peers: list[list[str]]) -> str:
+    """The address of this host that the routing table uses toward the other ranks: the
+    one they can reach it at (no default route needed, unlike probing a far address)."""
+    for addrs in peers:
+        for addr in addrs:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    s.connect((addr, 9))  # no packet is sent: this only picks a route
+                    return s.getsockname()[0]
+                except OSError:
+                    continue
+    raise HvdSparseError("hvd_sparse: no route from rank 0 to any address of the other ranks "
+                         f"({peers}): set HVD_SPARSE_AGGREGATOR_HOST to rank 0's address")
+
+
+IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux <linux/in.h>
+
+
+def _max_datagram(host: str, port: int) -> int:
+    """The largest UDP payload that reaches (host, port) in one frame: path MTU - 28."""
+    cap = _C.omni_protocol()["MAX_DATAGRAM"]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks a route
-            return s.getsockname()[0]
+            s.connect((host, port))
+            return min(cap, s.getsockopt(socket.IPPROTO_IP, IP_MTU) - 28)
         except OSError:
-            return socket.gethostbyname(socket.gethostname())
+            return cap
 
 
 class _Ticket:

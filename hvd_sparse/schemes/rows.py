@@ -55,10 +55,11 @@ def run(job: Job) -> Stage:
     except RuntimeError as e:
         raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: {e}") from e
     n = job.size
+    gathered = all_rows.numel() * all_rows.element_size() + all_vals.nbytes
+    own = (rows.numel() + 1) * rows.element_size() + vals.nbytes  # header rows included
     job.stats.update(scheme="rows", nnz_local=int(idx.shape[1]), rows_local=int(rows.numel()),
-                     union=int(out_rows.numel()),
-                     bytes_sent=int((all_rows.numel() * 8 + all_vals.numel()
-                                     * all_vals.element_size()) * (n - 1) / n))
+                     union=int(out_rows.numel()), bytes_sent=int(gathered * (n - 1) / n),
+                     bytes_received=gathered - own)
     indices = out_rows.unsqueeze(0) if k == 1 else _unravel(out_rows, g.shape[:k])
     return torch.sparse_coo_tensor(indices, out_vals, g.shape, is_coalesced=True,
                                    check_invariants=False)  # sorted and distinct by construction

@@ -31,5 +31,7 @@ def run(job: Job) -> Stage:
     out = output(job)
     decode_sum(job, gathered, out, part_is_rank=True)
     sent = sum(splits) - splits[job.rank] + gathered.numel() * (n - 1) / n
-    job.stats.update(scheme="zen", bytes_sent=int(sent))
+    # the other ranks' segments of this partition, then the other partitions' sums
+    received = recv.numel() - splits[job.rank] + gathered.numel() - part.numel()
+    job.stats.update(scheme="zen", bytes_sent=int(sent), bytes_received=received)
     return out

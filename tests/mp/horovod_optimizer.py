@@ -359,7 +359,7 @@ def auto_avoids_omnireduce(mine: hvd.ProcessSet) -> str:
     st = hvd_sparse.basics.state()
     saved = st.net
     st.net = hvd_sparse.costmodel.NetModel((1.0, 0.0), (1.0, 0.0), (1.0, 0.0), 1e12, 1e12,
-                                           omnireduce=(0.0, 0.0), omni_layout=saved.omni_layout)
+                                           omnireduce=(0.0, 0.0, 0.0), omni_layout=saved.omni_layout)
     try:
         t = torch.zeros(4096, dtype=torch.float64)
         t[:16] = 1.0 + hvd.rank()

@@ -1,0 +1,94 @@
+"""``hvd-sparse testbed {up,run,set,status,down}``."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from . import launch, lifecycle, links, loss
+from .topology import Testbed
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hvd-sparse testbed",
+                                description="an emulated cluster in network namespaces")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def sp(name: str, help: str) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help)
+        s.add_argument("--name", default="hvdsp", help="testbed name (namespace prefix)")
+        return s
+
+    u = sp("up", "create the hosts, links and aggregators")
+    u.add_argument("--workers", type=int, default=4)
+    u.add_argument("--aggregators", type=int, default=1, help="aggregator hosts")
+    u.add_argument("--rate", default="1gbit", help="every link's rate, both directions")
+    u.add_argument("--mtu", type=int, default=1500)
+    u.add_argument("--loss", type=float, default=0.0, help="drop rate on every switch port")
+    u.add_argument("--loss-proto", choices=("all", "udp"), default="all",
+                   help="drop any frame, or only UDP (keeps MPI's TCP out of it)")
+    r = sp("run", "run CMD with one Horovod rank per worker host")
+    r.add_argument("--timeout", type=float, default=None, help="seconds before it is stopped")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    s = sp("set", "change loss, rate or link state while jobs run")
+    s.add_argument("--host", help="w0.., a0..; default: every port (loss, rate)")
+    s.add_argument("--loss", type=float)
+    s.add_argument("--rate")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--down", dest="link_up", action="store_false", default=None)
+    g.add_argument("--up", dest="link_up", action="store_true")
+    st = sp("status", "hosts, addresses, rates and byte counters")
+    st.add_argument("--json", action="store_true")
+    sp("down", "remove everything the testbed created")
+    return p
+
+
+def status(tb: Testbed) -> dict:
+    c = links.counters(tb)
+    return {"name": tb.name, "rate": tb.rate, "mtu": tb.mtu, "loss": tb.loss,
+            "loss_proto": tb.loss_proto, "dropped_by_loss": loss.dropped(tb),
+            "aggregators": tb.aggregator_addresses(),
+            "hosts": [{"host": h.name, "namespace": h.ns, "ip": h.ip, "loss": h.loss,
+                       "link": "down" if h.down else "up",
+                       "processes": len(links.pids_in(h.ns)), **c[h.name]} for h in tb.hosts]}
+
+
+def _print_status(d: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"testbed {d['name']}: {d['rate']} links, MTU {d['mtu']}, loss {d['loss']} "
+                    f"({d['loss_proto']}), {d['dropped_by_loss']} frames dropped by loss rules")
+    for col in ("host", "namespace", "ip", "link", "loss", "processes", "rx MB", "tx MB"):
+        t.add_column(col)
+    for h in d["hosts"]:
+        t.add_row(h["host"], h["namespace"], h["ip"], h["link"], f"{h['loss']:g}",
+                  str(h["processes"]), f"{h['rx_bytes'] / 1e6:.1f}", f"{h['tx_bytes'] / 1e6:.1f}")
+    Console().print(t)
+    if d["aggregators"]:
+        print(f"aggregators: {d['aggregators']}")
+
+
+def main(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        if a.cmd == "up":
+            tb = lifecycle.up(Testbed(a.name, a.workers, a.aggregators, a.rate, a.mtu, a.loss,
+                                      a.loss_proto))
+            _print_status(status(tb))
+        elif a.cmd == "down":
+            removed = lifecycle.down(a.name)
+            print(f"testbed {a.name}: removed {len(removed)} namespace(s)")
+        elif a.cmd == "set":
+            lifecycle.update(Testbed.load(a.name), a.host, a.loss, a.rate, a.link_up)
+        elif a.cmd == "status":
+            d = status(Testbed.load(a.name))
+            print(json.dumps(d, indent=1)) if a.json else _print_status(d)
+        elif a.cmd == "run":
+            lifecycle.require_root()
+            cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+            return launch.run(Testbed.load(a.name), cmd, timeout=a.timeout).returncode
+    except (OSError, ValueError, KeyError, RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"hvd-sparse testbed {a.cmd}: {e}", file=sys.stderr)
+        return 1
+    return 0

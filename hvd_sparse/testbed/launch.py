@@ -1,0 +1,171 @@
+"""Processes on the testbed: the aggregator on each aggregator host, and a job with one Horovod
+rank per worker host under Open MPI.
+
+mpirun runs in the root namespace and each rank in its host's namespace, where the launcher's
+PMIx server (127.0.0.1:PORT in the root namespace) is out of reach: a forwarder listens on
+127.0.0.1:PORT inside every worker namespace and pipes each connection to the real server.
+Ranks talk to each other only over the testbed links (TCP BTL on eth0, no shared memory), with
+Horovod's MPI operations, since its Gloo operations do not start under plain mpirun."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from pyroute2 import netns
+
+from . import links
+from .topology import AGGREGATOR_PORT, Testbed
+
+
+def aggregator_binary() -> Path:
+    path = Path(__file__).resolve().parents[1] / "bin" / "hvd-sparse-aggregator"
+    if not path.exists():
+        raise RuntimeError(f"testbed: aggregator binary missing at {path}: run make build")
+    return path
+
+
+def start_aggregators(tb: Testbed) -> None:
+    """Starts `hvd-sparse aggregator` on every aggregator host; they run until `down`."""
+    tb.log_dir().mkdir(parents=True, exist_ok=True)
+    for h in tb.aggregator_hosts:
+        port_file = tb.log_dir() / f"{h.name}.port"
+        port_file.unlink(missing_ok=True)
+        with open(tb.log_dir() / f"{h.name}.log", "w") as log:
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", h.ns, str(aggregator_binary()), "--bind",
+                 f"{h.ip}:{AGGREGATOR_PORT}", "--workers", str(tb.workers), "--port-file",
+                 str(port_file)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)  # outlives `testbed up`; `down` kills it
+        tb.pids[h.name] = p.pid
+        deadline = time.monotonic() + 10
+        while not port_file.exists():
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"testbed: aggregator on {h.name} did not start: "
+                                   + (tb.log_dir() / f"{h.name}.log").read_text()[-1000:])
+            time.sleep(0.01)
+
+
+class PmixForwarder:
+    """Listens on 127.0.0.1:port in each namespace; pipes connections to 127.0.0.1:port here."""
+
+    def __init__(self, namespaces: Sequence[str]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.listeners = []
+        for ns in namespaces:
+            netns.pushns(ns)  # a socket stays in the namespace it was created in
+            try:
+                ls = socket.socket()
+                ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                ls.bind(("127.0.0.1", self.port))
+                ls.listen(64)
+            finally:
+                netns.popns()
+            self.listeners.append(ls)
+            threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
+
+    def _accept(self, ls: socket.socket) -> None:
+        while True:
+            try:
+                c, _ = ls.accept()
+                u = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+                u.settimeout(None)
+            except OSError:
+                return
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        for ls in self.listeners:
+            ls.close()
+
+
+def job_env(tb: Testbed, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """What every rank gets: MPI over the testbed links, the aggregators, the link rate."""
+    env = {
+        "HOROVOD_CPU_OPERATIONS": "mpi",
+        "OMPI_MCA_btl": "tcp,self",  # no shared memory: the ranks are on different "hosts"
+        "OMPI_MCA_btl_tcp_if_include": "eth0",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "HVD_SPARSE_LINK_RATE": str(tb.rate_bps),
+        "HVD_SPARSE_TESTBED": tb.name,
+    }
+    if tb.aggregator_hosts:
+        env["HVD_SPARSE_AGGREGATORS"] = tb.aggregator_addresses()
+    env.update(extra or {})
+    return env
+
+
+def command(tb: Testbed, cmd: Sequence[str], env: dict[str, str]) -> list[str]:
+    """The mpirun command line: one rank per worker host, in rank order."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise RuntimeError("testbed: mpirun not found (Open MPI; make build installs it)")
+    cmd = list(cmd)
+    if cmd and cmd[0] in ("python", "python3"):  # the venv's, which has torch and Horovod
+        cmd[0] = sys.executable
+    out = [mpirun, "--oversubscribe", "--bind-to", "none"]
+    for k in env:
+        out += ["-x", k]
+    for i, h in enumerate(tb.worker_hosts):
+        out += [":"] if i else []
+        out += ["-np", "1", "ip", "netns", "exec", h.ns, *cmd]
+    return out
+
+
+def run(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
+        timeout: float | None = None, capture: bool = False) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` as one rank per worker host and returns mpirun's result (its output as
+    text with ``capture``). Past ``timeout`` the job is stopped and TimeoutExpired raised; no
+    rank outlives the call either way."""
+    if not cmd:
+        raise ValueError("testbed run: no command given (hvd-sparse testbed run -- CMD ...)")
+    fwd = PmixForwarder([h.ns for h in tb.worker_hosts])
+    job = job_env(tb, env)
+    full = {**os.environ, **job, "PMIX_MCA_ptl_tcp_ipv4_port": str(fwd.port)}
+    pipe = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(command(tb, cmd, job), env=full, stdout=pipe, stderr=pipe,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # mpirun passes it on to the ranks
+        try:
+            proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    finally:
+        fwd.close()
+        for h in tb.worker_hosts:  # ranks mpirun lost track of (it was killed, or crashed)
+            for pid in links.pids_in(h.ns):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

@@ -1,0 +1,70 @@
+"""Bringing a testbed up, changing it while jobs run, and taking it down without leftovers."""
+from __future__ import annotations
+
+import os
+
+from . import launch, links, loss
+from .topology import Testbed
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise PermissionError("hvd-sparse testbed needs root (network namespaces, veths, tc "
+                              "and nftables): run it as root or with sudo")
+
+
+def up(tb: Testbed) -> Testbed:
+    """Creates the namespaces, links, loss rules and aggregators of ``tb``; on any failure
+    removes what it made and raises."""
+    require_root()
+    if links.namespaces(tb.name) or Testbed.state_path(tb.name).exists():
+        raise FileExistsError(f"testbed {tb.name!r} is already up: `hvd-sparse testbed down "
+                              f"--name {tb.name}` first, or pick another --name")
+    try:
+        tb.save()  # first, so that `down` finds it even if we crash half-way
+        links.create(tb)
+        loss.apply(tb)
+        launch.start_aggregators(tb)
+        tb.save()
+    except BaseException:
+        down(tb.name)
+        raise
+    return tb
+
+
+def update(tb: Testbed, host: str | None = None, loss_rate: float | None = None,
+           rate: str | None = None, link_up: bool | None = None) -> Testbed:
+    """Changes loss, rate or link state of one host (or loss of every port) in a running
+    testbed; jobs running on it see the change at once."""
+    require_root()
+    target = tb.host(host) if host else None
+    if loss_rate is not None:
+        if not 0 <= loss_rate < 1:
+            raise ValueError(f"loss must be in [0, 1), got {loss_rate}")
+        if target:
+            target.loss = loss_rate
+        else:
+            tb.loss = loss_rate
+        loss.apply(tb)
+    if rate is not None:
+        from .topology import parse_rate
+        for h in [target] if target else tb.hosts:
+            links.set_rate(tb, h, parse_rate(rate))
+        if not target:
+            tb.rate = rate
+    if link_up is not None:
+        if target is None:
+            raise ValueError("link up/down needs --host")
+        links.set_link(tb, target, link_up)
+        target.down = not link_up
+    tb.save()
+    return tb
+
+
+def down(name: str) -> list[str]:
+    """Removes testbed ``name``: its processes, namespaces, veths and state. Safe to repeat
+    and after a crash; touches nothing outside the testbed's own names."""
+    require_root()
+    removed = links.destroy(name)
+    Testbed.state_path(name).unlink(missing_ok=True)
+    return removed

@@ -1,0 +1,151 @@
+"""Namespaces, veths, the switch's bridge and the rate caps, through netlink (pyroute2).
+
+Every host is a namespace ``<name>-<host>`` with one ``eth0``, a veth whose other end is port
+``<host>`` of the bridge in ``<name>-sw``. Both ends carry a tbf rate cap, so each link is
+capped in both directions (netem, which could add delay and loss, does not exist on this
+kernel: loss is the switch's nftables rules, see loss.py)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from pyroute2 import IPRoute, NetNS, netns
+
+from .topology import Host, Testbed
+
+
+def _tbf_args(rate_bps: int) -> dict:
+    # Burst: large enough for a GSO super-packet, and a couple of ms of the rate at high rates
+    # (tbf refills on timers). Queue: 10 ms of the rate, a switch port's buffer, not a bloat.
+    burst = max(256 * 1024, rate_bps // 8 // 500)
+    return {"rate": f"{rate_bps}bit", "burst": burst, "latency": "10ms"}
+
+
+def _cap(ns: NetNS, index: int, rate_bps: int) -> None:
+    ns.tc("replace", "tbf", index=index, handle="1:", **_tbf_args(rate_bps))
+
+
+def create(tb: Testbed) -> None:
+    """Builds the testbed's namespaces and links (the caller removes them on failure)."""
+    netns.create(tb.switch_ns)
+    with NetNS(tb.switch_ns) as sw:
+        sw.link("add", ifname="br0", kind="bridge")
+        for ifname in ("lo", "br0"):
+            sw.link("set", index=sw.link_lookup(ifname=ifname)[0], state="up")
+    for i, h in enumerate(tb.hosts):
+        netns.create(h.ns)
+        host_end, sw_end = f"{tb.name}{i}h", f"{tb.name}{i}s"  # unique in the root namespace
+        with IPRoute() as ipr:
+            ipr.link("add", ifname=host_end, kind="veth", peer=sw_end)
+            ipr.link("set", index=ipr.link_lookup(ifname=host_end)[0], net_ns_fd=h.ns)
+            ipr.link("set", index=ipr.link_lookup(ifname=sw_end)[0], net_ns_fd=tb.switch_ns)
+        with NetNS(h.ns) as ns:
+            idx = ns.link_lookup(ifname=host_end)[0]
+            ns.link("set", index=idx, ifname="eth0", mtu=tb.mtu)
+            ns.addr("add", index=idx, address=h.ip, prefixlen=24)
+            for j in (idx, ns.link_lookup(ifname="lo")[0]):
+                ns.link("set", index=j, state="up")
+            _cap(ns, idx, tb.rate_bps)
+        with NetNS(tb.switch_ns) as sw:
+            idx = sw.link_lookup(ifname=sw_end)[0]
+            sw.link("set", index=idx, ifname=h.port, mtu=tb.mtu,
+                    master=sw.link_lookup(ifname="br0")[0])
+            sw.link("set", index=idx, state="up")
+            _cap(sw, idx, tb.rate_bps)
+
+
+def set_rate(tb: Testbed, host: Host, rate_bps: int) -> None:
+    for ns_name, ifname in ((host.ns, "eth0"), (tb.switch_ns, host.port)):
+        with NetNS(ns_name) as ns:
+            _cap(ns, ns.link_lookup(ifname=ifname)[0], rate_bps)
+
+
+def set_link(tb: Testbed, host: Host, up: bool) -> None:
+    """Cuts (or restores) a host's link at the switch, as a pulled cable would."""
+    with NetNS(tb.switch_ns) as sw:
+        sw.link("set", index=sw.link_lookup(ifname=host.port)[0], state="up" if up else "down")
+
+
+def counters(tb: Testbed) -> dict[str, dict[str, int]]:
+    """Per host: bytes and packets its eth0 received and sent (the host's side of its link)."""
+    out = {}
+    for h in tb.hosts:
+        with NetNS(h.ns) as ns:
+            s = ns.get_links(ns.link_lookup(ifname="eth0")[0])[0].get("stats64")
+            out[h.name] = {k: int(s.get(k)) for k in
+                           ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets", "rx_dropped",
+                            "tx_dropped")}
+    return out
+
+
+def namespaces(name: str) -> list[str]:
+    """The namespaces of testbed ``name`` that exist, by their exact naming pattern."""
+    import re
+    pat = re.compile(rf"{re.escape(name)}-(sw|w\d+|a\d+)")
+    return [n for n in netns.listnetns() if pat.fullmatch(n)]
+
+
+def pids_in(ns_name: str) -> list[int]:
+    """Processes whose network namespace is ``ns_name``."""
+    try:
+        ino = os.stat(f"/run/netns/{ns_name}").st_ino
+    except FileNotFoundError:
+        return []
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.stat(d / "ns" / "net").st_ino == ino:
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+def destroy(name: str) -> list[str]:
+    """Removes every namespace of testbed ``name`` and what lives in it (processes first:
+    a namespace with processes outlives its name, and so would its veths). Returns them."""
+    found = namespaces(name)
+    pids = [p for n in found for p in pids_in(n) if p != os.getpid()]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 3
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if Path(f"/proc/{p}").exists()
+                    and not _zombie(p)]
+            time.sleep(0.02)
+    for n in found:
+        netns.remove(n)
+    # Namespaces die asynchronously; veths still in the root namespace (a crash between
+    # creating and moving them) go by their names.
+    with IPRoute() as ipr:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            left = [link for link in ipr.get_links() if _ours(name, link.get("ifname"))]
+            if not left:
+                break
+            for link in left:
+                try:
+                    ipr.link("del", index=link["index"])
+                except Exception:  # noqa: BLE001 - already going with its namespace
+                    pass
+            time.sleep(0.05)
+    return found
+
+
+def _ours(name: str, ifname: str | None) -> bool:
+    import re
+    return bool(ifname and re.fullmatch(rf"{re.escape(name)}\d+[hs]", ifname))
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,112 @@
+"""What a testbed is: its hosts, their addresses and link settings, kept in a state file so
+that every later command (``run``, ``set``, ``status``, ``down``) finds what ``up`` made."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .. import runfile
+
+STATE_DIR = Path(os.environ.get("HVD_SPARSE_TESTBED_DIR", "/run/hvd-sparse"))
+SUBNET = "10.77.0"  # every testbed has its own switch, so testbeds never see each other's
+AGGREGATOR_PORT = 9999
+
+
+def parse_rate(rate: str | float) -> int:
+    """'1gbit', '250mbit', '1e9' -> bits per second (tc's spelling of rates)."""
+    return int(runfile.parse_rate(rate))
+
+
+@dataclass
+class Host:
+    name: str  # w0.. (workers), a0.. (aggregator hosts)
+    ns: str  # its network namespace
+    ip: str
+    loss: float = 0.0  # drop rate of frames to and from it on the switch
+    down: bool = False  # its link is cut
+
+    @property
+    def port(self) -> str:
+        """Its port on the switch (the veth end in the switch namespace)."""
+        return self.name
+
+
+@dataclass
+class Testbed:
+    name: str = "hvdsp"  # prefix of every namespace and veth it creates
+    workers: int = 4
+    aggregators: int = 1
+    rate: str = "1gbit"
+    mtu: int = 1500
+    loss: float = 0.0  # drop rate on every switch port
+    loss_proto: str = "all"  # "all" or "udp": what the drop rules apply to
+    hosts: list[Host] = field(default_factory=list)
+    pids: dict[str, int] = field(default_factory=dict)  # aggregator host -> its process
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", self.name):
+            raise ValueError(f"testbed name {self.name!r}: 1-8 lowercase letters or digits "
+                             "(veth names must fit 15 characters)")
+        if not 1 <= self.workers <= 64 or not 0 <= self.aggregators <= 16:
+            raise ValueError("workers must be in [1, 64] and aggregators in [0, 16]")
+        if self.loss_proto not in ("all", "udp"):
+            raise ValueError("loss_proto must be 'all' or 'udp'")
+        parse_rate(self.rate)
+        if not self.hosts:
+            self.hosts = [Host(f"w{i}", f"{self.name}-w{i}", f"{SUBNET}.{i + 1}")
+                          for i in range(self.workers)]
+            self.hosts += [Host(f"a{k}", f"{self.name}-a{k}", f"{SUBNET}.{101 + k}")
+                           for k in range(self.aggregators)]
+
+    @property
+    def switch_ns(self) -> str:
+        return f"{self.name}-sw"
+
+    @property
+    def rate_bps(self) -> int:
+        return parse_rate(self.rate)
+
+    @property
+    def worker_hosts(self) -> list[Host]:
+        return [h for h in self.hosts if h.name.startswith("w")]
+
+    @property
+    def aggregator_hosts(self) -> list[Host]:
+        return [h for h in self.hosts if h.name.startswith("a")]
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(f"testbed {self.name!r} has no host {name!r} "
+                       f"(hosts: {', '.join(h.name for h in self.hosts)})")
+
+    def aggregator_addresses(self) -> str:
+        """HVD_SPARSE_AGGREGATORS for jobs on this testbed."""
+        return ",".join(f"{h.ip}:{AGGREGATOR_PORT}" for h in self.aggregator_hosts)
+
+    @staticmethod
+    def state_path(name: str) -> Path:
+        return STATE_DIR / f"testbed-{name}.json"
+
+    def log_dir(self) -> Path:
+        return STATE_DIR / f"testbed-{self.name}"
+
+    def save(self) -> None:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path(self.name).with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(self.state_path(self.name))
+
+    @classmethod
+    def load(cls, name: str) -> Testbed:
+        path = cls.state_path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"no testbed {name!r} is up ({path} missing): "
+                                    f"run `hvd-sparse testbed up --name {name}` first")
+        d = json.loads(path.read_text())
+        d["hosts"] = [Host(**h) for h in d["hosts"]]
+        return cls(**d)

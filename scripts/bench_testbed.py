@@ -1,0 +1,295 @@
+"""Every scheme on emulated hosts: 4 worker namespaces and 4 aggregator namespaces behind a
+switch namespace, every link rate-capped (tbf) in both directions, MTU 9000. Needs root.
+
+    .venv/bin/python scripts/bench_testbed.py [--rates 1gbit,10gbit] [--quick]
+
+For each rate the script brings a testbed up (hvd_sparse.testbed), runs itself on it as one
+Horovod rank per worker host (Open MPI, Horovod's MPI operations), and takes it down. Each rank
+holds --numel float32 (default 26,214,400) with whole 256-blocks non-zero at random, a
+different pattern per rank, at each density. Methods, all op=Sum, in place as the optimizers
+call them (the input restored outside the timed region):
+
+* hvd dense: ``hvd.allreduce_``; hvd sparse: Horovod's COO path (``hvd.sparse_allreduce_async``
+  on ``t.to_sparse()`` made outside the timed region, as in bench_sync.py);
+* allgather, zen, auto, omnireduce x4 (the 4 aggregator hosts), omnireduce x1 (only a0):
+  ``hvd_sparse.allreduce_(t, scheme=...)``.
+
+Per method: the median over --reps of the slowest rank's time; bytes each host received
+(its eth0 counters, read by rank 0 around every timed call); the link utilization of the
+busiest worker (its received bits / time / rate); and the ratio to the per-host lower bound:
+the bytes a worker must receive (every block non-zero on some other rank) over the link rate,
+for the worker that must receive most. Results are checked against ``hvd.allreduce`` first.
+Writes bench_results/testbed.json and testbed.png.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make build)
+
+from _report import console, print_table, save_png, write_json  # noqa: E402
+
+METHODS = ["hvd dense", "hvd sparse", "allgather", "zen", "omnireduce x1", "omnireduce x4",
+           "auto"]
+OURS = ["allgather", "zen", "omnireduce x1", "omnireduce x4"]
+TARGET_SPARSE_X, TARGET_BOUND_X, TARGET_AUTO_X = 2.0, 1.5, 0.95
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default="1gbit,10gbit")
+    ap.add_argument("--densities", default="1.0,0.4,0.1,0.01")
+    ap.add_argument("--numel", type=int, default=26_214_400)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--mtu", type=int, default=9000)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--quick", action="store_true", help="4 Mi elements, 3 reps: a smoke run")
+    ap.add_argument("--name", default="hvbench", help="testbed name")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
+    ap.add_argument("--rank-side", help=argparse.SUPPRESS)  # result file: run as a rank
+    args = ap.parse_args()
+    if args.quick:
+        args.numel, args.reps = 4 * 2**20, 3
+    args.methods = [m for m in METHODS if m in args.methods.split(",")]
+    return args
+
+
+# --- the driver: one testbed per rate ---------------------------------------------------------
+
+def drive(args: argparse.Namespace) -> int:
+    from hvd_sparse.testbed import launch, lifecycle
+    from hvd_sparse.testbed.topology import Testbed
+
+    rows: list[dict] = []
+    for rate in args.rates.split(","):
+        console.rule(f"testbed: 4 workers + 4 aggregator hosts, {rate}, MTU {args.mtu}")
+        tb = lifecycle.up(Testbed(args.name, workers=4, aggregators=4, rate=rate, mtu=args.mtu))
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "rows.json"
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-side", str(out),
+                       "--densities", args.densities, "--numel", str(args.numel), "--reps",
+                       str(args.reps), "--warmup", str(args.warmup), "--methods",
+                       ",".join(args.methods)]
+                # A fresh cache: auto probes this rate, not a cached model of another one.
+                proc = launch.run(tb, cmd, env={"HVD_SPARSE_CACHE_DIR": tmp,
+                                                "OMP_NUM_THREADS": "1"}, timeout=3600)
+                if proc.returncode != 0 or not out.exists():
+                    console.print(f"[red]rank job failed at {rate} (exit {proc.returncode})[/]")
+                    return 1
+                rows += [{"rate": rate, **r} for r in json.loads(out.read_text())]
+        finally:
+            lifecycle.down(args.name)
+    report(rows, args)
+    return 0
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    nan = float("nan")
+    by = {(r["rate"], r["density"], r["method"]): r for r in rows}
+    for r in rows:
+        base = by.get((r["rate"], r["density"], "hvd sparse"), {})
+        r["x vs hvd sparse"] = base.get("ms", nan) / r.get("ms", nan)
+    cols = ["rate", "density", "method", "ms", "x vs hvd sparse", "bound ms", "x of bound",
+            "util %", "worker rx MB", "aggregators tx MB", "scheme", "retransmits", "ok"]
+    print_table(rows, f"in-place allreduce of {args.numel:,} float32 on 4 emulated hosts, "
+                f"median of {args.reps} (slowest rank)", cols,
+                caption="bound: the bytes the worker that must receive most must receive (blocks "
+                "non-zero on some other rank), over the link rate. util: the busiest worker's "
+                "received bits / time / rate. worker rx MB: mean over workers, per call (eth0 "
+                "counters). aggregators tx MB: all aggregator hosts together, per call.")
+    targets = []
+
+    def target(name: str, value: float, need: float, higher: bool = True) -> None:
+        met = value >= need if higher else value <= need  # NaN meets nothing
+        targets.append({"target": name, "value": value, "need": need, "met": met})
+        console.print(f"target {name}: {value:.2f} (need {'>=' if higher else '<='} {need}): "
+                      + ("[green]met[/]" if met else "[red]NOT met[/]"))
+
+    for rate in args.rates.split(","):
+        densities = sorted({r["density"] for r in rows if r["rate"] == rate})
+        for d in densities:
+            ours = [by[(rate, d, m)] for m in OURS if "ms" in by.get((rate, d, m), {})]
+            if ours and rate == "1gbit" and d in (0.01, 0.1):
+                best = min(ours, key=lambda r: r["ms"])
+                target(f"{rate} @ {d:g}: best of ours ({best['method']}) vs hvd sparse",
+                       best["x vs hvd sparse"], TARGET_SPARSE_X)
+                target(f"{rate} @ {d:g}: best of ours ({best['method']}) x of bound",
+                       best["x of bound"], TARGET_BOUND_X, higher=False)
+            if (rate, d, "auto") in by:
+                base = min(by.get((rate, d, m), {}).get("ms", nan)
+                           for m in ("hvd dense", "hvd sparse"))
+                a = by[(rate, d, "auto")]
+                target(f"{rate} @ {d:g}: auto ({a.get('scheme')}) vs best of hvd dense/sparse",
+                       base / a.get("ms", nan), TARGET_AUTO_X)
+    out = write_json(args.out_dir / "testbed.json", rows, args=vars(args), targets=targets)
+    plot(rows, args, args.out_dir / "testbed.png")
+    console.print(f"wrote {out} and {args.out_dir / 'testbed.png'}")
+
+
+def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    rates = args.rates.split(",")
+    fig = Figure(figsize=(7 * len(rates), 5))
+    axes = fig.subplots(1, len(rates), squeeze=False)[0]
+    for ax, rate in zip(axes, rates, strict=True):
+        rs = [r for r in rows if r["rate"] == rate]
+        densities = sorted({r["density"] for r in rs})
+        for j, m in enumerate(args.methods):
+            ys = [next((r.get("ms", nan_) for r in rs if r["density"] == d and r["method"] == m),
+                       nan_) for d in densities]
+            ax.plot(densities, ys, marker="o", label=m, color=f"C{j}")
+        bound = [next(r["bound ms"] for r in rs if r["density"] == d) for d in densities]
+        ax.plot(densities, bound, "k--", label="per-host lower bound")
+        ax.set(xscale="log", yscale="log", xlabel="block density per rank", ylabel="ms",
+               title=f"{rate} links, 4 workers")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"allreduce of {args.numel:,} float32 on emulated hosts (MTU {args.mtu})")
+    save_png(fig, path)
+
+
+nan_ = float("nan")
+
+
+# --- the rank side: one Horovod rank per worker host ------------------------------------------
+
+def rank_side(args: argparse.Namespace) -> None:
+    import horovod.torch as hvd
+    import torch
+    from bench_sync import Method, check, gather, make_tensor, slowest_median_ms, sync
+
+    import hvd_sparse
+    from hvd_sparse import _C, basics
+    from hvd_sparse.schemes import omnireduce
+    from hvd_sparse.testbed import links
+    from hvd_sparse.testbed.topology import Testbed
+
+    hvd.init()
+    torch.set_num_threads(1)
+    hvd_sparse.init(probe="force")
+    rank, n = hvd.rank(), hvd.size()
+    tb = Testbed.load(os.environ["HVD_SPARSE_TESTBED"])
+    st = basics.state()
+    cfg = st.config
+    one = omnireduce.start(dataclasses.replace(cfg, aggregators=cfg.aggregator_list()[:1]))
+    sessions = {"omnireduce x1": one, "omnireduce x4": st.omni}
+
+    def ours(scheme: str, w: torch.Tensor) -> torch.Tensor:
+        name = f"bench.{scheme.replace(' ', '.')}"
+        if scheme not in sessions:
+            return hvd_sparse.allreduce_(w, name=name, op=hvd.Sum, scheme=scheme)
+        own, st.omni = st.omni, sessions[scheme]
+        try:
+            return hvd_sparse.allreduce_(w, name=name, op=hvd.Sum, scheme="omnireduce")
+        finally:
+            st.omni = own
+
+    def density(di: int, d: float) -> list[dict]:
+        gen = torch.Generator().manual_seed(rank * 7919 + di)
+        t = make_tensor(args.numel, 256, d, gen)
+        t_orig, work = t.clone(), t.clone()
+        coo = t.to_sparse()
+        ref = hvd.allreduce(t, name="bench.ref", op=hvd.Sum)
+        # The bound: per worker, the blocks non-zero on some other rank.
+        masks = hvd.allgather(_C.block_mask(t, 256)[None], name="bench.masks") > 0
+        need = [int((masks[[j for j in range(n) if j != r]].any(0)).sum()) * 256 * 4
+                for r in range(n)]
+
+        def restore() -> torch.Tensor:
+            return work.copy_(t)
+
+        fns = {"hvd dense": Method(lambda: hvd.allreduce_(work, name="bench.hvd_dense",
+                                                            op=hvd.Sum), restore),
+               "hvd sparse": Method(lambda: hvd.sparse_allreduce_async(
+                   coo, name="bench.hvd_sparse", op=hvd.Sum)())}
+        for m in args.methods:
+            if m not in fns:
+                fns[m] = Method(lambda m=m: ours(m, work), restore)
+        fns = {m: fns[m] for m in args.methods}
+        drows = {}
+        for m, fn in list(fns.items()):
+            problem, _ = check(fn, ref, t, t_orig)
+            bad = gather([float(bool(problem))], "bench.ok").sum().item()
+            drows[m] = {"density": d, "method": m, "ok": bad == 0,
+                        "bound ms": max(need) * 8 / tb.rate_bps * 1e3}
+            if bad:
+                drows[m]["problem"] = problem or "wrong on another rank"
+                del fns[m]
+        times: dict[str, list[float]] = {m: [] for m in fns}
+        rx: dict[str, list[dict]] = {m: [] for m in fns}
+        retx0 = {k: s.worker.stats()["retransmits"] for k, s in sessions.items()}
+        names = list(fns)
+        for i in range(args.warmup + args.reps):
+            for m in names[i % len(names):] + names[:i % len(names)]:
+                fns[m].restore()
+                c0 = links.counters(tb) if rank == 0 else None
+                sync()
+                t0 = time.perf_counter()
+                fns[m].call()
+                dt = time.perf_counter() - t0
+                sync()
+                if i >= args.warmup:
+                    times[m].append(dt)
+                    if rank == 0:
+                        c1 = links.counters(tb)
+                        rx[m].append({h: (c1[h]["rx_bytes"] - c0[h]["rx_bytes"],
+                                          c1[h]["tx_bytes"] - c0[h]["tx_bytes"]) for h in c1})
+            if rank == 0:
+                console.print(f"density {d:g}: rep {i + 1}/{args.warmup + args.reps} done")
+        metrics = hvd_sparse.metrics()
+        for m in fns:
+            ms = slowest_median_ms(times[m], "bench.times")
+            r = drows[m]
+            r["ms"] = ms
+            if rank == 0:
+                per = rx[m]
+                workers = [h.name for h in tb.worker_hosts]
+                wrx = [statistics.mean(p[h][0] for p in per) for h in workers]
+                r["worker rx MB"] = statistics.mean(wrx) / 1e6
+                r["aggregators tx MB"] = sum(statistics.mean(p[h.name][1] for p in per)
+                                             for h in tb.aggregator_hosts) / 1e6
+                r["util %"] = 100 * max(wrx) * 8 / (ms / 1e3) / tb.rate_bps
+                r["x of bound"] = ms / r["bound ms"]
+            key = f"bench.{m.replace(' ', '.')}"
+            if key in metrics:
+                r["scheme"] = metrics[key]["scheme"]
+        for k, s in sessions.items():
+            if k in fns:
+                drows[k]["retransmits"] = int(hvd.allreduce(torch.tensor(
+                    [s.worker.stats()["retransmits"] - retx0[k]]), op=hvd.Sum,
+                    name=f"bench.retx.{k}"))
+        return list(drows.values())
+
+    rows = []
+    for di, d in enumerate(float(x) for x in args.densities.split(",")):
+        rows += density(di, d)
+    if rank == 0:
+        Path(args.rank_side).write_text(json.dumps(rows, default=float))
+    one.close()
+    hvd_sparse.shutdown()
+
+
+def main() -> int:
+    args = parse_args()
+    if args.rank_side:
+        rank_side(args)
+        return 0
+    if os.geteuid() != 0:
+        console.print("[red]bench_testbed needs root (network namespaces)[/]")
+        return 1
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""One job on the netns testbed (4 worker hosts, 1 aggregator host, 1 Gbit/s links), launched by
+tests/test_testbed.py through `hvd-sparse testbed run`'s launcher:
+
+* every scheme equals Horovod's allreduce of the same tensors, in float64 on the CPU;
+* 1% loss on the switch (UDP): omnireduce results bit-identical to the lossless run, with
+  retransmissions counted;
+* the aggregator host's link cut with a reduction in flight: HvdSparseError naming it on every
+  rank within the timeout; with fallback="dense" the right answer;
+* rank 0's own local aggregator, with ranks in different namespaces sharing a hostname:
+  reachable by every rank (it used to bind 127.0.0.1).
+Rank 0 changes the testbed itself (loss, link) through hvd_sparse.testbed, as root.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import horovod.torch as hvd
+import torch
+from common import case, close_to, report, start
+
+import hvd_sparse
+from hvd_sparse import basics
+from hvd_sparse.testbed import Testbed, lifecycle, loss
+
+NUMEL = 1 << 21
+TIMEOUT = 6.0
+
+
+def data(seed: int, density: float = 0.1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Whole 256-blocks non-zero at random, a different pattern per rank."""
+    g = torch.Generator().manual_seed(1000 * seed + hvd.rank())
+    keep = torch.rand(NUMEL // 256, generator=g) < density
+    return (torch.randn(NUMEL // 256, 256, generator=g) * keep[:, None]).view(-1).to(dtype)
+
+
+def barrier(name: str) -> None:
+    hvd.allreduce(torch.zeros(1), name=f"barrier.{name}")
+
+
+def testbed_change(**kw: object) -> None:
+    """Rank 0 changes the testbed; everyone waits for it."""
+    if hvd.rank() == 0:
+        lifecycle.update(Testbed.load(os.environ["HVD_SPARSE_TESTBED"]), **kw)
+    barrier(f"change.{sorted(kw.items())}")
+
+
+def schemes() -> str:
+    bad = []
+    for i, scheme in enumerate(("dense", "allgather", "zen", "omnireduce", "auto")):
+        for dtype in (torch.float32, torch.float16):
+            t = data(i, dtype=dtype)
+            ref = hvd.allreduce(t.double(), name=f"ref.{scheme}.{dtype}", op=hvd.Average)
+            out = hvd_sparse.allreduce(t, name=f"s.{scheme}.{dtype}", scheme=scheme)
+            why = close_to(out, ref, dtype)
+            if why:
+                bad.append(f"{scheme} {dtype}: {why}")
+    return "; ".join(bad)
+
+
+def lossy_switch() -> str:
+    worker = basics.state().omni.worker
+    xs = [data(100 + i, density=0.3) for i in range(3)]
+    clean = [hvd_sparse.allreduce(x, name=f"clean{i}", scheme="omnireduce", op=hvd.Sum)
+             for i, x in enumerate(xs)]
+    before = worker.stats()["retransmits"]
+    testbed_change(loss_rate=0.01)
+    try:
+        lossy = [hvd_sparse.allreduce(x, name=f"lossy{i}", scheme="omnireduce", op=hvd.Sum)
+                 for i, x in enumerate(xs)]
+        barrier("lossy")
+        dropped = loss.dropped(Testbed.load(os.environ["HVD_SPARSE_TESTBED"]))
+    finally:
+        testbed_change(loss_rate=0.0)
+    if dropped == 0:
+        return "the switch's loss rules dropped no frame"
+    retx = hvd.allreduce(torch.tensor([worker.stats()["retransmits"] - before]),
+                         op=hvd.Sum, name="retx")
+    if int(retx) == 0:
+        return "no retransmission at 1% loss (was loss applied?)"
+    diff = [i for i, (a, b) in enumerate(zip(clean, lossy, strict=True)) if not torch.equal(a, b)]
+    return f"results differ from the lossless run: tensors {diff}" if diff else ""
+
+
+def cut_in_flight(name: str) -> torch.Tensor:
+    """Ranks 1.. start reducing; rank 0 cuts the aggregator host's link, then joins."""
+    t = data(7)
+    if hvd.rank() != 0:
+        h = hvd_sparse.allreduce_async(t, name=name, scheme="omnireduce")
+    barrier(name)
+    if hvd.rank() == 0:
+        lifecycle.update(Testbed.load(os.environ["HVD_SPARSE_TESTBED"]), host="a0",
+                         link_up=False)
+        h = hvd_sparse.allreduce_async(t, name=name, scheme="omnireduce")
+    return hvd_sparse.synchronize(h)
+
+
+def link_cut() -> str:
+    agg = os.environ["HVD_SPARSE_AGGREGATORS"]
+    t0 = time.monotonic()
+    try:
+        cut_in_flight("cut")
+        return "no error with the aggregator's link cut"
+    except hvd_sparse.HvdSparseError as e:
+        took = time.monotonic() - t0
+        if agg not in str(e):
+            return f"error does not name the aggregator {agg}: {e}"
+        if took > TIMEOUT + 5:
+            return f"error after {took:.1f} s, timeout {TIMEOUT} s"
+        return ""
+    finally:
+        testbed_change(host="a0", link_up=True)
+
+
+def link_cut_fallback() -> str:
+    hvd_sparse.init(probe="off", timeout=TIMEOUT, fallback="dense")
+    try:
+        out = cut_in_flight("cut.fallback")
+    finally:
+        testbed_change(host="a0", link_up=True)
+    ref = hvd.allreduce(data(7).double(), name="ref.cut", op=hvd.Average)
+    return close_to(out, ref, torch.float32)
+
+
+def local_aggregator() -> str:
+    """No aggregator given: rank 0 starts one, which the other namespaces must reach."""
+    hvd_sparse.init(probe="off", timeout=TIMEOUT, aggregators="", local_aggregators=1)
+    host = basics.state().omni.addrs[0][0]
+    if host.startswith("127."):
+        return f"rank 0's aggregator advertised at {host}, unreachable from other hosts"
+    t = data(9)
+    ref = hvd.allreduce(t.double(), name="ref.local", op=hvd.Average)
+    return close_to(hvd_sparse.allreduce(t, name="local", scheme="omnireduce"), ref,
+                    torch.float32)
+
+
+def main() -> None:
+    start(probe="off", timeout=TIMEOUT)
+    results: dict[str, object] = {}
+    case(results, "schemes", schemes)
+    case(results, "loss", lossy_switch)
+    case(results, "link_cut", link_cut)
+    case(results, "link_cut_fallback", link_cut_fallback)
+    case(results, "local_aggregator", local_aggregator)
+    report(results)
+    hvd_sparse.shutdown()
+
+
+if __name__ == "__main__":
+    main()

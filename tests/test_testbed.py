@@ -1,0 +1,112 @@
+"""The netns testbed: 4 worker hosts and 1 aggregator host at 1 Gbit/s, every scheme against
+Horovod, loss, a cut link, and nothing left behind. Needs root (CI runs as root)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from hvd_sparse.testbed import launch, lifecycle, links, topology
+
+NAME = f"hvt{os.getpid() % 100000}"  # unique: never touches another run's namespaces
+
+
+def leftovers(name: str) -> list[str]:
+    """Namespaces, veths and processes of testbed `name` that still exist."""
+    out = links.namespaces(name)
+    ip = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    out += [line.split(":")[1].strip() for line in ip.splitlines()
+            if line.split(":")[1].strip().split("@")[0].startswith(name)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    tb = lifecycle.up(topology.Testbed(NAME, workers=4, aggregators=1, rate="1gbit", mtu=9000,
+                              loss_proto="udp"))
+    try:
+        yield tb
+    finally:
+        lifecycle.down(NAME)
+        assert leftovers(NAME) == []
+        assert not topology.Testbed.state_path(NAME).exists()
+
+
+def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
+    before = links.counters(testbed)
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'mp'}", "HVD_SPARSE_TEST_OUT": str(tmp_path),
+           "HVD_SPARSE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    try:
+        proc = launch.run(testbed, [sys.executable, str(ROOT / "tests/mp/testbed_cases.py")],
+                          env=env, timeout=240, capture=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"testbed job hung past 240 s:\n{(e.stdout or '')[-3000:]}")
+    took = time.monotonic() - t0
+    reports = []
+    for r in range(4):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no report:\n{proc.stdout[-3000:]}\n" \
+                              f"{proc.stderr[-3000:]}"
+        reports.append(json.loads(path.read_text()))
+    for r, rep in enumerate(reports):
+        for case, why in rep.items():
+            assert why == "", f"rank {r}, {case}: {why}"
+    # The traffic went over the testbed's links: every worker and the aggregator host moved
+    # megabytes (the tensors are 8 MiB each).
+    after = links.counters(testbed)
+    for h in testbed.hosts:
+        assert after[h.name]["rx_bytes"] - before[h.name]["rx_bytes"] > 2e6, h.name
+    print(f"testbed job: {took:.0f} s")
+
+
+def test_cli_up_status_down(tmp_path: Path) -> None:
+    name = f"hvc{os.getpid() % 100000}"
+    cli = [sys.executable, "-m", "hvd_sparse.cli", "testbed"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        up = subprocess.run([*cli, "up", "--name", name, "--workers", "2", "--aggregators", "1",
+                             "--rate", "100mbit"], capture_output=True, text=True, env=env,
+                            timeout=120)
+        assert up.returncode == 0, up.stderr
+        again = subprocess.run([*cli, "up", "--name", name], capture_output=True, text=True,
+                               env=env, timeout=60)
+        assert again.returncode == 1 and "already up" in again.stderr
+        st = subprocess.run([*cli, "status", "--name", name, "--json"], capture_output=True,
+                            text=True, env=env, timeout=60)
+        d = json.loads(st.stdout)
+        assert [h["host"] for h in d["hosts"]] == ["w0", "w1", "a0"]
+        assert d["rate"] == "100mbit" and d["aggregators"] == "10.77.0.101:9999"
+        assert [h["processes"] for h in d["hosts"]] == [0, 0, 1]  # the aggregator runs
+        # tc shows the cap on both ends of a link
+        for ns, dev in ((f"{name}-w0", "eth0"), (f"{name}-sw", "w0")):
+            tc = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
+                                capture_output=True, text=True).stdout
+            assert "tbf" in tc and "100Mbit" in tc, tc
+        # A crash that lost the state file, and a stray process in a host: down still
+        # removes everything of this testbed.
+        stray = subprocess.Popen(["ip", "netns", "exec", f"{name}-w1", "sleep", "300"])
+        topology.Testbed.state_path(name).unlink()
+        down = subprocess.run([*cli, "down", "--name", name], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert down.returncode == 0, down.stderr
+        assert stray.wait(timeout=10) is not None
+        assert leftovers(name) == []
+    finally:
+        lifecycle.down(name)
+
+
+def test_needs_root() -> None:
+    nobody = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+         "from hvd_sparse.testbed import lifecycle, topology\n"
+         "lifecycle.up(topology.Testbed('hvtroot'))"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert nobody.returncode != 0 and "needs root" in nobody.stderr, nobody.stderr[-2000:]
+    assert leftovers("hvtroot") == []
