@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup build test demo lint bench clean cuda-check
+.PHONY: setup build install test demo lint bench clean cuda-check
 
 setup:
 	@bash scripts/setup.sh
@@ -19,12 +19,21 @@ $(EXT): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.h csrc/omni/*.cpp cs
 	@echo "[build] hvd_sparse._C"
 	@$(PY) setup.py -q build_ext --inplace > build.log 2>&1 || { tail -40 build.log; exit 1; }
 
-# `hvd-sparse` on the venv's PATH for this checkout (pip install . would install the same).
-$(VENV)/bin/hvd-sparse: | setup
-	@printf '#!/bin/sh\nPYTHONPATH="%s$${PYTHONPATH:+:$$PYTHONPATH}" exec "%s" -m hvd_sparse.cli "$$@"\n' \
-		"$(CURDIR)" "$(CURDIR)/$(PY)" > $@ && chmod +x $@
+# Installs this checkout into the venv, editable (Python read from here, C++ rebuilt in place by
+# the rule above), so a train.py anywhere imports hvd_sparse and `hvd-sparse` is pip's console
+# script. Skipped while the venv's hvd_sparse is this checkout's and installed after the last
+# change to setup.py or pyproject.toml: a no-op `make build` stays a few seconds.
+INSTALLED_HERE := import importlib.util as u, sys; s = u.find_spec("hvd_sparse"); \
+	sys.exit(s is None or s.origin != sys.argv[1] + "/hvd_sparse/__init__.py")
+install: $(EXT)
+	@$(PY) -I -c '$(INSTALLED_HERE)' "$(CURDIR)" && [ $(VENV)/bin/hvd-sparse -nt setup.py ] \
+	  && [ $(VENV)/bin/hvd-sparse -nt pyproject.toml ] \
+	  && grep -qs "hvd_sparse.cli import main" $(VENV)/bin/hvd-sparse || { \
+	  echo "[build] pip install --no-build-isolation -e . (into $(VENV))"; \
+	  $(PY) -m pip install -q --no-build-isolation --no-deps -e . > build.log 2>&1 \
+	  || { tail -40 build.log; exit 1; }; }
 
-build: setup $(EXT) $(VENV)/bin/hvd-sparse
+build: setup $(EXT) install
 
 lint: build
 	@$(VENV)/bin/ruff check hvd_sparse tests scripts
@@ -47,4 +56,4 @@ bench: build
 	@$(PY) scripts/bench_sync.py
 
 clean:
-	rm -rf build build.log $(EXT) bench_results .pytest_cache
+	rm -rf build build.log $(EXT) hvd_sparse/bin *.egg-info bench_results .pytest_cache

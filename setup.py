@@ -1,15 +1,30 @@
 """Builds hvd_sparse, its C++ extension hvd_sparse._C (C++17, against the installed torch), the
 torch-free aggregator binary hvd_sparse/bin/hvd-sparse-aggregator and, where torch has CUDA and
-nvcc exists, the CUDA kernels."""
+nvcc exists, the CUDA kernels.
+
+The extension must be compiled against the torch it will run with, so build without pip's
+isolated build environment, in a venv that already has torch and Horovod:
+
+    pip install --no-build-isolation .        # or -e . (what `make build` does)
+"""
 import glob
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
-import torch
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+except ImportError:
+    sys.exit("hvd-sparse builds against the installed torch, which this Python cannot import: "
+             "install torch and Horovod first, then pip install --no-build-isolation .")
+
+ROOT = Path(__file__).resolve().parent
 
 
 def cuda_extensions() -> list:
@@ -28,18 +43,37 @@ BINARIES = {"hvd-sparse-aggregator": "csrc/omni/aggregator.cpp",
             "hvd-sparse-udpblast": "csrc/omni/udpblast.cpp"}  # raw UDP limit, for benchmarks
 
 
+def up_to_date(out: Path, src: str) -> bool:
+    """True when ``out`` is newer than its source and every header it could include."""
+    if not out.exists():
+        return False
+    deps = [ROOT / src, *ROOT.glob("csrc/**/*.h")]
+    return out.stat().st_mtime >= max(d.stat().st_mtime for d in deps)
+
+
 class Build(BuildExtension):
     """Also compiles the aggregator: a plain executable, so servers that only aggregate need
     neither Python packages nor torch to run it."""
 
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if self.editable_mode:
+            # pip install -e compiles in a fresh temporary directory, i.e. everything from
+            # scratch (minutes); the checkout's own build directory lets ninja redo only what
+            # changed since the last `setup.py build_ext --inplace` (make build).
+            plat = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = str(ROOT / "build" / f"temp.{plat}")
+
     def run(self) -> None:
         super().run()
-        root = Path(__file__).parent if self.inplace else Path(self.build_lib)
+        root = ROOT if self.inplace else Path(self.build_lib)
         for name, src in BINARIES.items():
             out = root / "hvd_sparse" / "bin" / name
+            if up_to_date(out, src):
+                continue
             out.parent.mkdir(parents=True, exist_ok=True)
             cmd = [os.environ.get("CXX", "c++"), "-O3", "-std=c++17", "-march=x86-64-v2",
-                   "-Wall", "-pthread", "-Icsrc", src, "-o", str(out)]
+                   "-Wall", "-pthread", f"-I{ROOT / 'csrc'}", str(ROOT / src), "-o", str(out)]
             print(" ".join(cmd))
             subprocess.check_call(cmd)
 

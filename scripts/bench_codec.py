@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make build)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make build)
 
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402

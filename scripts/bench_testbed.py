@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make build)
 
 from _report import console, print_table, save_png, write_json  # noqa: E402
 

@@ -32,9 +32,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Import hvd_sparse from this checkout without installing it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import horovod
 import horovod.torch as hvd
 import numpy as np

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import horovod.torch as hvd  # noqa: E402
-import torch  # noqa: E402
+import horovod.torch as hvd
+import torch
 
-import hvd_sparse  # noqa: E402
-from hvd_sparse import _C, blocks  # noqa: E402
+import hvd_sparse
+from hvd_sparse import _C, blocks
 
 
 def barrier() -> None:

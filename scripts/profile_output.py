@@ -27,15 +27,12 @@ import ctypes
 import mmap
 import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch  # noqa: E402
+import torch
 
-from hvd_sparse import _C, blocks  # noqa: E402
+from hvd_sparse import _C, blocks
 
 NUMEL, BS, RANKS = 26_214_400, 256, 4
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
