@@ -368,13 +368,14 @@ def plot(a: dict[str, Any], run: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def _nan_to_none(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
+    """NaN and infinities (a value that does not apply) are not valid JSON: null instead."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_nan_to_none(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(a, args.max_steps)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(_nan_to_none(a), indent=1) + "\n")
+        args.json.write_text(json.dumps(json_safe(a), indent=1) + "\n")
         print(f"analysis: {args.json}")
     if args.png:
         print(f"plot: {plot(a, run, args.png)}")

@@ -21,6 +21,8 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
+from hvd_sparse.analyze import json_safe
+
 Row = Mapping[str, Any]
 # Under horovodrun stdout is a pipe; rich would fall back to 80 columns and squash the tables.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -76,24 +78,13 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def _nan_to_none(x: Any) -> Any:
-    """NaN (a metric that does not apply) is not valid JSON: write null."""
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_nan_to_none(v) for v in x]
-    return x
-
-
 def write_json(path: str | Path, rows: Sequence[Row], **extra: Any) -> Path:
     """Write rows plus the command line and machine info; extra keys go in verbatim."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"command": [sys.executable, *sys.argv], "machine": machine_info(), **extra,
            "rows": list(map(dict, rows))}
-    path.write_text(json.dumps(_nan_to_none(doc), indent=2, default=str) + "\n")
+    path.write_text(json.dumps(json_safe(doc), indent=2, default=str) + "\n")
     return path
 
 

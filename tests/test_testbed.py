@@ -89,6 +89,21 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
             tc = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
                                 capture_output=True, text=True).stdout
             assert "tbf" in tc and "100Mbit" in tc, tc
+        # set: one host's rate and loss, and its link cut, seen by tc, nft and status
+        for extra in (["--rate", "50mbit", "--loss", "0.25"], ["--down"]):
+            st = subprocess.run([*cli, "set", "--name", name, "--host", "w1", *extra],
+                                capture_output=True, text=True, env=env, timeout=60)
+            assert st.returncode == 0, st.stderr
+        tc = subprocess.run(["ip", "netns", "exec", f"{name}-sw", "tc", "qdisc", "show", "dev",
+                             "w1"], capture_output=True, text=True).stdout
+        assert "50Mbit" in tc, tc
+        nft = subprocess.run(["ip", "netns", "exec", f"{name}-sw", "nft", "list", "ruleset"],
+                             capture_output=True, text=True).stdout
+        assert 'iifname "w1"' in nft and "< 250000" in nft, nft
+        d = json.loads(subprocess.run([*cli, "status", "--name", name, "--json"],
+                                      capture_output=True, text=True, env=env).stdout)
+        w1 = d["hosts"][1]
+        assert (w1["rate"], w1["loss"], w1["link"]) == ("50mbit", 0.25, "down"), w1
         # A crash that lost the state file, and a stray process in a host: down still
         # removes everything of this testbed.
         stray = subprocess.Popen(["ip", "netns", "exec", f"{name}-w1", "sleep", "300"])

@@ -50,6 +50,7 @@ def status(tb: Testbed) -> dict:
             "loss_proto": tb.loss_proto, "dropped_by_loss": loss.dropped(tb),
             "aggregators": tb.aggregator_addresses(),
             "hosts": [{"host": h.name, "namespace": h.ns, "ip": h.ip, "loss": h.loss,
+                       "rate": h.rate or tb.rate,
                        "link": "down" if h.down else "up",
                        "processes": len(links.pids_in(h.ns)), **c[h.name]} for h in tb.hosts]}
 
@@ -59,10 +60,11 @@ def _print_status(d: dict) -> None:
     from rich.table import Table
     t = Table(title=f"testbed {d['name']}: {d['rate']} links, MTU {d['mtu']}, loss {d['loss']} "
                     f"({d['loss_proto']}), {d['dropped_by_loss']} frames dropped by loss rules")
-    for col in ("host", "namespace", "ip", "link", "loss", "processes", "rx MB", "tx MB"):
+    for col in ("host", "namespace", "ip", "rate", "link", "loss", "processes", "rx MB",
+                "tx MB"):
         t.add_column(col)
     for h in d["hosts"]:
-        t.add_row(h["host"], h["namespace"], h["ip"], h["link"], f"{h['loss']:g}",
+        t.add_row(h["host"], h["namespace"], h["ip"], h["rate"], h["link"], f"{h['loss']:g}",
                   str(h["processes"]), f"{h['rx_bytes'] / 1e6:.1f}", f"{h['tx_bytes'] / 1e6:.1f}")
     Console().print(t)
     if d["aggregators"]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from . import launch, links, loss
-from .topology import Testbed
+from .topology import Testbed, parse_rate
 
 
 def require_root() -> None:
@@ -47,9 +47,9 @@ def update(tb: Testbed, host: str | None = None, loss_rate: float | None = None,
             tb.loss = loss_rate
         loss.apply(tb)
     if rate is not None:
-        from .topology import parse_rate
         for h in [target] if target else tb.hosts:
             links.set_rate(tb, h, parse_rate(rate))
+            h.rate = rate
         if not target:
             tb.rate = rate
     if link_up is not None:

@@ -7,6 +7,7 @@ kernel: loss is the switch's nftables rules, see loss.py)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -18,9 +19,11 @@ from .topology import Host, Testbed
 
 def _tbf_args(rate_bps: int) -> dict:
     # Burst: large enough for a GSO super-packet, and a couple of ms of the rate at high rates
-    # (tbf refills on timers). Queue: 10 ms of the rate, a switch port's buffer, not a bloat.
+    # (tbf refills on timers). Queue: 50 ms of the rate. With 10 ms (1.25 MB at 1 Gbit/s)
+    # three MPI senders into one port lost so many TCP segments in a row that an allgather
+    # stalled past 30 s on exponential retransmission backoff (incast collapse).
     burst = max(256 * 1024, rate_bps // 8 // 500)
-    return {"rate": f"{rate_bps}bit", "burst": burst, "latency": "10ms"}
+    return {"rate": f"{rate_bps}bit", "burst": burst, "latency": "50ms"}
 
 
 def _cap(ns: NetNS, index: int, rate_bps: int) -> None:
@@ -82,7 +85,6 @@ def counters(tb: Testbed) -> dict[str, dict[str, int]]:
 
 def namespaces(name: str) -> list[str]:
     """The namespaces of testbed ``name`` that exist, by their exact naming pattern."""
-    import re
     pat = re.compile(rf"{re.escape(name)}-(sw|w\d+|a\d+)")
     return [n for n in netns.listnetns() if pat.fullmatch(n)]
 
@@ -117,8 +119,7 @@ def destroy(name: str) -> list[str]:
                 pass
         deadline = time.monotonic() + 3
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if Path(f"/proc/{p}").exists()
-                    and not _zombie(p)]
+            pids = [p for p in pids if Path(f"/proc/{p}").exists() and not _zombie(p)]
             time.sleep(0.02)
     for n in found:
         netns.remove(n)
@@ -140,7 +141,6 @@ def destroy(name: str) -> list[str]:
 
 
 def _ours(name: str, ifname: str | None) -> bool:
-    import re
     return bool(ifname and re.fullmatch(rf"{re.escape(name)}\d+[hs]", ifname))
 
 

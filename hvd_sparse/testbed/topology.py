@@ -27,6 +27,7 @@ class Host:
     ip: str
     loss: float = 0.0  # drop rate of frames to and from it on the switch
     down: bool = False  # its link is cut
+    rate: str = ""  # its link's rate when set apart from the testbed's
 
     @property
     def port(self) -> str:
