@@ -12,12 +12,12 @@
 // Congestion control, per aggregator: a window of DATA packets in flight, AIMD on loss (TCP
 // Reno's rule: +1 packet per window answered, halved at most once per round trip when a
 // retransmission timer fires while a later round was answered), paced over the round time
-// once the window is large. Loss, not
-// delay, is the signal: a round's time includes waiting for the slowest worker, which on a
-// loaded host is mostly CPU scheduling, so delay says little about the path. Slots beyond the
-// window wait in a FIFO; the lowest unfinished slot of each tensor on each aggregator always
-// goes, which keeps every tensor moving whatever the windows and submission orders of the
-// other ranks (that slot is the same on every rank and never waits on a later one).
+// once the window is large. Loss, not delay, is the signal: a round's time includes waiting
+// for the slowest worker, which on a loaded host is mostly CPU scheduling, so delay says little
+// about the path. Slots beyond the window wait in a FIFO; the lowest unfinished slot of each
+// tensor on each aggregator always goes, which keeps every tensor moving whatever the windows
+// and submission orders of the other ranks (that slot is the same on every rank and never
+// waits on a later one).
 #include <torch/extension.h>
 
 #include <arpa/inet.h>
