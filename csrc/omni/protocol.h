@@ -39,27 +39,55 @@ constexpr int kMaxLanes = 64;            // lanes per packet (fusion), bounded b
 constexpr int kMaxWorkers = 1024;
 constexpr int kMaxDatagram = 65507;      // UDP over IPv4
 
-// Fixed header, 56 bytes. Offsets are part of the spec (docs/PROTOCOL.md).
+// The fixed header, 56 bytes: the one list of its fields (name, type, offset; offsets are part
+// of the spec, docs/PROTOCOL.md). The struct, load_header/store_header and the field table that
+// Python reads (_C.omni_protocol()["FIELDS"]) are all generated from it.
+#define HVD_SPARSE_HEADER_FIELDS(X)                                                         \
+  X(magic, uint32_t, 0)                                                                     \
+  X(version, uint8_t, 4)                                                                    \
+  X(type, uint8_t, 5)                                                                       \
+  X(dtype, uint8_t, 6)       /* 0 float32, 1 float64, 2 float16, 3 bfloat16 (blocks.h) */  \
+  X(flags, uint8_t, 7)                                                                      \
+  X(token, uint64_t, 8)      /* job token (random, shared by the job's ranks) */            \
+  X(worker, uint16_t, 16)                                                                   \
+  X(nworkers, uint16_t, 18)                                                                 \
+  X(slot, uint32_t, 20)      /* slot of the tensor, 0 .. nslots-1 */                        \
+  X(tensor, uint64_t, 24)    /* tensor id (hash of the name and its call count) */          \
+  X(round, uint32_t, 32)     /* round of the slot (kError: the ErrorCode) */                \
+  X(lanes, uint16_t, 36)     /* lanes per slot (block fusion), 1 .. kMaxLanes */            \
+  X(block_size, uint16_t, 38) /* elements per block */                                      \
+  X(nblocks, uint32_t, 40)   /* blocks of the tensor */                                     \
+  X(nslots, uint32_t, 44)    /* slots of the tensor over all aggregators */                 \
+  X(meta, uint32_t, 48)      /* hash of the tensor's shape and dtype */                     \
+  X(present, uint32_t, 52)   /* DATA/RESULT: blocks carried (popcount of the bitmap) */
+
 struct Header {
-  uint32_t magic;       // 0
-  uint8_t version;      // 4
-  uint8_t type;         // 5
-  uint8_t dtype;        // 6: 0 float32, 1 float64, 2 float16, 3 bfloat16 (as csrc/blocks.h)
-  uint8_t flags;        // 7
-  uint64_t token;       // 8: job token (random, shared by the job's ranks)
-  uint16_t worker;      // 16
-  uint16_t nworkers;    // 18
-  uint32_t slot;        // 20: slot of the tensor, 0 .. nslots-1
-  uint64_t tensor;      // 24: tensor id (hash of the name and its call count)
-  uint32_t round;       // 32: round of the slot (kError: the ErrorCode)
-  uint16_t lanes;       // 36: lanes per slot (block fusion), 1 .. kMaxLanes
-  uint16_t block_size;  // 38: elements per block
-  uint32_t nblocks;     // 40: blocks of the tensor
-  uint32_t nslots;      // 44: slots of the tensor over all aggregators
-  uint32_t meta;        // 48: hash of the tensor's shape and dtype
-  uint32_t present;     // 52: DATA/RESULT: number of blocks carried (popcount of the bitmap)
+#define HVD_SPARSE_FIELD(name, type, offset) type name;
+  HVD_SPARSE_HEADER_FIELDS(HVD_SPARSE_FIELD)
+#undef HVD_SPARSE_FIELD
+};
+
+struct HeaderField {
+  const char* name;
+  size_t offset, size;
+};
+constexpr HeaderField kHeaderFields[] = {
+#define HVD_SPARSE_FIELD(name, type, offset) {#name, offset, sizeof(type)},
+    HVD_SPARSE_HEADER_FIELDS(HVD_SPARSE_FIELD)
+#undef HVD_SPARSE_FIELD
 };
 constexpr size_t kHeaderBytes = 56;
+
+// The fields are packed back to back and fill the header exactly.
+constexpr bool header_packed() {
+  size_t at = 0;
+  for (const HeaderField& f : kHeaderFields) {
+    if (f.offset != at) return false;
+    at += f.size;
+  }
+  return at == kHeaderBytes;
+}
+static_assert(header_packed(), "header fields must be contiguous and fill kHeaderBytes");
 // DATA and RESULT follow the header with: a uint64 bitmap of the lanes that carry a block,
 // `lanes` entries {uint32 offset, uint32 next}, then `present` blocks of `block_size` values.
 constexpr size_t kBitmapBytes = 8;
@@ -98,22 +126,28 @@ inline void st32(uint8_t* p, uint32_t v) {
 }
 inline void st64(uint8_t* p, uint64_t v) { st32(p, uint32_t(v >> 32)); st32(p + 4, uint32_t(v)); }
 
+// Big-endian load and store of one header field, by its type.
+inline uint64_t load_be(const uint8_t* p, size_t n) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < n; ++i) v = v << 8 | p[i];
+  return v;
+}
+inline void store_be(uint8_t* p, size_t n, uint64_t v) {
+  for (size_t i = n; i-- > 0; v >>= 8) p[i] = uint8_t(v);
+}
+
 inline Header load_header(const uint8_t* p) {
   Header h;
-  h.magic = ld32(p); h.version = p[4]; h.type = p[5]; h.dtype = p[6]; h.flags = p[7];
-  h.token = ld64(p + 8); h.worker = ld16(p + 16); h.nworkers = ld16(p + 18);
-  h.slot = ld32(p + 20); h.tensor = ld64(p + 24); h.round = ld32(p + 32);
-  h.lanes = ld16(p + 36); h.block_size = ld16(p + 38); h.nblocks = ld32(p + 40);
-  h.nslots = ld32(p + 44); h.meta = ld32(p + 48); h.present = ld32(p + 52);
+#define HVD_SPARSE_FIELD(name, type, offset) h.name = type(load_be(p + offset, sizeof(type)));
+  HVD_SPARSE_HEADER_FIELDS(HVD_SPARSE_FIELD)
+#undef HVD_SPARSE_FIELD
   return h;
 }
 
 inline void store_header(uint8_t* p, const Header& h) {
-  st32(p, h.magic); p[4] = h.version; p[5] = h.type; p[6] = h.dtype; p[7] = h.flags;
-  st64(p + 8, h.token); st16(p + 16, h.worker); st16(p + 18, h.nworkers);
-  st32(p + 20, h.slot); st64(p + 24, h.tensor); st32(p + 32, h.round);
-  st16(p + 36, h.lanes); st16(p + 38, h.block_size); st32(p + 40, h.nblocks);
-  st32(p + 44, h.nslots); st32(p + 48, h.meta); st32(p + 52, h.present);
+#define HVD_SPARSE_FIELD(name, type, offset) store_be(p + offset, sizeof(type), h.name);
+  HVD_SPARSE_HEADER_FIELDS(HVD_SPARSE_FIELD)
+#undef HVD_SPARSE_FIELD
 }
 
 inline Header make_header(uint8_t type, uint64_t token, uint16_t worker, uint16_t nworkers) {

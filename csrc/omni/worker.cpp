@@ -764,11 +764,8 @@ py::dict protocol_constants() {
                          py::arg("CAPACITY") = int(kErrCapacity));
   // (name, offset, size) of the header fields, in order: the dissector is built from this.
   py::list fields;
-  auto f = [&](const char* n, int off, int size) { fields.append(py::make_tuple(n, off, size)); };
-  f("magic", 0, 4); f("version", 4, 1); f("type", 5, 1); f("dtype", 6, 1); f("flags", 7, 1);
-  f("token", 8, 8); f("worker", 16, 2); f("nworkers", 18, 2); f("slot", 20, 4);
-  f("tensor", 24, 8); f("round", 32, 4); f("lanes", 36, 2); f("block_size", 38, 2);
-  f("nblocks", 40, 4); f("nslots", 44, 4); f("meta", 48, 4); f("present", 52, 4);
+  for (const HeaderField& f : kHeaderFields)
+    fields.append(py::make_tuple(f.name, f.offset, f.size));
   d["FIELDS"] = fields;
   return d;
 }
