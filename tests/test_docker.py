@@ -327,7 +327,7 @@ def test_aggregator_image_is_torch_free_and_builds_setup_pys_binary(
                 f"{dockerfile.name}: {f.relative_to(ROOT)} is not copied into the build stage"
             for inc in re.findall(r'#include "([^"]+)"', f.read_text()):
                 cands = [f.parent / inc, ROOT / "csrc" / inc]
-                todo.append(next(c for c in cands if c.exists()))
+                todo.append(next(c for c in cands if c.exists()).resolve())  # no ../ left
         assert any(Path(p).name == name for p in stages[-1].copies), \
             f"{dockerfile.name}: final image has no {name}"
 

@@ -331,7 +331,7 @@ class Aggregator {
       if (!(bitmap >> l & 1)) continue;
       double* a = s.acc.data() + l * bs;
       add_block(a, v, bs, h.dtype);
-      v += bs * elem_size(h.dtype);
+      v += bs * dtype_size(h.dtype);
     }
     s.present |= bitmap;
     set_bit(s.seen, h.worker);
@@ -341,18 +341,18 @@ class Aggregator {
 
   static void add_block(double* a, const uint8_t* v, size_t bs, uint8_t dtype) {
     switch (dtype) {
-      case 0: { float x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 4 * i, 4); a[i] += x; } break; }
-      case 1: { double x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 8 * i, 8); a[i] += x; } break; }
-      case 2: { uint16_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 2 * i, 2); a[i] += f16_to_float(x); } break; }
+      case kF32: { float x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 4 * i, 4); a[i] += x; } break; }
+      case kF64: { double x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 8 * i, 8); a[i] += x; } break; }
+      case kF16: { uint16_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 2 * i, 2); a[i] += f16_to_float(x); } break; }
       default: { uint16_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 2 * i, 2); a[i] += bf16_to_float(x); } break; }
     }
   }
 
   static void store_block(uint8_t* v, const double* a, size_t bs, uint8_t dtype) {
     switch (dtype) {
-      case 0: for (size_t i = 0; i < bs; ++i) { float x = float(a[i]); std::memcpy(v + 4 * i, &x, 4); } break;
-      case 1: std::memcpy(v, a, bs * 8); break;
-      case 2: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_f16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
+      case kF32: for (size_t i = 0; i < bs; ++i) { float x = float(a[i]); std::memcpy(v + 4 * i, &x, 4); } break;
+      case kF64: std::memcpy(v, a, bs * 8); break;
+      case kF16: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_f16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
       default: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_bf16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
     }
   }
@@ -375,7 +375,7 @@ class Aggregator {
     st64(p + kHeaderBytes, s.present);
     uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
     uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
-    const size_t bs = h.block_size, vb = bs * elem_size(h.dtype);
+    const size_t bs = h.block_size, vb = bs * dtype_size(h.dtype);
     for (uint32_t l = 0; l < h.lanes; ++l) {
       st32(lane + l * kLaneBytes, s.cur[l]);
       st32(lane + l * kLaneBytes + 4, s.next[l]);

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../blocks.h"  // dtype codes (DType) and sizes, shared with the codec
+
 namespace hvd_sparse::omni {
 
 constexpr uint32_t kMagic = 0x4853504F;  // "HSPO"
@@ -46,7 +48,7 @@ constexpr int kMaxDatagram = 65507;      // UDP over IPv4
   X(magic, uint32_t, 0)                                                                     \
   X(version, uint8_t, 4)                                                                    \
   X(type, uint8_t, 5)                                                                       \
-  X(dtype, uint8_t, 6)       /* 0 float32, 1 float64, 2 float16, 3 bfloat16 (blocks.h) */  \
+  X(dtype, uint8_t, 6)       /* DType (blocks.h): 0 float32, 1 float64, 2 float16, 3 bfloat16 */\
   X(flags, uint8_t, 7)                                                                      \
   X(token, uint64_t, 8)      /* job token (random, shared by the job's ranks) */            \
   X(worker, uint16_t, 16)                                                                   \
@@ -93,11 +95,10 @@ static_assert(header_packed(), "header fields must be contiguous and fill kHeade
 constexpr size_t kBitmapBytes = 8;
 constexpr size_t kLaneBytes = 8;
 
-inline int elem_size(uint8_t dtype) { return dtype == 1 ? 8 : dtype == 0 ? 4 : 2; }
 
 inline size_t data_bytes(uint32_t lanes, uint32_t present, uint32_t bs, uint8_t dtype) {
   return kHeaderBytes + kBitmapBytes + size_t(lanes) * kLaneBytes +
-         size_t(present) * bs * elem_size(dtype);
+         size_t(present) * bs * dtype_size(dtype);
 }
 
 // Streams: block b of a tensor with nslots slots of `lanes` lanes belongs to stream
@@ -166,7 +167,7 @@ inline const char* check_structure(const Header& h, size_t len) {
   if (h.type < kData || h.type > kError) return "type";
   if (h.nworkers == 0 || h.nworkers > kMaxWorkers || h.worker >= h.nworkers) return "worker";
   if (h.type != kData && h.type != kResult) return len == kHeaderBytes ? nullptr : "size";
-  if (h.dtype > 3) return "dtype";
+  if (h.dtype > kBF16) return "dtype";
   if (h.lanes == 0 || h.lanes > kMaxLanes || h.block_size == 0) return "layout";
   if (h.nslots == 0 || h.nblocks == 0 || h.slot >= h.nslots) return "slot";
   if (h.present > h.lanes) return "count";

@@ -54,10 +54,10 @@ double now_s() { return std::chrono::duration<double>(Clock::now().time_since_ep
 
 uint8_t wire_dtype(at::ScalarType s) {
   switch (s) {
-    case at::kFloat: return 0;
-    case at::kDouble: return 1;
-    case at::kHalf: return 2;
-    case at::kBFloat16: return 3;
+    case at::kFloat: return kF32;
+    case at::kDouble: return kF64;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
     default: throw std::invalid_argument("omnireduce: unsupported dtype");
   }
 }
@@ -191,7 +191,7 @@ class Worker {
     t->in = static_cast<const uint8_t*>(input.data_ptr());
     t->out = static_cast<uint8_t*>(output.data_ptr());
     t->dtype = wire_dtype(input.scalar_type());
-    t->esize = elem_size(t->dtype);
+    t->esize = dtype_size(t->dtype);
     t->numel = input.numel();
     TORCH_CHECK(bs >= 1 && bs <= 65535 && size_t(bs) * t->esize + kHeaderBytes + kBitmapBytes +
                 kLaneBytes <= size_t(kMaxDatagram),
@@ -531,11 +531,11 @@ class Worker {
     uint8_t* o = t.out + b * size_t(t.bs) * t.esize;
     if (t.scale == 1.0) {
       std::memcpy(o, v, n * t.esize);
-    } else if (t.dtype == 1) {
+    } else if (t.dtype == kF64) {
       scale_block<double>(o, v, n, t.scale);
-    } else if (t.dtype == 0) {
+    } else if (t.dtype == kF32) {
       scale_block<float>(o, v, n, t.scale);
-    } else if (t.dtype == 2) {
+    } else if (t.dtype == kF16) {
       scale_block<c10::Half>(o, v, n, t.scale);
     } else {
       scale_block<c10::BFloat16>(o, v, n, t.scale);
