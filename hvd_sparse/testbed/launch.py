@@ -10,26 +10,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from pyroute2 import netns
 
+from ..aggregator import binary
 from . import links
 from .topology import AGGREGATOR_PORT, Testbed
-
-
-def aggregator_binary() -> Path:
-    path = Path(__file__).resolve().parents[1] / "bin" / "hvd-sparse-aggregator"
-    if not path.exists():
-        raise RuntimeError(f"testbed: aggregator binary missing at {path}: run make build")
-    return path
 
 
 def start_aggregators(tb: Testbed) -> None:
@@ -40,7 +32,7 @@ def start_aggregators(tb: Testbed) -> None:
         port_file.unlink(missing_ok=True)
         with open(tb.log_dir() / f"{h.name}.log", "w") as log:
             p = subprocess.Popen(
-                ["ip", "netns", "exec", h.ns, str(aggregator_binary()), "--bind",
+                ["ip", "netns", "exec", h.ns, str(binary()), "--bind",
                  f"{h.ip}:{AGGREGATOR_PORT}", "--workers", str(tb.workers), "--port-file",
                  str(port_file)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -163,9 +155,5 @@ def run(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
         raise
     finally:
         fwd.close()
-        for h in tb.worker_hosts:  # ranks mpirun lost track of (it was killed, or crashed)
-            for pid in links.pids_in(h.ns):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        # ranks mpirun lost track of (it was killed, or crashed)
+        links.kill_processes([h.ns for h in tb.worker_hosts])

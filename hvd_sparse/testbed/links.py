@@ -106,11 +106,9 @@ def pids_in(ns_name: str) -> list[int]:
     return out
 
 
-def destroy(name: str) -> list[str]:
-    """Removes every namespace of testbed ``name`` and what lives in it (processes first:
-    a namespace with processes outlives its name, and so would its veths). Returns them."""
-    found = namespaces(name)
-    pids = [p for n in found for p in pids_in(n) if p != os.getpid()]
+def kill_processes(ns_names: list[str]) -> None:
+    """Ends every process in these namespaces: SIGTERM, then SIGKILL after 3 s."""
+    pids = [p for n in ns_names for p in pids_in(n) if p != os.getpid()]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in pids:
             try:
@@ -121,6 +119,13 @@ def destroy(name: str) -> list[str]:
         while pids and time.monotonic() < deadline:
             pids = [p for p in pids if Path(f"/proc/{p}").exists() and not _zombie(p)]
             time.sleep(0.02)
+
+
+def destroy(name: str) -> list[str]:
+    """Removes every namespace of testbed ``name`` and what lives in it (processes first:
+    a namespace with processes outlives its name, and so would its veths). Returns them."""
+    found = namespaces(name)
+    kill_processes(found)
     for n in found:
         netns.remove(n)
     # Namespaces die asynchronously; veths still in the root namespace (a crash between
