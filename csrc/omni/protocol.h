@@ -101,6 +101,21 @@ inline size_t data_bytes(uint32_t lanes, uint32_t present, uint32_t bs, uint8_t 
          size_t(present) * bs * dtype_size(dtype);
 }
 
+// How a tensor of `nblocks` blocks is cut up: `lanes` blocks per packet (as many as fit
+// `payload` bytes of values, 1 .. kMaxLanes) and `nslots` slots, one per packet's worth of
+// blocks but at most `max_slots` (over all aggregators), so that long tensors take rounds.
+struct Layout {
+  uint32_t lanes, nslots;
+};
+inline Layout layout(uint64_t nblocks, uint32_t block_size, uint32_t esize, uint64_t payload,
+                     uint64_t max_slots) {
+  uint64_t lanes = payload / (uint64_t(block_size) * esize);
+  lanes = lanes < 1 ? 1 : lanes > kMaxLanes ? kMaxLanes : lanes;
+  uint64_t nslots = (nblocks + lanes - 1) / lanes;
+  nslots = nslots < 1 ? 1 : nslots > max_slots ? max_slots : nslots;
+  return {uint32_t(lanes), uint32_t(nslots)};
+}
+
 // Streams: block b of a tensor with nslots slots of `lanes` lanes belongs to stream
 // j = b mod (nslots * lanes), at position b div (nslots * lanes). Stream j is lane j mod lanes
 // of slot j div lanes; slot s lives on aggregator s mod K. Adjacent blocks thus share a packet

@@ -201,10 +201,10 @@ class Worker {
     t->bs = uint32_t(bs);
     t->nblocks = uint32_t(nb);
     t->meta = uint32_t(meta);
-    t->lanes = uint32_t(std::clamp<int64_t>(payload_ / (bs * t->esize), 1, kMaxLanes));
-    const int64_t k = int64_t(aggs_.size());
-    t->nslots = uint32_t(std::clamp<int64_t>((nb + t->lanes - 1) / t->lanes, 1,
-                                             k * slots_per_agg_));
+    const Layout geo = layout(uint64_t(nb), t->bs, uint32_t(t->esize), uint64_t(payload_),
+                              uint64_t(aggs_.size()) * uint64_t(slots_per_agg_));
+    t->lanes = geo.lanes;
+    t->nslots = geo.nslots;
     t->scale = scale;
     index(*t, mask);
     {
