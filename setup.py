@@ -38,16 +38,46 @@ def cuda_extensions() -> list:
                                               "nvcc": ["-O3", "-std=c++17"]})]
 
 
-# torch-free executables: name -> source
-BINARIES = {"hvd-sparse-aggregator": "csrc/omni/aggregator.cpp",
-            "hvd-sparse-udpblast": "csrc/omni/udpblast.cpp"}  # raw UDP limit, for benchmarks
+# torch-free executables: name -> sources. The aggregator gains the DPDK transport where
+# pkg-config finds libdpdk (Debian's libdpdk-dev); without it, --transport dpdk says so.
+BINARIES = {"hvd-sparse-aggregator": ["csrc/omni/aggregator/main.cpp",
+                                      "csrc/omni/aggregator/core.cpp",
+                                      "csrc/omni/transport/udp/transport.cpp"],
+            "hvd-sparse-udpblast": ["csrc/omni/udpblast.cpp",  # raw UDP limit, for benchmarks
+                                    "csrc/omni/transport/udp/transport.cpp"]}
+DPDK_SOURCES = ["csrc/omni/transport/dpdk/transport.cpp"]
 
 
-def up_to_date(out: Path, src: str) -> bool:
-    """True when ``out`` is newer than its source and every header it could include."""
+def dpdk_flags() -> tuple[list[str], list[str]] | None:
+    """(compile flags, link flags) of libdpdk from pkg-config, or None when it is absent."""
+    try:
+        cflags = subprocess.run(["pkg-config", "--cflags", "libdpdk"], capture_output=True,
+                                text=True, check=True).stdout.split()
+        libs = subprocess.run(["pkg-config", "--libs", "libdpdk"], capture_output=True,
+                              text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return cflags, libs
+
+
+def binary_command(name: str, out: Path) -> list[str]:
+    sources = [str(ROOT / s) for s in BINARIES[name]]
+    flags: list[str] = []
+    if name == "hvd-sparse-aggregator" and (dpdk := dpdk_flags()) is not None:
+        sources += [str(ROOT / s) for s in DPDK_SOURCES]
+        flags = ["-DHVD_SPARSE_DPDK", *dpdk[0], *dpdk[1]]
+    elif name == "hvd-sparse-aggregator":
+        print("hvd-sparse: libdpdk not found by pkg-config: the aggregator is built without "
+              "the DPDK transport")
+    return [os.environ.get("CXX", "c++"), "-O3", "-std=c++17", "-march=x86-64-v2", "-Wall",
+            "-pthread", f"-I{ROOT / 'csrc'}", *sources, "-o", str(out), *flags]
+
+
+def up_to_date(out: Path, sources: list[str]) -> bool:
+    """True when ``out`` is newer than its sources and every header they could include."""
     if not out.exists():
         return False
-    deps = [ROOT / src, *ROOT.glob("csrc/**/*.h")]
+    deps = [*(ROOT / s for s in sources), *ROOT.glob("csrc/**/*.h")]
     return out.stat().st_mtime >= max(d.stat().st_mtime for d in deps)
 
 
@@ -67,13 +97,12 @@ class Build(BuildExtension):
     def run(self) -> None:
         super().run()
         root = ROOT if self.inplace else Path(self.build_lib)
-        for name, src in BINARIES.items():
+        for name, sources in BINARIES.items():
             out = root / "hvd_sparse" / "bin" / name
-            if up_to_date(out, src):
+            if up_to_date(out, [*sources, *DPDK_SOURCES]):
                 continue
             out.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [os.environ.get("CXX", "c++"), "-O3", "-std=c++17", "-march=x86-64-v2",
-                   "-Wall", "-pthread", f"-I{ROOT / 'csrc'}", str(ROOT / src), "-o", str(out)]
+            cmd = binary_command(name, out)
             print(" ".join(cmd))
             subprocess.check_call(cmd)
 
@@ -89,7 +118,8 @@ setup(
             "hvd_sparse._C",
             ["csrc/codec.cpp", "csrc/fresh_zeros.cpp", "csrc/sparsify.cpp", "csrc/rows.cpp",
              "csrc/cuda_host.cpp",
-             "csrc/omni/worker.cpp"],
+             "csrc/omni/worker.cpp", "csrc/omni/transport/udp/transport.cpp",
+             "csrc/omni/aggregator/binding.cpp", "csrc/omni/aggregator/core.cpp"],
             include_dirs=["csrc"],
             extra_compile_args=["-O3", "-std=c++17", "-march=x86-64-v2", "-fopenmp"],
             extra_link_args=["-fopenmp"],

@@ -521,6 +521,7 @@ int64_t count_partition(int64_t nblocks, int64_t part, int64_t nparts) {
 
 namespace hvd_sparse::omni {
 void register_omni(py::module_& m);  // csrc/omni/worker.cpp
+void register_aggregator_core(py::module_& m);  // csrc/omni/aggregator/binding.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -548,4 +549,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_rows(m);
   register_fresh_zeros(m);
   omni::register_omni(m);  // csrc/omni/worker.cpp
+  omni::register_aggregator_core(m);
 }

@@ -33,8 +33,8 @@ PROVIDERS = {"ssh": "openssh-client", "/usr/sbin/sshd": "openssh-server", "tc": 
 SHELL_WORDS = {"for", "in", "do", "done", "until", "while", "if", "then", "else", "fi", "exec"}
 
 
-def binaries() -> dict[str, str]:
-    """setup.py's BINARIES (name -> source), read without running setup.py."""
+def binaries() -> dict[str, list[str]]:
+    """setup.py's BINARIES (name -> sources), read without running setup.py."""
     for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())):
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "BINARIES":
             return ast.literal_eval(node.value)
@@ -303,20 +303,20 @@ def test_aggregator_image_is_torch_free_and_builds_setup_pys_binary(
         images: dict[str, list[Stage]], compose: dict) -> None:
     _, aggs, _ = roles(compose)
     assert aggs
-    name, src = "hvd-sparse-aggregator", binaries()["hvd-sparse-aggregator"]
+    name, sources = "hvd-sparse-aggregator", binaries()["hvd-sparse-aggregator"]
     for agg in aggs:
         dockerfile = ROOT / compose["services"][agg]["build"]["dockerfile"]
         text = " ".join(a for _, a in instructions(dockerfile)).lower()
         for word in ("torch", "horovod", "pip", "python", "setup.sh"):
             assert word not in text, f"{dockerfile.name} mentions {word}: it must stay torch-free"
         stages = images[agg]
-        compiling = [(s, r) for s in stages for r in s.runs if src in r]
-        assert compiling, f"{dockerfile.name} never compiles {src}"
+        compiling = [(s, r) for s in stages for r in s.runs if all(c in r for c in sources)]
+        assert compiling, f"{dockerfile.name} never compiles all of {sources}"
         stage, run = compiling[0]
         for flag in binary_flags():
             assert flag in run.split(), f"{dockerfile.name}: g++ lacks setup.py's {flag}"
         # Every header the aggregator includes (transitively) must be copied into the image.
-        todo, seen = [ROOT / src], set()
+        todo, seen = [ROOT / src for src in sources], set()
         while todo:
             f = todo.pop()
             if f in seen:

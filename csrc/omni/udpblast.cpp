@@ -5,7 +5,6 @@
 //   hvd-sparse-udpblast --senders 4 --bytes 16440 --seconds 1
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -18,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "udp.h"
+#include "transport/udp/transport.h"
 
 namespace {
 
@@ -65,28 +64,26 @@ int main(int argc, char** argv) {
     else { std::fprintf(stderr, "usage: %s [--senders N] [--bytes B] [--seconds S]\n", argv[0]); return 2; }
   }
   if (senders < 1 || bytes < 1 || bytes > 65507 || seconds <= 0) return 2;
-  int fd = udp_socket();
+  using namespace hvd_sparse::omni;
+  UdpTransport rx(Endpoint{htonl(INADDR_LOOPBACK), 0}, false);
+  const Endpoint at = rx.local();
   sockaddr_in a{};
   a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t n = sizeof a;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  a.sin_addr.s_addr = at.ip;
+  a.sin_port = at.port;
   std::vector<pid_t> kids;
   for (int s = 0; s < senders; ++s) {
     pid_t p = fork();
     if (p == 0) sender(a, bytes, seconds);
     kids.push_back(p);
   }
-  hvd_sparse::omni::RecvBatch batch;
+  std::vector<Datagram> in;
   uint64_t packets = 0, received = 0;
   double start = now_s(), end = start + seconds;
-  pollfd pfd{fd, POLLIN, 0};
   while (now_s() < end) {
-    if (poll(&pfd, 1, 10) <= 0) continue;
-    int r = batch.recv(fd);
-    for (int i = 0; i < r; ++i) received += batch.size(i);
-    packets += uint64_t(r);
+    if (rx.recv(in, 64) == 0) rx.wait(10);
+    for (const Datagram& d : in) received += d.len;
+    packets += in.size();
   }
   double took = now_s() - start;
   for (pid_t p : kids) { kill(p, SIGTERM); waitpid(p, nullptr, 0); }

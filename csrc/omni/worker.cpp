@@ -23,7 +23,6 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -44,7 +43,8 @@
 
 #include "../blocks.h"
 #include "protocol.h"
-#include "udp.h"
+#include "transport/lossy.h"
+#include "transport/udp/transport.h"
 
 namespace hvd_sparse::omni {
 namespace {
@@ -67,7 +67,7 @@ constexpr double kPaceAbove = 16;  // packets: smaller windows go out at once
 constexpr double kMaxRto = 1.0;
 
 struct Aggregator {
-  sockaddr_in addr{};
+  Endpoint addr;
   std::string name;
   double srtt = 0, rttvar = 0;  // round time and its deviation, from unretransmitted rounds
   double cwnd = kInitialWindow, ssthresh = kMaxWindow;
@@ -122,18 +122,20 @@ class Worker {
          double drop_rate, double dup_rate, uint64_t seed)
       : token_(token), worker_(uint16_t(worker)), nworkers_(uint16_t(nworkers)),
         payload_(payload_bytes), slots_per_agg_(slots_per_agg), rto_(rto), timeout_(timeout),
-        drop_(drop_rate), dup_(dup_rate), rng_(seed) {
+        rng_(seed) {
     TORCH_CHECK(!aggs.empty(), "omnireduce: no aggregators");
     TORCH_CHECK(nworkers >= 1 && nworkers <= kMaxWorkers && worker >= 0 && worker < nworkers,
                 "omnireduce: bad worker id ", worker, " of ", nworkers);
     for (auto& [host, port] : aggs) aggs_.push_back(resolve(host, port));
-    fd_ = socket(AF_INET, SOCK_DGRAM, 0);
-    TORCH_CHECK(fd_ >= 0, "omnireduce: socket: ", std::strerror(errno));
-    deepen_buffers(fd_);
-    sockaddr_in any{};
-    any.sin_family = AF_INET;
-    TORCH_CHECK(bind(fd_, reinterpret_cast<sockaddr*>(&any), sizeof any) == 0,
-                "omnireduce: bind: ", std::strerror(errno));
+    try {
+      io_ = std::make_unique<UdpTransport>(Endpoint{}, false);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "omnireduce: ", e.what());
+    }
+    LossRates loss;  // test hooks: lose received datagrams, send some twice
+    loss.drop_in = drop_rate;
+    loss.dup_out = dup_rate;
+    if (loss.any()) io_ = std::make_unique<Lossy>(std::move(io_), loss, seed ^ 0x9E3779B97F4A7C15);
     wake_ = eventfd(0, EFD_NONBLOCK);
     thread_ = std::thread([this] { loop(); });
   }
@@ -279,7 +281,7 @@ class Worker {
       std::lock_guard<std::mutex> lock(mu_);
       c = {{"tx_packets", tx_packets_}, {"tx_bytes", tx_bytes_}, {"rx_packets", rx_packets_},
            {"rx_bytes", rx_bytes_}, {"retransmits", retransmits_}, {"malformed", malformed_},
-           {"stale", stale_}, {"injected_drops", injected_drops_}, {"inflight", by_id_.size()}};
+           {"stale", stale_}, {"injected_drops", io_->counters().injected_drops}, {"inflight", by_id_.size()}};
       for (auto& a : aggs_)
         windows.push_back({a.name, a.cwnd, a.ssthresh, a.srtt, rto_for(a), double(a.cuts)});
     }
@@ -306,7 +308,7 @@ class Worker {
     uint64_t one = 1;
     (void)!write(wake_, &one, sizeof one);
     thread_.join();
-    ::close(fd_);
+    io_.reset();
     ::close(wake_);
     cv_.notify_all();
   }
@@ -320,8 +322,8 @@ class Worker {
     TORCH_CHECK(rc == 0 && res, "omnireduce: cannot resolve aggregator ", host, ": ",
                 gai_strerror(rc));
     Aggregator a;
-    a.addr = *reinterpret_cast<sockaddr_in*>(res->ai_addr);
-    a.addr.sin_port = htons(uint16_t(port));
+    a.addr = {reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr.s_addr,
+              htons(uint16_t(port))};
     a.name = host + ":" + std::to_string(port);
     freeaddrinfo(res);
     return a;
@@ -503,16 +505,15 @@ class Worker {
     s.sent_at = now;
     t.packets++;
     t.bytes_sent += s.pkt.size();
-    int copies = dup_ > 0 && unif_(rng_) < dup_ ? 2 : 1;
-    for (int i = 0; i < copies; ++i) send_raw(s.agg, s.pkt.data(), s.pkt.size());
+    send_raw(s.agg, s.pkt.data(), s.pkt.size());
   }
 
   void send_raw(int agg, const uint8_t* p, size_t n) {
     tx_packets_++;
     tx_bytes_ += n;
-    // A full socket buffer (EAGAIN/ENOBUFS) loses the datagram; the slot's timer resends it.
-    sendto(fd_, p, n, MSG_DONTWAIT, reinterpret_cast<const sockaddr*>(&aggs_[agg].addr),
-           sizeof(sockaddr_in));
+    // A full socket buffer loses the datagram; the slot's timer resends it.
+    const Datagram d{p, n, aggs_[agg].addr};
+    io_->send(&d, 1);
   }
 
   void send_control(int agg, uint8_t type, uint64_t tensor) {
@@ -628,7 +629,6 @@ class Worker {
   void on_packet(const uint8_t* p, size_t len, double now) {
     rx_packets_++;
     rx_bytes_ += len;
-    if (drop_ > 0 && unif_(rng_) < drop_) { injected_drops_++; return; }
     Header h = load_header(p);
     if (check_structure(h, len) || h.token != token_) { malformed_++; return; }
     // Registration replies: REGACK, or an ERROR refusing the job (never a tensor's error).
@@ -636,8 +636,7 @@ class Worker {
         (h.type == kError && h.round == kErrCapacity && registering_)) {
       for (size_t k = 0; k < aggs_.size(); ++k) {
         if (acked_.size() <= k) break;
-        const sockaddr_in& a = aggs_[k].addr;
-        if (from_.sin_port != a.sin_port || from_.sin_addr.s_addr != a.sin_addr.s_addr) continue;
+        if (!(from_ == aggs_[k].addr)) continue;
         if (h.type == kRegAck) acked_[k] = 1;
         else
           reg_error_ = "omnireduce: aggregator " + aggs_[k].name + " refused the job (error " +
@@ -691,23 +690,21 @@ class Worker {
   }
 
   void loop() {
-    RecvBatch batch;
-    pollfd pfd[2] = {{fd_, POLLIN, 0}, {wake_, POLLIN, 0}};
+    std::vector<Datagram> in;
     double last_timers = 0, last_keepalive = now_s();
     while (true) {
       bool waiting = false;  // paced sends due within the millisecond
       for (auto& a : aggs_) waiting = waiting || !a.ready.empty();
-      ::poll(pfd, 2, waiting ? 1 : 2);
-      if (pfd[1].revents) {
-        uint64_t v;
-        (void)!read(wake_, &v, sizeof v);
-      }
+      io_->wait(waiting ? 1 : 2, wake_);
+      uint64_t v;
+      (void)!read(wake_, &v, sizeof v);  // non-blocking: clears a wake-up, if any
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) return;
       double now = now_s();
-      for (int i = 0, n = batch.recv(fd_); i < n; ++i) {
-        from_ = batch.from(i);
-        on_packet(batch.data(i), batch.size(i), now);
+      io_->recv(in, 64);
+      for (const Datagram& d : in) {
+        from_ = d.peer;
+        on_packet(d.data, d.len, now);
       }
       if (now - last_timers > 1e-3) {
         check_timers(now);
@@ -724,11 +721,12 @@ class Worker {
   const uint64_t token_;
   const uint16_t worker_, nworkers_;
   const int64_t payload_, slots_per_agg_;
-  const double rto_, timeout_, drop_, dup_;
+  const double rto_, timeout_;
   std::mt19937_64 rng_;
   std::uniform_real_distribution<double> unif_{0.0, 1.0};
   std::vector<Aggregator> aggs_;
-  int fd_ = -1, wake_ = -1;
+  std::unique_ptr<Transport> io_;  // UDP, wrapped in Lossy when the test hooks are on
+  int wake_ = -1;
   std::thread thread_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -739,9 +737,9 @@ class Worker {
   std::vector<uint8_t> acked_;
   std::string reg_error_;
   bool registering_ = false;
-  sockaddr_in from_{};  // source of the packet being handled
+  Endpoint from_;  // source of the packet being handled
   uint64_t tx_packets_ = 0, tx_bytes_ = 0, rx_packets_ = 0, rx_bytes_ = 0, retransmits_ = 0,
-           malformed_ = 0, stale_ = 0, injected_drops_ = 0;
+           malformed_ = 0, stale_ = 0;
 };
 
 py::dict protocol_constants() {

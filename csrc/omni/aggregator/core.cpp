@@ -1,74 +1,20 @@
-// hvd-sparse aggregator: sums the non-zero blocks that workers stream to it over UDP and returns
-// each round's sum to every worker (docs/PROTOCOL.md). A plain process without torch:
-//
-//   hvd-sparse-aggregator --bind 0.0.0.0:9999 --workers 4 [--threads 1] [--stats 10]
-//
-// Every packet is validated before it touches state; a bad one is dropped and counted. Per slot
-// the aggregator keeps the round in progress and the previous round's result (the shadow set),
-// so a retransmitted packet of either round is idempotent: a duplicate of the current round is
-// ignored, one of the previous round gets the stored result back.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
-#include <unistd.h>
+// The aggregator core: see core.h. Per slot it keeps the round in progress and the previous
+// round's result (the shadow set), so a retransmitted packet of either round is idempotent: a
+// duplicate of the current round is ignored, one of the previous round gets the stored result
+// back. Every packet is validated before it touches state; a bad one is dropped and counted.
+#include "core.h"
 
-#include <atomic>
-#include <chrono>
+#include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <mutex>
-#include <random>
-#include <string>
-#include <thread>
 #include <unordered_map>
-#include <vector>
 
-#include "halfconv.h"
-#include "protocol.h"
-#include "udp.h"
+#include "../halfconv.h"
+#include "../protocol.h"
 
 namespace hvd_sparse::omni {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double now_s() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
-
-struct Options {
-  std::string host = "127.0.0.1";
-  int port = 0;
-  int workers = 0;  // 0: any job size
-  int threads = 1;
-  double drop_in = 0, drop_out = 0, dup = 0, reorder = 0;
-  double stats_every = 0;
-  double idle = 120;  // seconds after which an idle tensor or job is forgotten
-  int parent = 0;
-  std::string port_file;
-  uint64_t seed = 1;
-  size_t max_slot_bytes = size_t(2) << 30;  // accumulator memory cap
-};
-
-// Counters, printed as one JSON line.
-#define HS_COUNTERS(X) X(rx_packets) X(rx_bytes) X(tx_packets) X(tx_bytes) X(rounds) \
-  X(retransmits) X(duplicates) X(stale) X(malformed) X(unknown_job) X(mismatch)     \
-  X(injected_drops) X(injected_dups) X(jobs) X(tensors) X(released) X(expired)
-struct Counters {
-#define HS_DECL(n) std::atomic<uint64_t> n{0};
-  HS_COUNTERS(HS_DECL)
-#undef HS_DECL
-  std::string json() const {
-    std::string s = "{";
-#define HS_JSON(n) s += std::string(s.size() > 1 ? ", " : "") + "\"" #n "\": " + std::to_string(n.load());
-    HS_COUNTERS(HS_JSON)
-#undef HS_JSON
-    return s + "}";
-  }
-};
 
 struct Slot {
   uint32_t round = 0;
@@ -92,16 +38,11 @@ struct Tensor {
 
 struct Job {
   uint16_t nworkers = 0;
-  std::vector<sockaddr_in> addr;
+  std::vector<Endpoint> addr;
   std::vector<uint8_t> bye;
   uint32_t nbye = 0;
   std::unordered_map<uint64_t, Tensor> tensors;
   double touched = 0;
-};
-
-struct Out {
-  sockaddr_in to;
-  std::shared_ptr<std::vector<uint8_t>> bytes;
 };
 
 // float64 -> float32 rounded to odd (truncated, lowest bit set when inexact): rounding that to
@@ -121,19 +62,23 @@ float to_float_odd(double d) {
 bool test_bit(const std::vector<uint64_t>& v, uint32_t i) { return v[i >> 6] >> (i & 63) & 1; }
 void set_bit(std::vector<uint64_t>& v, uint32_t i) { v[i >> 6] |= uint64_t(1) << (i & 63); }
 
-class Aggregator {
- public:
-  explicit Aggregator(const Options& o) : o_(o) {}
-  Counters c;
+}  // namespace
 
-  // Handles one datagram; appends what must be sent to `out`. Caller holds no lock.
-  void handle(const uint8_t* p, size_t len, const sockaddr_in& from, std::vector<Out>& out) {
-    c.rx_packets++;
-    c.rx_bytes += len;
+struct AggregatorCore::Impl {
+  explicit Impl(const CoreOptions& o) : o_(o) {}
+  struct {
+#define HS_DECL(n) std::atomic<uint64_t> n{0};
+    HS_CORE_COUNTERS(HS_DECL)
+#undef HS_DECL
+  } c;
+
+  void handle(const uint8_t* p, size_t len, const Endpoint& from, double now,
+              std::vector<Out>& out) {
     if (len < kHeaderBytes) { c.malformed++; return; }
     Header h = load_header(p);
     if (check_structure(h, len)) { c.malformed++; return; }
     std::lock_guard<std::mutex> lock(mu_);
+    now_ = now;
     if (h.type == kRegister) return on_register(h, from, out);
     auto jt = jobs_.find(h.token);
     if (jt == jobs_.end()) { c.unknown_job++; return; }
@@ -143,9 +88,9 @@ class Aggregator {
     // carrying the token must not redirect a worker's results (see accept()).
     switch (h.type) {
       case kData: return on_data(job, h, p, from, out);
-      case kRelease: job.touched = now_s(); return on_release(job, h);
+      case kRelease: job.touched = now_; return on_release(job, h);
       case kBye:
-        job.touched = now_s();
+        job.touched = now_;
         if (!job.bye[h.worker]) { job.bye[h.worker] = 1; ++job.nbye; }
         if (job.nbye == job.nworkers) { c.released += job.tensors.size(); jobs_.erase(jt); }
         return;
@@ -153,10 +98,9 @@ class Aggregator {
     }
   }
 
-  // Forgets tensors and jobs idle for longer than --idle (workers died or lost RELEASE/BYE).
-  void expire() {
+  void expire(double now) {
     std::lock_guard<std::mutex> lock(mu_);
-    double t = now_s();
+    const double t = now_ = now;
     for (auto j = jobs_.begin(); j != jobs_.end();) {
       for (auto it = j->second.tensors.begin(); it != j->second.tensors.end();) {
         if (t - it->second.touched > o_.idle) { it = drop_tensor(j->second, it); c.expired++; }
@@ -172,13 +116,12 @@ class Aggregator {
     return jobs_.size();
   }
 
- private:
-  void on_register(const Header& h, const sockaddr_in& from, std::vector<Out>& out) {
+  void on_register(const Header& h, const Endpoint& from, std::vector<Out>& out) {
     auto it = jobs_.find(h.token);
     uint32_t err = 0;
     if (o_.workers && h.nworkers != o_.workers) err = kErrJob;
     else if (it != jobs_.end() && it->second.nworkers != h.nworkers) err = kErrJob;
-    else if (it == jobs_.end() && jobs_.size() >= 256) err = kErrCapacity;
+    else if (it == jobs_.end() && jobs_.size() >= o_.max_jobs) err = kErrCapacity;
     if (!err && it == jobs_.end()) {
       Job j;
       j.nworkers = h.nworkers;
@@ -189,7 +132,7 @@ class Aggregator {
     }
     if (!err) {
       it->second.addr[h.worker] = from;
-      it->second.touched = now_s();
+      it->second.touched = now_;
     }
     Header r = make_header(err ? kError : kRegAck, h.token, h.worker, h.nworkers);
     r.round = err;
@@ -219,7 +162,7 @@ class Aggregator {
     auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
     store_header(b->data(), e);
     for (uint16_t w = 0; w < job.nworkers; ++w)
-      if (job.addr[w].sin_port) out.push_back({job.addr[w], b});
+      if (job.addr[w].port) out.push_back({job.addr[w], b});
   }
 
   // The bitmap and lane table of a DATA against the lanes' positions `cur` (nullptr: round 0
@@ -241,12 +184,12 @@ class Aggregator {
   }
 
   // A valid DATA from `from`: the worker lives there, the job and tensor are alive.
-  static void accept(Job& job, Tensor& t, const Header& h, const sockaddr_in& from) {
-    job.touched = t.touched = now_s();
+  void accept(Job& job, Tensor& t, const Header& h, const Endpoint& from) {
+    job.touched = t.touched = now_;
     job.addr[h.worker] = from;
   }
 
-  void on_data(Job& job, const Header& h, const uint8_t* p, const sockaddr_in& from,
+  void on_data(Job& job, const Header& h, const uint8_t* p, const Endpoint& from,
                std::vector<Out>& out) {
     if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) { c.malformed++; return; }
     auto it = job.tensors.find(h.tensor);
@@ -312,7 +255,7 @@ class Aggregator {
     if (s.done || h.round != s.round) { c.stale++; return; }
     if (test_bit(s.seen, h.worker)) {  // a retransmission: the worker waits for a slow peer
       c.duplicates++;
-      job.touched = t.touched = now_s();
+      job.touched = t.touched = now_;
       return;
     }
     // Validate the lane table against this round before changing anything.
@@ -401,187 +344,31 @@ class Aggregator {
     for (uint16_t w = 0; w < job.nworkers; ++w) out.push_back({job.addr[w], b});
   }
 
-  const Options& o_;
+  const CoreOptions o_;
+  double now_ = 0;
   std::mutex mu_;
   std::unordered_map<uint64_t, Job> jobs_;
   size_t slot_bytes_ = 0;
 };
 
-std::atomic<bool> g_stop{false}, g_dump{false};
-void on_signal(int sig) { (sig == SIGUSR1 ? g_dump : g_stop).store(true); }
+AggregatorCore::AggregatorCore(const CoreOptions& o) : impl_(std::make_unique<Impl>(o)) {}
+AggregatorCore::~AggregatorCore() = default;
 
-int open_socket(const Options& o, int port) {
-  int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd < 0) { perror("socket"); std::exit(2); }
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);  // --threads sockets, one port
-  deepen_buffers(fd);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(uint16_t(port));
-  if (inet_pton(AF_INET, o.host.c_str(), &a.sin_addr) != 1) {
-    std::fprintf(stderr, "hvd-sparse aggregator: bad bind address %s\n", o.host.c_str());
-    std::exit(2);
-  }
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a)) {
-    std::fprintf(stderr, "hvd-sparse aggregator: cannot bind %s:%d: %s\n", o.host.c_str(), port,
-                 std::strerror(errno));
-    std::exit(2);
-  }
-  return fd;
+void AggregatorCore::handle(const uint8_t* p, size_t len, const Endpoint& from, double now,
+                            std::vector<Out>& out) {
+  impl_->handle(p, len, from, now, out);
 }
 
-int bound_port(int fd) {
-  sockaddr_in a{};
-  socklen_t n = sizeof a;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
-  return ntohs(a.sin_port);
+void AggregatorCore::expire(double now) { impl_->expire(now); }
+
+size_t AggregatorCore::active_jobs() { return impl_->active_jobs(); }
+
+std::vector<std::pair<const char*, uint64_t>> AggregatorCore::counters() const {
+  std::vector<std::pair<const char*, uint64_t>> v;
+#define HS_PAIR(n) v.emplace_back(#n, impl_->c.n.load());
+  HS_CORE_COUNTERS(HS_PAIR)
+#undef HS_PAIR
+  return v;
 }
 
-void serve(Aggregator& agg, const Options& o, int fd, uint64_t seed) {
-  RecvBatch batch;
-  std::vector<int> order(64);
-  std::vector<Out> out;
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(0, 1);
-  pollfd pfd{fd, POLLIN, 0};
-  while (!g_stop.load()) {
-    if (poll(&pfd, 1, 100) <= 0) continue;
-    int n = batch.recv(fd);
-    if (n == 0) continue;
-    for (int i = 0; i < n; ++i) order[i] = i;
-    if (o.reorder > 0)  // test hook: deliver the batch out of order
-      for (int i = 0; i < n; ++i)
-        if (u(rng) < o.reorder) std::swap(order[i], order[rng() % n]);
-    out.clear();
-    for (int k = 0; k < n; ++k) {
-      int i = order[k];
-      if (o.drop_in > 0 && u(rng) < o.drop_in) { agg.c.injected_drops++; continue; }
-      int copies = o.dup > 0 && u(rng) < o.dup ? 2 : 1;
-      if (copies == 2) agg.c.injected_dups++;
-      for (int r = 0; r < copies; ++r) agg.handle(batch.data(i), batch.size(i), batch.from(i), out);
-    }
-    // Send in batches; a full socket buffer drops the datagram, which loss recovery repairs.
-    std::vector<mmsghdr> smsgs;
-    std::vector<iovec> siov(out.size());
-    smsgs.reserve(out.size());
-    for (size_t i = 0; i < out.size(); ++i) {
-      if (o.drop_out > 0 && u(rng) < o.drop_out) { agg.c.injected_drops++; continue; }
-      siov[i] = {out[i].bytes->data(), out[i].bytes->size()};
-      mmsghdr m{};
-      m.msg_hdr.msg_name = &out[i].to;
-      m.msg_hdr.msg_namelen = sizeof(sockaddr_in);
-      m.msg_hdr.msg_iov = &siov[i];
-      m.msg_hdr.msg_iovlen = 1;
-      smsgs.push_back(m);
-      agg.c.tx_packets++;
-      agg.c.tx_bytes += out[i].bytes->size();
-    }
-    for (size_t done = 0; done < smsgs.size();) {
-      int s = sendmmsg(fd, smsgs.data() + done, unsigned(smsgs.size() - done), 0);
-      if (s <= 0) {
-        if (errno == EINTR) continue;
-        break;  // e.g. ENOBUFS: the receivers' timers retransmit
-      }
-      done += size_t(s);
-    }
-  }
-}
-
-void usage() {
-  std::fprintf(stderr,
-      "usage: hvd-sparse-aggregator --bind ADDR:PORT [--workers N] [--threads T]\n"
-      "         [--stats SECONDS] [--idle SECONDS] [--parent-pid PID] [--port-file PATH]\n"
-      "         [--drop-rate P] [--drop-rate-out P] [--dup-rate P] [--reorder-rate P] [--seed S]\n"
-      "Sums the non-zero blocks hvd-sparse workers stream to it (docs/PROTOCOL.md).\n"
-      "Counters print every --stats seconds, on SIGUSR1 and at exit.\n");
-}
-
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto val = [&]() -> std::string {
-      if (i + 1 >= argc) { usage(); std::exit(2); }
-      return argv[++i];
-    };
-    if (a == "--bind") {
-      std::string v = val();
-      auto colon = v.rfind(':');
-      if (colon == std::string::npos) { usage(); std::exit(2); }
-      o.host = v.substr(0, colon);
-      o.port = std::atoi(v.c_str() + colon + 1);
-    } else if (a == "--workers") o.workers = std::atoi(val().c_str());
-    else if (a == "--threads") o.threads = std::max(1, std::atoi(val().c_str()));
-    else if (a == "--stats") o.stats_every = std::atof(val().c_str());
-    else if (a == "--idle") o.idle = std::atof(val().c_str());
-    else if (a == "--parent-pid") o.parent = std::atoi(val().c_str());
-    else if (a == "--port-file") o.port_file = val();
-    else if (a == "--drop-rate") o.drop_in = std::atof(val().c_str());
-    else if (a == "--drop-rate-out") o.drop_out = std::atof(val().c_str());
-    else if (a == "--dup-rate") o.dup = std::atof(val().c_str());
-    else if (a == "--reorder-rate") o.reorder = std::atof(val().c_str());
-    else if (a == "--seed") o.seed = std::strtoull(val().c_str(), nullptr, 10);
-    else if (a == "-h" || a == "--help") { usage(); std::exit(0); }
-    else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(); std::exit(2); }
-  }
-  if (o.workers < 0 || o.workers > kMaxWorkers) { usage(); std::exit(2); }
-  return o;
-}
-
-}  // namespace
 }  // namespace hvd_sparse::omni
-
-int main(int argc, char** argv) {
-  using namespace hvd_sparse::omni;
-  Options o = parse(argc, argv);
-  if (o.parent) {
-    // No orphans: die with the rank that launched us (checked again below, in case it already
-    // died before prctl took effect).
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (getppid() != o.parent) return 0;
-  }
-  struct sigaction sa{};
-  sa.sa_handler = on_signal;
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGUSR1, &sa, nullptr);
-  signal(SIGPIPE, SIG_IGN);
-
-  std::vector<int> fds{open_socket(o, o.port)};
-  const int port = bound_port(fds[0]);
-  for (int i = 1; i < o.threads; ++i) fds.push_back(open_socket(o, port));
-  std::printf("hvd-sparse aggregator listening on %s:%d workers=%d threads=%d\n", o.host.c_str(),
-              port, o.workers, o.threads);
-  std::fflush(stdout);
-  if (!o.port_file.empty()) {  // written atomically: the launcher polls for it
-    std::string tmp = o.port_file + ".tmp";
-    if (FILE* f = std::fopen(tmp.c_str(), "w")) {
-      std::fprintf(f, "%d\n", port);
-      std::fclose(f);
-      std::rename(tmp.c_str(), o.port_file.c_str());
-    }
-  }
-
-  Aggregator agg(o);
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < fds.size(); ++i)
-    threads.emplace_back(serve, std::ref(agg), std::cref(o), fds[i], o.seed * 7919 + i);
-  double last_stats = now_s(), last_expire = now_s();
-  auto dump = [&] {
-    std::printf("hvd-sparse aggregator stats %s\n", agg.c.json().c_str());
-    std::fflush(stdout);
-  };
-  while (!g_stop.load()) {
-    usleep(50 * 1000);
-    double t = now_s();
-    if (g_dump.exchange(false)) dump();
-    if (o.stats_every > 0 && t - last_stats >= o.stats_every) { dump(); last_stats = t; }
-    if (t - last_expire >= 1.0) { agg.expire(); last_expire = t; }
-    if (o.parent && getppid() != o.parent) g_stop = true;
-  }
-  for (auto& th : threads) th.join();
-  dump();
-  for (int fd : fds) close(fd);
-  return 0;
-}

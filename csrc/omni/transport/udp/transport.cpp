@@ -1,0 +1,104 @@
+#include "transport.h"
+
+#include <netinet/in.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace hvd_sparse::omni {
+
+void deepen_buffers(int fd, int bytes) {
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &bytes, sizeof bytes))
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
+  if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof bytes))
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+}
+
+UdpTransport::UdpTransport(const Endpoint& at, bool reuse_port, size_t batch)
+    : buf_(batch, std::vector<uint8_t>(65536)), rmsg_(batch), riov_(batch), rfrom_(batch) {
+  fd_ = socket(AF_INET, SOCK_DGRAM, 0);
+  if (fd_ < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
+  int one = 1;
+  if (reuse_port) setsockopt(fd_, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
+  deepen_buffers(fd_);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = at.ip;
+  a.sin_port = at.port;
+  if (bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a)) {
+    int e = errno;
+    ::close(fd_);
+    throw std::runtime_error("cannot bind " + at.str() + ": " + std::strerror(e));
+  }
+}
+
+UdpTransport::~UdpTransport() { ::close(fd_); }
+
+size_t UdpTransport::recv(std::vector<Datagram>& in, size_t max) {
+  const size_t n = std::min(max, rmsg_.size());
+  for (size_t i = 0; i < n; ++i) {
+    riov_[i] = {buf_[i].data(), buf_[i].size()};
+    rmsg_[i].msg_hdr = {};
+    rmsg_[i].msg_hdr.msg_name = &rfrom_[i];
+    rmsg_[i].msg_hdr.msg_namelen = sizeof(sockaddr_in);
+    rmsg_[i].msg_hdr.msg_iov = &riov_[i];
+    rmsg_[i].msg_hdr.msg_iovlen = 1;
+  }
+  int got = recvmmsg(fd_, rmsg_.data(), unsigned(n), MSG_DONTWAIT, nullptr);
+  in.clear();
+  for (int i = 0; i < got; ++i) {
+    in.push_back({buf_[i].data(), rmsg_[i].msg_len, {rfrom_[i].sin_addr.s_addr, rfrom_[i].sin_port}});
+    AtomicCounters::add(c_.rx_bytes, rmsg_[i].msg_len);
+  }
+  if (got > 0) AtomicCounters::add(c_.rx_packets, uint64_t(got));
+  return in.size();
+}
+
+void UdpTransport::send(const Datagram* out, size_t n) {
+  smsg_.resize(n);
+  siov_.resize(n);
+  sto_.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    sto_[i] = {};
+    sto_[i].sin_family = AF_INET;
+    sto_[i].sin_addr.s_addr = out[i].peer.ip;
+    sto_[i].sin_port = out[i].peer.port;
+    siov_[i] = {const_cast<uint8_t*>(out[i].data), out[i].len};
+    smsg_[i].msg_hdr = {};
+    smsg_[i].msg_hdr.msg_name = &sto_[i];
+    smsg_[i].msg_hdr.msg_namelen = sizeof(sockaddr_in);
+    smsg_[i].msg_hdr.msg_iov = &siov_[i];
+    smsg_[i].msg_hdr.msg_iovlen = 1;
+  }
+  size_t done = 0;
+  while (done < n) {
+    int s = sendmmsg(fd_, smsg_.data() + done, unsigned(n - done), MSG_DONTWAIT);
+    if (s < 0 && errno == EINTR) continue;
+    if (s <= 0) {  // a full buffer (EAGAIN, ENOBUFS) or an unreachable peer: skip one
+      AtomicCounters::add(c_.tx_dropped, 1);
+      ++done;
+      continue;
+    }
+    for (int i = 0; i < s; ++i) AtomicCounters::add(c_.tx_bytes, out[done + i].len);
+    AtomicCounters::add(c_.tx_packets, uint64_t(s));
+    done += size_t(s);
+  }
+}
+
+void UdpTransport::wait(int timeout_ms, int wake_fd) {
+  pollfd p[2] = {{fd_, POLLIN, 0}, {wake_fd, POLLIN, 0}};
+  ::poll(p, wake_fd >= 0 ? 2 : 1, timeout_ms);
+}
+
+Endpoint UdpTransport::local() const {
+  sockaddr_in a{};
+  socklen_t n = sizeof a;
+  getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &n);
+  return {a.sin_addr.s_addr, a.sin_port};
+}
+
+}  // namespace hvd_sparse::omni

@@ -1,0 +1,42 @@
+// Kernel UDP sockets: the default transport. Batched system calls (recvmmsg/sendmmsg), deep
+// socket buffers (whole windows of datagrams arrive at once), and SO_REUSEPORT so that one
+// socket per thread can share the aggregator's port.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include <sys/socket.h>
+
+#include "../transport.h"
+
+namespace hvd_sparse::omni {
+
+class UdpTransport : public Transport {
+ public:
+  // Binds to `at` (ip 0: every address, port 0: any free port). Throws std::runtime_error
+  // naming the address when that fails.
+  UdpTransport(const Endpoint& at, bool reuse_port, size_t batch = 64);
+  ~UdpTransport() override;
+  UdpTransport(const UdpTransport&) = delete;
+  UdpTransport& operator=(const UdpTransport&) = delete;
+
+  size_t recv(std::vector<Datagram>& in, size_t max) override;
+  void send(const Datagram* out, size_t n) override;
+  void wait(int timeout_ms, int wake_fd = -1) override;
+  Endpoint local() const override;
+  TransportCounters counters() const override { return c_.load(); }
+  int fd() const { return fd_; }
+
+ private:
+  int fd_ = -1;
+  std::vector<std::vector<uint8_t>> buf_;
+  std::vector<mmsghdr> rmsg_, smsg_;
+  std::vector<iovec> riov_, siov_;
+  std::vector<sockaddr_in> rfrom_, sto_;
+  AtomicCounters c_;
+};
+
+// Raises the socket's buffers to `bytes`; as root past net.core.{r,w}mem_max.
+void deepen_buffers(int fd, int bytes = 64 << 20);
+
+}  // namespace hvd_sparse::omni
