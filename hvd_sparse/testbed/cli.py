@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--aggregators", type=int, default=1, help="aggregator hosts")
     u.add_argument("--rate", default="1gbit", help="every link's rate, both directions")
     u.add_argument("--mtu", type=int, default=1500)
+    u.add_argument("--transport", choices=("udp", "dpdk"), default="udp",
+                   help="the aggregators' transport (dpdk: an af_packet vdev on the host's veth)")
     u.add_argument("--loss", type=float, default=0.0, help="drop rate on every switch port")
     u.add_argument("--loss-proto", choices=("all", "udp"), default="all",
                    help="drop any frame, or only UDP (keeps MPI's TCP out of it)")
@@ -48,7 +50,7 @@ def status(tb: Testbed) -> dict:
     c = links.counters(tb)
     return {"name": tb.name, "rate": tb.rate, "mtu": tb.mtu, "loss": tb.loss,
             "loss_proto": tb.loss_proto, "dropped_by_loss": loss.dropped(tb),
-            "aggregators": tb.aggregator_addresses(),
+            "aggregators": tb.aggregator_addresses(), "transport": tb.transport,
             "hosts": [{"host": h.name, "namespace": h.ns, "ip": h.ip, "loss": h.loss,
                        "rate": h.rate or tb.rate,
                        "link": "down" if h.down else "up",
@@ -76,7 +78,7 @@ def main(argv: list[str]) -> int:
     try:
         if a.cmd == "up":
             tb = lifecycle.up(Testbed(a.name, a.workers, a.aggregators, a.rate, a.mtu, a.loss,
-                                      a.loss_proto))
+                                      a.loss_proto, a.transport))
             _print_status(status(tb))
         elif a.cmd == "down":
             removed = lifecycle.down(a.name)

@@ -30,20 +30,34 @@ def start_aggregators(tb: Testbed) -> None:
     for h in tb.aggregator_hosts:
         port_file = tb.log_dir() / f"{h.name}.port"
         port_file.unlink(missing_ok=True)
+        cmd = [str(binary()), "--bind", f"{h.ip}:{AGGREGATOR_PORT}", "--workers",
+               str(tb.workers), "--port-file", str(port_file)]
+        if tb.transport == "dpdk":
+            cmd += ["--transport", "dpdk", "--dpdk", dpdk_args(tb, h.name)]
+            # DPDK owns the host's address: without it the kernel answers neither ARP nor,
+            # with ICMP port-unreachable, the workers' datagrams.
+            links.flush_addresses(h.ns)
         with open(tb.log_dir() / f"{h.name}.log", "w") as log:
             p = subprocess.Popen(
-                ["ip", "netns", "exec", h.ns, str(binary()), "--bind",
-                 f"{h.ip}:{AGGREGATOR_PORT}", "--workers", str(tb.workers), "--port-file",
-                 str(port_file)],
+                ["ip", "netns", "exec", h.ns, *cmd],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)  # outlives `testbed up`; `down` kills it
         tb.pids[h.name] = p.pid
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 20
         while not port_file.exists():
             if p.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"testbed: aggregator on {h.name} did not start: "
                                    + (tb.log_dir() / f"{h.name}.log").read_text()[-1000:])
             time.sleep(0.01)
+
+
+def dpdk_args(tb: Testbed, host: str) -> str:
+    """EAL arguments for an aggregator host: no hugepages, no PCI, the host's veth through an
+    af_packet vdev with frames up to 16 KiB (jumbo MTUs), through the link's qdisc (its rate
+    cap) rather than around it, and a file prefix of its own."""
+    return ("--no-huge --no-pci -m 256 --no-shconf --log-level=warning "
+            f"--file-prefix={tb.name}-{host} "
+            "--vdev=net_af_packet0,iface=eth0,framesz=16384,blocksz=16384,qdisc_bypass=0")
 
 
 class PmixForwarder:

@@ -71,6 +71,13 @@ def set_link(tb: Testbed, host: Host, up: bool) -> None:
         sw.link("set", index=sw.link_lookup(ifname=host.port)[0], state="up" if up else "down")
 
 
+def flush_addresses(ns_name: str) -> None:
+    """Removes the IPv4 addresses of a host's eth0 (the link stays up): for a DPDK process that
+    owns the address on that link."""
+    with NetNS(ns_name) as ns:
+        ns.flush_addr(index=ns.link_lookup(ifname="eth0")[0], family=2)
+
+
 def counters(tb: Testbed) -> dict[str, dict[str, int]]:
     """Per host: bytes and packets its eth0 received and sent (the host's side of its link)."""
     out = {}

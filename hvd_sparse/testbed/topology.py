@@ -44,6 +44,7 @@ class Testbed:
     mtu: int = 1500
     loss: float = 0.0  # drop rate on every switch port
     loss_proto: str = "all"  # "all" or "udp": what the drop rules apply to
+    transport: str = "udp"  # the aggregators': kernel sockets, or DPDK on an af_packet vdev
     hosts: list[Host] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # aggregator host -> its process
 
@@ -55,6 +56,8 @@ class Testbed:
             raise ValueError("workers must be in [1, 64] and aggregators in [0, 16]")
         if self.loss_proto not in ("all", "udp"):
             raise ValueError("loss_proto must be 'all' or 'udp'")
+        if self.transport not in ("udp", "dpdk"):
+            raise ValueError("transport must be 'udp' or 'dpdk'")
         parse_rate(self.rate)
         if not self.hosts:
             self.hosts = [Host(f"w{i}", f"{self.name}-w{i}", f"{SUBNET}.{i + 1}")
