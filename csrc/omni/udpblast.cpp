@@ -3,6 +3,9 @@
 // aggregator) with sendmmsg; the receiver counts with recvmmsg. Prints one JSON line:
 //
 //   hvd-sparse-udpblast --senders 4 --bytes 16440 --seconds 1
+//
+// With --to ADDR:PORT it only sends, for --seconds, to a receiver elsewhere (another host, or
+// an aggregator on any transport, which counts what arrives: scripts/bench_transport.py).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -56,15 +59,33 @@ int main(int argc, char** argv) {
   int senders = 4;
   size_t bytes = 16440;
   double seconds = 1.0;
+  std::string to;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
-    if (a == "--senders") senders = std::atoi(argv[i + 1]);
+    if (a == "--to") to = argv[i + 1];
+    else if (a == "--senders") senders = std::atoi(argv[i + 1]);
     else if (a == "--bytes") bytes = std::strtoul(argv[i + 1], nullptr, 10);
     else if (a == "--seconds") seconds = std::atof(argv[i + 1]);
-    else { std::fprintf(stderr, "usage: %s [--senders N] [--bytes B] [--seconds S]\n", argv[0]); return 2; }
+    else { std::fprintf(stderr, "usage: %s [--senders N] [--bytes B] [--seconds S] [--to ADDR:PORT]\n", argv[0]); return 2; }
   }
   if (senders < 1 || bytes < 1 || bytes > 65507 || seconds <= 0) return 2;
   using namespace hvd_sparse::omni;
+  if (!to.empty()) {
+    sockaddr_in dst{};
+    dst.sin_family = AF_INET;
+    const size_t colon = to.rfind(':');
+    if (colon == std::string::npos ||
+        inet_pton(AF_INET, to.substr(0, colon).c_str(), &dst.sin_addr) != 1) return 2;
+    dst.sin_port = htons(uint16_t(std::atoi(to.c_str() + colon + 1)));
+    std::vector<pid_t> kids;
+    for (int s = 0; s < senders; ++s) {
+      pid_t p = fork();
+      if (p == 0) sender(dst, bytes, seconds);
+      kids.push_back(p);
+    }
+    for (pid_t p : kids) waitpid(p, nullptr, 0);
+    return 0;
+  }
   UdpTransport rx(Endpoint{htonl(INADDR_LOOPBACK), 0}, false);
   const Endpoint at = rx.local();
   sockaddr_in a{};

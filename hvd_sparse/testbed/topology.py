@@ -15,9 +15,15 @@ SUBNET = "10.77.0"  # every testbed has its own switch, so testbeds never see ea
 AGGREGATOR_PORT = 9999
 
 
+MAX_RATE = 8 * (2**32 - 1)  # tbf's rate field: 32-bit bytes per second (about 34 Gbit/s)
+
+
 def parse_rate(rate: str | float) -> int:
     """'1gbit', '250mbit', '1e9' -> bits per second (tc's spelling of rates)."""
-    return int(runfile.parse_rate(rate))
+    bps = int(runfile.parse_rate(rate))
+    if not 0 < bps <= MAX_RATE:
+        raise ValueError(f"link rate {rate!r}: must be above 0 and at most 34gbit (tbf's limit)")
+    return bps
 
 
 @dataclass

@@ -1,0 +1,168 @@
+"""The aggregator's transports side by side: kernel UDP sockets vs DPDK (af_packet vdev), on the
+netns testbed (4 worker hosts, 1 aggregator host, veth links, MTU 9000). Needs root.
+
+    .venv/bin/python scripts/bench_transport.py [--numel 4194304] [--densities 0.01,1.0]
+
+For each transport the script brings a testbed up with that aggregator, then:
+
+* goodput: 4 worker processes (one per worker host, ``_C.OmniWorker`` on kernel sockets, no
+  Horovod) reduce --numel float32 with whole 256-blocks non-zero at random; per density, the
+  median over --reps of the slowest worker's time, the blocks the aggregator summed per second
+  (every worker's non-zero blocks) and those blocks in GB/s;
+* raw limit: 4 blasters (hvd-sparse-udpblast --to, one per worker host) send datagrams of a
+  full DATA packet's size at the same aggregator for --seconds; what its transport received
+  per second (its counters) is the path's limit, with the protocol doing nothing but reject
+  them by their magic.
+
+Writes bench_results/transport.json and transport.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+BS = 256
+PAYLOAD = 8192  # 8 blocks of float32 per packet: a DATA datagram fits one 9000-byte frame
+DATAGRAM = 56 + 8 + 64 * 8 + PAYLOAD  # the largest DATA packet the workers send
+
+
+def rank_side(a: argparse.Namespace) -> None:
+    import torch
+
+    from hvd_sparse import _C
+
+    host, port = a.agg.split(":")
+    w = _C.OmniWorker([(host, int(port))], 0xBE4C, a.rank, a.workers, payload_bytes=PAYLOAD,
+                      timeout=60.0)
+    w.register(30.0)
+    g = torch.Generator().manual_seed(a.rank + 1)
+    keep = torch.rand(a.numel // BS, generator=g) < a.density
+    x = (torch.randn(a.numel // BS, BS, generator=g) * keep[:, None]).view(-1)
+    out = torch.zeros_like(x)
+    times = []
+    for rep in range(a.reps + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        ticket = w.submit(rep + 1, x, out, BS, 1, None, "x", 1.0)
+        assert w.wait(ticket, 60.0), "timed out"
+        w.finish(ticket)
+        times.append(time.perf_counter() - t0)
+    w.close()
+    Path(a.out).write_text(json.dumps({"times": times[1:], "nnz_blocks": int(keep.sum())}))
+
+
+def stats(tb, host: str = "a0") -> dict:
+    log = tb.log_dir() / f"{host}.log"
+    n = log.read_text().count(" stats ")
+    os.kill(tb.pids[host], signal.SIGUSR1)
+    for _ in range(200):
+        lines = [x for x in log.read_text().splitlines() if " stats " in x]
+        if len(lines) > n:
+            return json.loads(lines[-1].split(" stats ", 1)[1])
+        time.sleep(0.05)
+    raise RuntimeError(f"no stats from the aggregator: {log.read_text()[-1000:]}")
+
+
+def measure(transport: str, a: argparse.Namespace, progress, task) -> list[dict]:
+    from hvd_sparse.aggregator import BINARY
+    from hvd_sparse.testbed import lifecycle, topology
+
+    tb = lifecycle.up(topology.Testbed("hvbt", workers=4, aggregators=1, rate=a.rate, mtu=9000,
+                                       transport=transport))
+    rows = []
+    try:
+        agg = tb.aggregator_addresses()
+        blaster = BINARY.parent / "hvd-sparse-udpblast"
+        before = stats(tb)
+        procs = [subprocess.Popen(["ip", "netns", "exec", h.ns, str(blaster), "--to", agg,
+                                   "--senders", "1", "--bytes", str(DATAGRAM), "--seconds",
+                                   str(a.seconds)]) for h in tb.worker_hosts]
+        for p in procs:
+            p.wait(timeout=a.seconds + 30)
+        time.sleep(0.2)
+        after = stats(tb)
+        raw = (after["rx_bytes"] - before["rx_bytes"]) / a.seconds
+        progress.advance(task)
+        for density in a.densities:
+            outs = [Path(f"/tmp/hvbt-{transport}-{density}-{r}.json") for r in range(4)]
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            procs = [subprocess.Popen(
+                ["ip", "netns", "exec", h.ns, sys.executable, __file__, "--rank-side",
+                 "--rank", str(r), "--workers", "4", "--agg", agg, "--numel", str(a.numel),
+                 "--density", str(density), "--reps", str(a.reps), "--out", str(outs[r])],
+                env=env) for r, h in enumerate(tb.worker_hosts)]
+            for p in procs:
+                if p.wait(timeout=600) != 0:
+                    raise RuntimeError(f"{transport} {density}: a worker failed")
+            res = [json.loads(o.read_text()) for o in outs]
+            t = statistics.median(max(r["times"][i] for r in res) for i in range(a.reps))
+            blocks = sum(r["nnz_blocks"] for r in res)
+            rows.append({"transport": transport, "density": density, "time ms": 1e3 * t,
+                         "blocks summed/s (M)": blocks / t / 1e6,
+                         "summed GB/s": blocks * BS * 4 / t / 1e9,
+                         "raw limit GB/s": raw / 1e9,
+                         "of raw": blocks * BS * 4 / t / raw if raw else float("nan")})
+            progress.advance(task)
+    finally:
+        lifecycle.down("hvbt")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--numel", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--densities", default="0.01,1.0")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=3.0, help="blaster duration")
+    p.add_argument("--rate", default="34gbit", help="link cap (default: tbf's highest)")
+    p.add_argument("--transports", default="udp,dpdk")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
+    p.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--workers", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--agg", help=argparse.SUPPRESS)
+    p.add_argument("--density", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.rank_side:
+        return rank_side(a)
+    a.densities = [float(x) for x in a.densities.split(",")]
+    from _report import print_table, save_png, write_json
+    from rich.progress import Progress
+
+    transports = a.transports.split(",")
+    rows: list[dict] = []
+    with Progress() as progress:
+        task = progress.add_task("transports", total=len(transports) * (1 + len(a.densities)))
+        for tr in transports:
+            rows += measure(tr, a, progress, task)
+    print_table(rows, f"aggregator transports: 4 kernel-UDP workers, {a.numel:,} float32, "
+                f"veth between namespaces, MTU 9000, {os.cpu_count()} cores")
+    out = write_json(a.out_dir / "transport.json", rows, args={**vars(a), "out_dir": None})
+
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['transport']}\n{r['density']:g}" for r in rows]
+    ax.bar([i - 0.2 for i in range(len(rows))], [r["summed GB/s"] for r in rows], 0.4,
+           label="blocks summed (GB/s)")
+    ax.bar([i + 0.2 for i in range(len(rows))], [r["raw limit GB/s"] for r in rows], 0.4,
+           label="raw limit of the path (GB/s)")
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("GB/s")
+    ax.set_title("aggregator goodput by transport (transport, density)")
+    ax.legend()
+    png = save_png(fig, a.out_dir / "transport.png")
+    print(f"wrote {out} and {png}")
+
+
+if __name__ == "__main__":
+    main()
