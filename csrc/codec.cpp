@@ -15,6 +15,7 @@
 
 #include "blocks.h"
 #include "segment.h"
+#include "torch_dtype.h"
 
 void register_sparsify(pybind11::module_& m);
 void register_rows(pybind11::module_& m);  // csrc/rows.cpp
@@ -42,27 +43,6 @@ void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   for (int64_t c = 0; c < chunks; ++c) {
     int64_t b0 = begin + c * step;
     if (b0 < end) f(b0, std::min(end, b0 + step));
-  }
-}
-
-const char* dtype_name(uint8_t d) {
-  switch (d) {
-    case kF32: return "float32";
-    case kF64: return "float64";
-    case kF16: return "float16";
-    case kBF16: return "bfloat16";
-    default: return "unknown";
-  }
-}
-
-uint8_t dtype_code(at::ScalarType s) {
-  switch (s) {
-    case at::kFloat: return kF32;
-    case at::kDouble: return kF64;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: throw std::invalid_argument(std::string("hvd_sparse codec: unsupported dtype ") +
-                                         c10::toString(s));
   }
 }
 

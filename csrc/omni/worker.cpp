@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "../blocks.h"
+#include "../torch_dtype.h"
 #include "protocol.h"
 #include "udp.h"
 
@@ -51,16 +52,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double now_s() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
-
-uint8_t wire_dtype(at::ScalarType s) {
-  switch (s) {
-    case at::kFloat: return kF32;
-    case at::kDouble: return kF64;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: throw std::invalid_argument("omnireduce: unsupported dtype");
-  }
-}
 
 constexpr double kInitialWindow = 8, kMinWindow = 2, kMaxWindow = 4096;
 constexpr double kPaceAbove = 16;  // packets: smaller windows go out at once
@@ -190,7 +181,7 @@ class Worker {
     t->output = output;
     t->in = static_cast<const uint8_t*>(input.data_ptr());
     t->out = static_cast<uint8_t*>(output.data_ptr());
-    t->dtype = wire_dtype(input.scalar_type());
+    t->dtype = dtype_code(input.scalar_type());
     t->esize = dtype_size(t->dtype);
     t->numel = input.numel();
     TORCH_CHECK(bs >= 1 && bs <= 65535 && size_t(bs) * t->esize + kHeaderBytes + kBitmapBytes +
