@@ -87,9 +87,8 @@ setup(
     ext_modules=[
         CppExtension(
             "hvd_sparse._C",
-            ["csrc/codec.cpp", "csrc/fresh_zeros.cpp", "csrc/sparsify.cpp", "csrc/rows.cpp",
-             "csrc/cuda_host.cpp",
-             "csrc/omni/worker.cpp"],
+            ["csrc/module.cpp", "csrc/codec.cpp", "csrc/fresh_zeros.cpp", "csrc/sparsify.cpp",
+             "csrc/rows.cpp", "csrc/cuda_host.cpp", "csrc/omni/worker.cpp"],
             include_dirs=["csrc"],
             extra_compile_args=["-O3", "-std=c++17", "-march=x86-64-v2", "-fopenmp"],
             extra_link_args=["-fopenmp"],

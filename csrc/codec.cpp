@@ -17,12 +17,7 @@
 #include "segment.h"
 #include "torch_dtype.h"
 
-void register_sparsify(pybind11::module_& m);
-void register_rows(pybind11::module_& m);  // csrc/rows.cpp
-
 namespace hvd_sparse {
-
-void register_fresh_zeros(pybind11::module_& m);  // csrc/fresh_zeros.cpp
 
 // Threads the codec may use. Several ranks share a host, so hvd_sparse.init() sets this to
 // cores / local ranks: oversubscribed OpenMP teams spin and run many times slower.
@@ -497,16 +492,8 @@ int64_t count_partition(int64_t nblocks, int64_t part, int64_t nparts) {
   return n;
 }
 
-}  // namespace hvd_sparse
-
-namespace hvd_sparse::omni {
-void register_omni(py::module_& m);  // csrc/omni/worker.cpp
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using namespace hvd_sparse;
+void register_codec(py::module_& m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
-  m.doc() = "hvd-sparse C++ core: block codec and collective segments";
   m.def("block_mask", &block_mask, "uint8 mask of non-zero blocks", py::arg("t"), py::arg("block_size"),
         py::arg("clear_signed_zeros") = false, nogil());
   m.def("pack", &pack, py::arg("t"), py::arg("block_size"), py::arg("mask") = py::none(), nogil());
@@ -524,8 +511,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("count_partition", &count_partition);
   m.def("set_threads", [](int n) { g_threads = n; }, "codec threads (0: torch's setting)");
   m.attr("SEGMENT_HEADER_BYTES") = sizeof(SegHeader);
-  register_sparsify(m);  // csrc/sparsify.cpp
-  register_rows(m);
-  register_fresh_zeros(m);
-  omni::register_omni(m);  // csrc/omni/worker.cpp
 }
+
+}  // namespace hvd_sparse
