@@ -73,6 +73,7 @@ from _report import console, print_table, save_png, write_json  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import hvd_sparse  # noqa: E402
+from hvd_sparse import protocol  # noqa: E402
 from hvd_sparse.schemes import omnireduce  # noqa: E402
 from hvd_sparse.schemes.omnireduce import Session  # noqa: E402
 
@@ -207,8 +208,9 @@ def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor, k2: Session 
 def udp_limit(n: int, payload_bytes: int) -> dict:
     """Raw loopback UDP: n senders blasting one socket with datagrams of the size the
     aggregation protocol sends for float32 (rank 0 runs it while the others wait)."""
-    lanes = max(1, min(64, payload_bytes // (256 * 4)))
-    dgram = 56 + 8 + 8 * lanes + lanes * 256 * 4
+    lanes, _ = protocol.layout(1, 256, 4, payload_bytes, 1)
+    dgram = (protocol.HEADER_BYTES + protocol.BITMAP_BYTES + protocol.LANE_BYTES * lanes
+             + lanes * 256 * 4)
     result = None
     if hvd.rank() == 0:
         out = subprocess.run([str(ROOT / "hvd_sparse" / "bin" / "hvd-sparse-udpblast"),

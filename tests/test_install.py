@@ -94,7 +94,8 @@ def test_wheel_installs_and_runs_in_another_venv(tmp_path: Path) -> None:
         ROOT, env, timeout=900)
     (wheel,) = dist.glob("hvd_sparse-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert any(n.startswith("hvd_sparse/_C.") and n.endswith(".so") for n in names), names
+    for ext in ("_C", "_protocol"):
+        assert any(n.startswith(f"hvd_sparse/{ext}.") and n.endswith(".so") for n in names), names
     for b in BINARIES:
         assert f"hvd_sparse/bin/{b}" in names, f"{b} missing from the wheel: {names}"
     assert not any(n.startswith(("csrc/", "tests/", "scripts/")) for n in names)

@@ -735,32 +735,6 @@ class Worker {
            malformed_ = 0, stale_ = 0, injected_drops_ = 0;
 };
 
-py::dict protocol_constants() {
-  py::dict d;
-  d["MAGIC"] = kMagic;
-  d["VERSION"] = kVersion;
-  d["HEADER_BYTES"] = kHeaderBytes;
-  d["BITMAP_BYTES"] = kBitmapBytes;
-  d["LANE_BYTES"] = kLaneBytes;
-  d["INF"] = kInf;
-  d["MAX_LANES"] = kMaxLanes;
-  d["MAX_WORKERS"] = kMaxWorkers;
-  d["MAX_DATAGRAM"] = kMaxDatagram;
-  d["TYPES"] = py::dict(py::arg("DATA") = int(kData), py::arg("RESULT") = int(kResult),
-                        py::arg("REGISTER") = int(kRegister), py::arg("REGACK") = int(kRegAck),
-                        py::arg("RELEASE") = int(kRelease), py::arg("BYE") = int(kBye),
-                        py::arg("ERROR") = int(kError));
-  d["FLAGS"] = py::dict(py::arg("SHADOW") = int(kFlagShadow), py::arg("LAST") = int(kFlagLast));
-  d["ERRORS"] = py::dict(py::arg("MISMATCH") = int(kErrMismatch), py::arg("JOB") = int(kErrJob),
-                         py::arg("CAPACITY") = int(kErrCapacity));
-  // (name, offset, size) of the header fields, in order: the dissector is built from this.
-  py::list fields;
-  for (const HeaderField& f : kHeaderFields)
-    fields.append(py::make_tuple(f.name, f.offset, f.size));
-  d["FIELDS"] = fields;
-  return d;
-}
-
 }  // namespace
 
 void register_omni(py::module_& m) {
@@ -781,7 +755,6 @@ void register_omni(py::module_& m) {
       .def("finish", &Worker::finish)
       .def("stats", &Worker::stats)
       .def("close", &Worker::close, nogil());
-  m.def("omni_protocol", &protocol_constants, "constants and header layout of docs/PROTOCOL.md");
 }
 
 }  // namespace hvd_sparse::omni

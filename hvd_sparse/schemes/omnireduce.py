@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import horovod.torch as hvd
 import torch
 
-from .. import _C
+from .. import _C, protocol
 from ..config import Config
 from ..engine import Job, Stage
 from ..errors import HvdSparseError
@@ -42,10 +42,10 @@ class Session:
         # Block values per packet: the configured fusion, cut so that a whole packet (header,
         # bitmap, up to MAX_LANES lane entries) fits one frame of the path: an IP fragment
         # lost on a busy link loses the whole datagram.
-        p = _C.omni_protocol()
-        max_datagram = max_datagram or p["MAX_DATAGRAM"]
-        self.payload = max(1, min(cfg.payload_bytes, max_datagram - p["HEADER_BYTES"]
-                                  - p["BITMAP_BYTES"] - p["MAX_LANES"] * p["LANE_BYTES"]))
+        max_datagram = max_datagram or protocol.MAX_DATAGRAM
+        self.payload = max(1, min(cfg.payload_bytes, max_datagram - protocol.HEADER_BYTES
+                                  - protocol.BITMAP_BYTES
+                                  - protocol.MAX_LANES * protocol.LANE_BYTES))
         # The engine's own no-progress timeout fires a little before the caller's, so the error
         # names the aggregator rather than only the tensor.
         self.worker = _C.OmniWorker(addrs, token, hvd.rank(), hvd.size(),
@@ -172,7 +172,7 @@ IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux <linux/in.h>
 
 def _max_datagram(host: str, port: int) -> int:
     """The largest UDP payload that reaches (host, port) in one frame: path MTU - 28."""
-    cap = _C.omni_protocol()["MAX_DATAGRAM"]
+    cap = protocol.MAX_DATAGRAM
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((host, port))
