@@ -8,10 +8,11 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from . import basics, blocks, engine, metrics, runfile, schemes
+from . import basics, blocks, engine, runfile, schemes
 from .config import SCHEMES
 from .engine import Handle, Job
 from .errors import HvdSparseError
+from .metrics import record as record_metrics
 from .schemes import rows
 
 _unnamed = itertools.count()
@@ -80,7 +81,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _record(h: Handle) -> None:
     seconds = time.monotonic() - h.started
-    metrics.record(h.job.name, h.job.scheme, seconds, h.job.stats)
+    record_metrics(h.job.name, h.job.scheme, seconds, h.job.stats)
     runfile.record(h.job, h.started, seconds)
 
 
