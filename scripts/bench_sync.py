@@ -74,8 +74,7 @@ from rich.progress import Progress  # noqa: E402
 
 import hvd_sparse  # noqa: E402
 from hvd_sparse import protocol  # noqa: E402
-from hvd_sparse.schemes import omnireduce  # noqa: E402
-from hvd_sparse.schemes.omnireduce import Session  # noqa: E402
+from hvd_sparse import session as omni  # noqa: E402
 
 SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
 # "omnireduce K=2": the same scheme over two aggregators instead of init's one
@@ -160,16 +159,16 @@ class Method:
     restore: Callable[[], object] = lambda: None  # untimed, before each call
 
 
-def k2_session() -> Session:
+def k2_session() -> omni.Session:
     """A second aggregation session over two local aggregators (rank 0 starts them)."""
     cfg = dataclasses.replace(hvd_sparse.basics.state().config, aggregators="",
                               local_aggregators=2)
-    session = omnireduce.start(cfg)
+    session = omni.start(cfg)
     assert session is not None
     return session
 
 
-def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: Session | None) -> torch.Tensor:
+def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: omni.Session | None) -> torch.Tensor:
     name = f"bench.{scheme.replace(' ', '.')}{'_' if inplace else ''}"
     fn = hvd_sparse.allreduce_ if inplace else hvd_sparse.allreduce
     if scheme != "omnireduce K=2":
@@ -182,7 +181,7 @@ def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: Session | None) -> t
         st.omni = own
 
 
-def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor, k2: Session | None,
+def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor, k2: omni.Session | None,
             chosen: list[str]) -> dict[str, Method]:
     def restore() -> torch.Tensor:
         return work.copy_(t)
