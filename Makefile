@@ -56,4 +56,4 @@ bench: build
 	@$(PY) scripts/bench_sync.py
 
 clean:
-	rm -rf build build.log $(EXT) hvd_sparse/bin *.egg-info bench_results .pytest_cache
+	rm -rf build build.log $(EXT) hvd_sparse/_protocol.*.so hvd_sparse/bin *.egg-info bench_results .pytest_cache

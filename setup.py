@@ -1,6 +1,7 @@
 """Builds hvd_sparse, its C++ extension hvd_sparse._C (C++17, against the installed torch), the
-torch-free aggregator binary hvd_sparse/bin/hvd-sparse-aggregator and, where torch has CUDA and
-nvcc exists, the CUDA kernels.
+torch-free protocol description hvd_sparse._protocol (plain CPython API), the torch-free
+aggregator binary hvd_sparse/bin/hvd-sparse-aggregator and, where torch has CUDA and nvcc
+exists, the CUDA kernels.
 
 The extension must be compiled against the torch it will run with, so build without pip's
 isolated build environment, in a venv that already has torch and Horovod:
@@ -15,7 +16,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 try:
     import torch
@@ -116,14 +117,17 @@ setup(
     ext_modules=[
         CppExtension(
             "hvd_sparse._C",
-            ["csrc/codec.cpp", "csrc/fresh_zeros.cpp", "csrc/sparsify.cpp", "csrc/rows.cpp",
-             "csrc/cuda_host.cpp",
-             "csrc/omni/worker.cpp", "csrc/omni/transport/udp/transport.cpp",
-             "csrc/omni/aggregator/binding.cpp", "csrc/omni/aggregator/core.cpp"],
+            ["csrc/module.cpp", "csrc/codec.cpp", "csrc/fresh_zeros.cpp", "csrc/sparsify.cpp",
+             "csrc/rows.cpp", "csrc/cuda_host.cpp", "csrc/omni/worker.cpp",
+             "csrc/omni/transport/udp/transport.cpp", "csrc/omni/aggregator/binding.cpp",
+             "csrc/omni/aggregator/core.cpp"],
             include_dirs=["csrc"],
             extra_compile_args=["-O3", "-std=c++17", "-march=x86-64-v2", "-fopenmp"],
             extra_link_args=["-fopenmp"],
         ),
+        # No torch, no pybind11: tools that only speak the wire protocol import it anywhere.
+        Extension("hvd_sparse._protocol", ["csrc/omni/protocol_module.cpp"],
+                  include_dirs=["csrc"], extra_compile_args=["-O2", "-std=c++17"]),
         *cuda_extensions(),
     ],
     package_data={"hvd_sparse": [f"bin/{name}" for name in BINARIES]},

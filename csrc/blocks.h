@@ -10,8 +10,13 @@ namespace hvd_sparse {
 
 // dtype codes shared with the Python side and the segment header.
 enum DType : uint8_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
+constexpr int kNumDTypes = 4;
+// Their names, indexed by code, as torch and numpy spell them: the one table Python and error
+// messages read (hvd_sparse.protocol.DTYPES).
+constexpr const char* kDTypeNames[kNumDTypes] = {"float32", "float64", "float16", "bfloat16"};
 
 inline int dtype_size(uint8_t d) { return d == kF64 ? 8 : d == kF32 ? 4 : 2; }
+inline const char* dtype_name(uint8_t d) { return d < kNumDTypes ? kDTypeNames[d] : "unknown"; }
 
 // Unsigned word of an element's width and the mask that drops its sign bit: an element is zero
 // iff (bits & mag) == 0, so +0 and -0 are zero while NaN, Inf and denormals are not.

@@ -15,13 +15,9 @@
 
 #include "blocks.h"
 #include "segment.h"
-
-void register_sparsify(pybind11::module_& m);
-void register_rows(pybind11::module_& m);  // csrc/rows.cpp
+#include "torch_dtype.h"
 
 namespace hvd_sparse {
-
-void register_fresh_zeros(pybind11::module_& m);  // csrc/fresh_zeros.cpp
 
 // Threads the codec may use. Several ranks share a host, so hvd_sparse.init() sets this to
 // cores / local ranks: oversubscribed OpenMP teams spin and run many times slower.
@@ -42,27 +38,6 @@ void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   for (int64_t c = 0; c < chunks; ++c) {
     int64_t b0 = begin + c * step;
     if (b0 < end) f(b0, std::min(end, b0 + step));
-  }
-}
-
-const char* dtype_name(uint8_t d) {
-  switch (d) {
-    case kF32: return "float32";
-    case kF64: return "float64";
-    case kF16: return "float16";
-    case kBF16: return "bfloat16";
-    default: return "unknown";
-  }
-}
-
-uint8_t dtype_code(at::ScalarType s) {
-  switch (s) {
-    case at::kFloat: return kF32;
-    case at::kDouble: return kF64;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: throw std::invalid_argument(std::string("hvd_sparse codec: unsupported dtype ") +
-                                         c10::toString(s));
   }
 }
 
@@ -517,17 +492,8 @@ int64_t count_partition(int64_t nblocks, int64_t part, int64_t nparts) {
   return n;
 }
 
-}  // namespace hvd_sparse
-
-namespace hvd_sparse::omni {
-void register_omni(py::module_& m);  // csrc/omni/worker.cpp
-void register_aggregator_core(py::module_& m);  // csrc/omni/aggregator/binding.cpp
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using namespace hvd_sparse;
+void register_codec(py::module_& m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
-  m.doc() = "hvd-sparse C++ core: block codec and collective segments";
   m.def("block_mask", &block_mask, "uint8 mask of non-zero blocks", py::arg("t"), py::arg("block_size"),
         py::arg("clear_signed_zeros") = false, nogil());
   m.def("pack", &pack, py::arg("t"), py::arg("block_size"), py::arg("mask") = py::none(), nogil());
@@ -545,9 +511,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("count_partition", &count_partition);
   m.def("set_threads", [](int n) { g_threads = n; }, "codec threads (0: torch's setting)");
   m.attr("SEGMENT_HEADER_BYTES") = sizeof(SegHeader);
-  register_sparsify(m);  // csrc/sparsify.cpp
-  register_rows(m);
-  register_fresh_zeros(m);
-  omni::register_omni(m);  // csrc/omni/worker.cpp
-  omni::register_aggregator_core(m);
 }
+
+}  // namespace hvd_sparse

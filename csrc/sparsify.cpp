@@ -393,8 +393,6 @@ int64_t count_nonfinite(const at::Tensor& t) { return std::get<1>(count_abs_ge(t
 
 }  // namespace hvd_sparse
 
-void register_cuda_host(pybind11::module_& m);  // csrc/cuda_host.cpp
-
 void register_sparsify(pybind11::module_& m) {
   using namespace hvd_sparse;
   using nogil = py::call_guard<py::gil_scoped_release>;
@@ -415,5 +413,4 @@ void register_sparsify(pybind11::module_& m) {
         py::arg("block_size"), py::arg("clear"), nogil());
   m.def("zero_units_", &zero_units_, py::arg("t"), py::arg("idx"), py::arg("block_size"), nogil());
   m.def("count_nonfinite", &count_nonfinite, py::arg("t"), nogil());
-  register_cuda_host(m);
 }

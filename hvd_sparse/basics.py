@@ -7,10 +7,9 @@ from dataclasses import asdict, dataclass
 
 import horovod.torch as hvd
 
-from . import _C, costmodel, engine, runfile
+from . import _C, costmodel, engine, runfile, session
 from . import config as _config
 from .errors import HvdSparseError
-from .schemes import omnireduce
 
 log = logging.getLogger("hvd_sparse")
 
@@ -20,7 +19,7 @@ class State:
     config: _config.Config
     net: costmodel.NetModel
     world: tuple[int, int]  # Horovod's (rank, size) at init: what the state was built for
-    omni: omnireduce.Session | None = None  # aggregators joined, when any
+    omni: session.Session | None = None  # aggregators joined, when any
 
 
 _state: State | None = None
@@ -46,7 +45,7 @@ def init(**kwargs: object) -> None:
     log.setLevel(cfg.log_level.upper())
     # Ranks sharing a host share its cores; more threads than that make every loop crawl.
     _C.set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // hvd.local_size()))
-    omni = omnireduce.start(cfg)
+    omni = session.start(cfg)
     net = costmodel.load_or_probe(
         cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
         layout=omni.layout() if omni else (0, 0), aggregators=omni.describe() if omni else "")
@@ -56,7 +55,7 @@ def init(**kwargs: object) -> None:
 
 
 def _start_run_file(cfg: _config.Config, net: costmodel.NetModel,
-                    omni: omnireduce.Session | None) -> None:
+                    omni: session.Session | None) -> None:
     if not cfg.metrics_file:
         runfile.stop()
         return

@@ -10,8 +10,11 @@ import hashlib
 import torch
 
 from . import _C
+from .protocol import DTYPES
 
-DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+# torch dtype -> the codec's and the wire's dtype code (csrc/blocks.h names them as torch does)
+DTYPE_CODES: dict[torch.dtype, int] = {getattr(torch, name): code
+                                       for name, (code, _) in DTYPES.items()}
 
 
 def supported(t: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 import horovod.torch as hvd
 import torch
 
-from . import _C, blocks
+from . import _C, blocks, protocol
 
 log = logging.getLogger("hvd_sparse")
 
@@ -165,17 +165,15 @@ def _fit_nonnegative(points: list[tuple[tuple[float, ...], float]]) -> tuple[flo
 def omni_slots(nblocks: int, layout: tuple[int, int], esize: int = 4, bs: int = 256) -> int:
     """Slots a tensor of ``nblocks`` blocks uses (docs/PROTOCOL.md)."""
     payload, slots = layout
-    lanes = max(1, min(64, payload // (bs * esize)))
-    return max(1, min(slots, -(-nblocks // lanes)))
+    return protocol.layout(nblocks, bs, esize, payload, slots)[1]
 
 
 def omni_rounds(nblocks: int, union: float, layout: tuple[int, int], esize: int = 4,
                 bs: int = 256) -> float:
     """Expected rounds of the busiest slot: a slot's lanes step together, so it takes as many
     rounds as its fullest lane has union blocks, plus the first (docs/PROTOCOL.md)."""
-    payload, _ = layout
-    lanes = max(1, min(64, payload // (bs * esize)))
-    nslots = omni_slots(nblocks, layout, esize, bs)
+    payload, slots = layout
+    lanes, nslots = protocol.layout(nblocks, bs, esize, payload, slots)
     positions = nblocks / (nslots * lanes)  # per lane
     u = min(1.0, union / max(1, nblocks))  # chance a position is in the union
     # the fullest lane (mean + 2 sd), plus round 0 unless it carries data anyway

@@ -18,7 +18,10 @@ from typing import Any, Protocol
 import horovod.torch as hvd
 import torch
 
+from .config import Config
+from .costmodel import NetModel
 from .errors import HvdSparseError
+from .session import Session
 
 
 class Waitable(Protocol):
@@ -40,6 +43,16 @@ def _value(pending: int | Waitable) -> Any:
     return hvd.synchronize(pending) if isinstance(pending, int) else pending.value()
 
 
+@dataclass(frozen=True)
+class Context:
+    """What a scheme may know of the process beyond its tensor, handed to it with the job (taken
+    from ``basics.state()`` when the reduction starts), so schemes never reach up for it."""
+
+    config: Config
+    net: NetModel  # the cost model's view of the network ("auto")
+    omni: Session | None  # the aggregators joined at init ("omnireduce"), when any
+
+
 @dataclass
 class Job:
     """One tensor's reduction: what every scheme needs to know about it."""
@@ -55,6 +68,7 @@ class Job:
     rank: int  # in the process set
     meta: int
     scheme: str
+    ctx: Context
     # the ranks taking part: every Horovod collective of the job runs in this set
     process_set: hvd.ProcessSet = hvd.global_process_set
     inplace: bool = False  # the schemes may write the result into ``tensor``

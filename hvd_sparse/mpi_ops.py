@@ -8,10 +8,11 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from . import basics, blocks, engine, metrics, runfile, schemes
+from . import basics, blocks, engine, runfile, schemes
 from .config import SCHEMES
 from .engine import Handle, Job
 from .errors import HvdSparseError
+from .metrics import record as record_metrics
 from .schemes import rows
 
 _unnamed = itertools.count()
@@ -65,6 +66,7 @@ def allreduce_async(
               block_size=block_size or st.config.block_size, size=process_set.size(),
               rank=process_set.rank(), process_set=process_set,
               meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
+              ctx=engine.Context(st.config, st.net, st.omni),
               inplace=t.numel() > 0 and (inplace or copied),
               output=tensor if inplace else None)
     return engine.submit(job, schemes.run(job), _record)
@@ -80,7 +82,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _record(h: Handle) -> None:
     seconds = time.monotonic() - h.started
-    metrics.record(h.job.name, h.job.scheme, seconds, h.job.stats)
+    record_metrics(h.job.name, h.job.scheme, seconds, h.job.stats)
     runfile.record(h.job, h.started, seconds)
 
 

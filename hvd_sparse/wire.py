@@ -1,31 +1,35 @@
 """Packets of the aggregation protocol, in Python, for tests, dissectors and tools.
 
-Built from the one definition in csrc/omni/protocol.h (``_C.omni_protocol()``), not retyped:
-field names, offsets and sizes come from there. The data path never uses this module.
+Built from the one definition in csrc/omni/protocol.h (through ``hvd_sparse.protocol``), not
+retyped: field names, offsets and sizes come from there. Torch-free; the data path never uses
+this module.
 """
 from __future__ import annotations
 
 import struct
 from typing import Any
 
-from . import _C
+from .protocol import (
+    BITMAP_BYTES,
+    ELEM_SIZE,
+    FIELDS,
+    HEADER_BYTES,
+    LANE_BYTES,
+    MAGIC,
+    TYPES,
+    VERSION,
+)
 
-PROTOCOL: dict[str, Any] = _C.omni_protocol()
-FIELDS: list[tuple[str, int, int]] = [tuple(f) for f in PROTOCOL["FIELDS"]]
-HEADER_BYTES: int = PROTOCOL["HEADER_BYTES"]
-TYPES: dict[str, int] = PROTOCOL["TYPES"]
-INF: int = PROTOCOL["INF"]
 _HEADER = struct.Struct(">" + "".join({1: "B", 2: "H", 4: "I", 8: "Q"}[size]
                                       for _, _, size in FIELDS))
 # The fields are packed back to back; the C++ definition must say the same.
 assert [sum(f[2] for f in FIELDS[:i]) for i in range(len(FIELDS))] == [f[1] for f in FIELDS]
 assert _HEADER.size == HEADER_BYTES
-ELEM_SIZE = {0: 4, 1: 8, 2: 2, 3: 2}
 
 
 def header(**fields: int) -> bytes:
     """A header with the given fields; magic and version default to the protocol's."""
-    values = {"magic": PROTOCOL["MAGIC"], "version": PROTOCOL["VERSION"], **fields}
+    values = {"magic": MAGIC, "version": VERSION, **fields}
     return _HEADER.pack(*(values.get(name, 0) for name, _, _ in FIELDS))
 
 
@@ -45,10 +49,10 @@ def parse(packet: bytes) -> dict[str, Any]:
     if out["type"] in (TYPES["DATA"], TYPES["RESULT"]):
         pos = HEADER_BYTES
         (out["bitmap"],) = struct.unpack_from(">Q", packet, pos)
-        pos += 8
-        out["lane_table"] = [struct.unpack_from(">II", packet, pos + 8 * i)
+        pos += BITMAP_BYTES
+        out["lane_table"] = [struct.unpack_from(">II", packet, pos + LANE_BYTES * i)
                              for i in range(out["lanes"])]
-        pos += 8 * out["lanes"]
+        pos += LANE_BYTES * out["lanes"]
         size = out["block_size"] * ELEM_SIZE.get(out["dtype"], 4)
         out["blocks"] = [packet[pos + i * size: pos + (i + 1) * size]
                          for i in range(out["present"])]

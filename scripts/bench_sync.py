@@ -73,8 +73,8 @@ from _report import console, print_table, save_png, write_json  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import hvd_sparse  # noqa: E402
-from hvd_sparse.schemes import omnireduce  # noqa: E402
-from hvd_sparse.schemes.omnireduce import Session  # noqa: E402
+from hvd_sparse import protocol  # noqa: E402
+from hvd_sparse import session as omni  # noqa: E402
 
 SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
 # "omnireduce K=2": the same scheme over two aggregators instead of init's one
@@ -159,16 +159,16 @@ class Method:
     restore: Callable[[], object] = lambda: None  # untimed, before each call
 
 
-def k2_session() -> Session:
+def k2_session() -> omni.Session:
     """A second aggregation session over two local aggregators (rank 0 starts them)."""
     cfg = dataclasses.replace(hvd_sparse.basics.state().config, aggregators="",
                               local_aggregators=2)
-    session = omnireduce.start(cfg)
+    session = omni.start(cfg)
     assert session is not None
     return session
 
 
-def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: Session | None) -> torch.Tensor:
+def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: omni.Session | None) -> torch.Tensor:
     name = f"bench.{scheme.replace(' ', '.')}{'_' if inplace else ''}"
     fn = hvd_sparse.allreduce_ if inplace else hvd_sparse.allreduce
     if scheme != "omnireduce K=2":
@@ -181,7 +181,7 @@ def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: Session | None) -> t
         st.omni = own
 
 
-def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor, k2: Session | None,
+def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor, k2: omni.Session | None,
             chosen: list[str]) -> dict[str, Method]:
     def restore() -> torch.Tensor:
         return work.copy_(t)
@@ -207,8 +207,9 @@ def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor, k2: Session 
 def udp_limit(n: int, payload_bytes: int) -> dict:
     """Raw loopback UDP: n senders blasting one socket with datagrams of the size the
     aggregation protocol sends for float32 (rank 0 runs it while the others wait)."""
-    lanes = max(1, min(64, payload_bytes // (256 * 4)))
-    dgram = 56 + 8 + 8 * lanes + lanes * 256 * 4
+    lanes, _ = protocol.layout(1, 256, 4, payload_bytes, 1)
+    dgram = (protocol.HEADER_BYTES + protocol.BITMAP_BYTES + protocol.LANE_BYTES * lanes
+             + lanes * 256 * 4)
     result = None
     if hvd.rank() == 0:
         out = subprocess.run([str(ROOT / "hvd_sparse" / "bin" / "hvd-sparse-udpblast"),

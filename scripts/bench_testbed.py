@@ -180,7 +180,7 @@ def rank_side(args: argparse.Namespace) -> None:
 
     import hvd_sparse
     from hvd_sparse import _C, basics, costmodel
-    from hvd_sparse.schemes import omnireduce
+    from hvd_sparse import session as omni
     from hvd_sparse.testbed import links
     from hvd_sparse.testbed.topology import Testbed
 
@@ -191,7 +191,7 @@ def rank_side(args: argparse.Namespace) -> None:
     tb = Testbed.load(os.environ["HVD_SPARSE_TESTBED"])
     st = basics.state()
     cfg = st.config
-    one = omnireduce.start(dataclasses.replace(cfg, aggregators=cfg.aggregator_list()[:1]))
+    one = omni.start(dataclasses.replace(cfg, aggregators=cfg.aggregator_list()[:1]))
     sessions = {"omnireduce x1": one, "omnireduce x4": st.omni}
 
     def ours(scheme: str, w: torch.Tensor) -> torch.Tensor:

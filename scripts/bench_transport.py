@@ -30,9 +30,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+from hvd_sparse import protocol  # noqa: E402
+
 BS = 256
 PAYLOAD = 8192  # 8 blocks of float32 per packet: a DATA datagram fits one 9000-byte frame
-DATAGRAM = 56 + 8 + 64 * 8 + PAYLOAD  # the largest DATA packet the workers send
+DATAGRAM = (protocol.HEADER_BYTES + protocol.BITMAP_BYTES + 8 * protocol.LANE_BYTES  # a full DATA
+            + PAYLOAD)
 
 
 def rank_side(a: argparse.Namespace) -> None:

@@ -25,15 +25,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hvd_sparse import _C, blocks, wire
+from hvd_sparse import _C, blocks, protocol, wire
 
 ROOT = Path(__file__).resolve().parents[1]
 BINARY = ROOT / "hvd_sparse" / "bin" / "hvd-sparse-aggregator"
 HOST = "127.0.0.1"
-INF = wire.INF
-T = wire.TYPES
-ESIZE = {torch.float32: 4, torch.float64: 8, torch.float16: 2, torch.bfloat16: 2}
-WIRE_DTYPE = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+INF = protocol.INF
+T = protocol.TYPES
 WAIT = 60.0  # generous: the test machine is shared and loaded
 
 
@@ -192,8 +190,8 @@ def geometry(numel: int, bs: int, dtype: torch.dtype, k: int, payload: int = 163
              slots: int = 64) -> tuple[int, int, int]:
     """(nblocks, lanes, nslots) as docs/PROTOCOL.md defines them."""
     nb = -(-numel // bs)
-    lanes = min(max(payload // (bs * ESIZE[dtype]), 1), 64)
-    return nb, lanes, min(k * slots, -(-nb // lanes))
+    esize = protocol.ELEM_SIZE[blocks.DTYPE_CODES[dtype]]
+    return nb, *protocol.layout(nb, bs, esize, payload, k * slots)
 
 
 def run(workers, inputs: list[torch.Tensor], tensor_id: int, bs: int, *, inplace: bool,
@@ -339,7 +337,7 @@ def test_large_output_in_fresh_zeros(aggs, make_workers, dtype):
     4 MiB), 1% of the blocks non-zero per worker, scaled."""
     n, bs = 2, 256
     ws = make_workers([aggs(n)], n)
-    rng = np.random.default_rng(WIRE_DTYPE[dtype])
+    rng = np.random.default_rng(blocks.DTYPE_CODES[dtype])
     numel = 2**21 + 77
     ins = [block_sparse(rng, numel, bs, 0.01, dtype, force=(0,) if r else ()) for r in range(n)]
     outs = [blocks.zeros(numel, dtype) for _ in range(n)]
@@ -360,7 +358,7 @@ def test_half_precision_sums_are_rounded_once(aggs, make_workers):
                          (torch.bfloat16, (1.0, 2.0 ** -8, 2.0 ** -30))):
         ins = [torch.full((8,), p, dtype=dtype) for p in parts]
         assert all(float(x[0]) == p for x, p in zip(ins, parts, strict=True))  # exact inputs
-        outs, _ = run(ws, ins, 1 + WIRE_DTYPE[dtype], 8, inplace=False)
+        outs, _ = run(ws, ins, 1 + blocks.DTYPE_CODES[dtype], 8, inplace=False)
         ref = reference(ins)
         assert float(ref[0]) == 1 + (2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7)
         for o in outs:
@@ -483,11 +481,6 @@ def test_loss_duplication_reordering_give_identical_results(aggs, make_workers, 
 # 3. Malformed and foreign packets while a job runs
 # ------------------------------------------------------------------------------------------
 
-def stream_length(slot: int, lane: int, nblocks: int, nslots: int, lanes: int) -> int:
-    j, size = slot * lanes + lane, nslots * lanes
-    return 0 if j >= nblocks else -(-(nblocks - j) // size)
-
-
 def packet(lane_table, blocks: list[bytes], bitmap: int | None = None, **fields) -> bytes:
     """A DATA packet with every field given explicitly (no consistency enforced)."""
     if bitmap is None:
@@ -501,7 +494,7 @@ def round0(slot: int, nblocks: int, nslots: int, lanes: int, rng) -> list[tuple[
     """A valid round-0 lane table of a slot (offset 0 or INF, next beyond it or INF)."""
     table = []
     for lane in range(lanes):
-        length = stream_length(slot, lane, nblocks, nslots, lanes)
+        length = protocol.stream_length(slot, lane, nblocks, nslots, lanes)
         if length == 0:
             table.append((INF, INF))
         else:
@@ -541,7 +534,7 @@ def junk_packets(kind: str, seed: int, tensor: int, raw: bytes) -> tuple[str, by
         return "malformed", valid + raw[:15] + b"\0"
     if kind == "magic":
         return "malformed", packet(table, blocks, bitmap, **{
-            **base, "magic": int(rng.integers(0, 2 ** 32)) ^ wire.PROTOCOL["MAGIC"] or 1})
+            **base, "magic": int(rng.integers(0, 2 ** 32)) ^ protocol.MAGIC or 1})
     if kind == "version":
         return "malformed", packet(table, blocks, bitmap, **{**base, "version": int(
             rng.choice([0, 2, 255]))})
@@ -589,7 +582,7 @@ def junk_packets(kind: str, seed: int, tensor: int, raw: bytes) -> tuple[str, by
     elif kind == "next <= offset":
         mutated[lane] = (0, 0)
     elif kind == "next beyond stream":
-        length = stream_length(slot, lane, nb, ns, lanes)
+        length = protocol.stream_length(slot, lane, nb, ns, lanes)
         mutated[lane] = (0, length + int(rng.integers(0, 5)))
     elif kind == "offset on empty lane":
         dead = [x for x in range(lanes) if x not in live] or [lane]
@@ -721,7 +714,7 @@ def test_malformed_packet_cannot_redirect_results(aggs):
         for r in range(2):
             res = wire.parse(w[r].recv(1000))
             assert res["type"] == T["RESULT"] and res["round"] == 0 and res["present"] == 1
-            assert res["flags"] & wire.PROTOCOL["FLAGS"]["LAST"]
+            assert res["flags"] & protocol.FLAGS["LAST"]
             assert res["lane_table"] == [(0, INF)] and res["bitmap"] == 1
             np.testing.assert_array_equal(np.frombuffer(res["blocks"][0], np.float32),
                                           vals[0] + vals[1])
@@ -942,24 +935,34 @@ def process_alive(pid: int) -> bool:
 # ------------------------------------------------------------------------------------------
 
 def test_protocol_doc_matches_the_code():
+    """docs/PROTOCOL.md's header table, protocol.h's field list (through hvd_sparse._protocol)
+    and the bytes hvd_sparse.wire writes are one and the same."""
     doc = (ROOT / "docs" / "PROTOCOL.md").read_text()
     section = doc.split("### Packet format", 1)[1].split("\n### ", 1)[0]
     rows = re.findall(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\w+)\s*\|(.*)\|\s*$", section, re.M)
     fields = [(name, int(off), int(size)) for off, size, name, _ in rows]
-    proto = _C.omni_protocol()
-    assert fields == [tuple(f) for f in proto["FIELDS"]]
-    assert f"Header, {proto['HEADER_BYTES']} bytes" in section
-    assert sum(size for _, _, size in fields) == proto["HEADER_BYTES"]
+    assert fields == protocol.FIELDS
+    assert f"Header, {protocol.HEADER_BYTES} bytes" in section
+    assert sum(size for _, _, size in fields) == protocol.HEADER_BYTES
     meaning = {name: text for _, _, name, text in rows}
     types = {name: int(num) for num, name in re.findall(r"(\d+) ([A-Z]+)", meaning["type"])}
-    assert types == proto["TYPES"]
-    dtypes = dict(re.findall(r"(\d+) (\w+)", meaning["dtype"]))
-    assert dtypes == {"0": "float32", "1": "float64", "2": "float16", "3": "bfloat16"}
+    assert types == protocol.TYPES
+    dtypes = {name: int(num) for num, name in re.findall(r"(\d+) (\w+)", meaning["dtype"])}
+    assert dtypes == {name: code for name, (code, _) in protocol.DTYPES.items()}
     flags = {name: int(num) for num, name in re.findall(r"(\d+) ([A-Z]+)", meaning["flags"])}
-    assert flags == proto["FLAGS"]
+    assert flags == protocol.FLAGS
     errors = {name: int(num) for num, name in
               re.findall(r"(\d+) ([A-Z]+)", meaning["round"].split("ERROR:")[1])}
-    assert errors == proto["ERRORS"]
-    assert f"`0x{proto['MAGIC']:08X}`" in meaning["magic"]
-    assert meaning["version"].strip() == str(proto["VERSION"])
-    assert len(wire.header()) == proto["HEADER_BYTES"]
+    assert errors == protocol.ERRORS
+    assert f"`0x{protocol.MAGIC:08X}`" in meaning["magic"]
+    assert meaning["version"].strip() == str(protocol.VERSION)
+    assert re.search(rf"`INF` =\s+`0x{protocol.INF:08X}`", section)
+    # wire.py puts every field, big-endian, at the documented offset, and reads it back.
+    values = {name: (0x0123456789ABCDEF >> (8 * (8 - size))) ^ i for i, (name, _, size)
+              in enumerate(fields)}
+    values["type"] = protocol.TYPES["REGISTER"]  # a header-only packet, for parse()
+    raw = wire.header(**values)
+    assert len(raw) == protocol.HEADER_BYTES
+    for name, off, size in fields:
+        assert int.from_bytes(raw[off:off + size], "big") == values[name], name
+    assert {k: v for k, v in wire.parse(raw).items() if k in values} == values

@@ -11,10 +11,10 @@ import pytest
 from test_aggregator import KINDS, junk_packets
 from test_aggregator import Job as FuzzJob
 
-from hvd_sparse import _C, wire
+from hvd_sparse import _C, protocol, wire
 
-T, INF = wire.TYPES, wire.INF
-NP_DTYPE = {0: np.float32, 1: np.float64, 2: np.float16}  # wire code -> numpy type
+T, INF = protocol.TYPES, protocol.INF
+NP_DTYPE = {protocol.DTYPES[name][0]: np.dtype(name) for name in ("float32", "float64", "float16")}
 
 
 class SimWorker:
@@ -39,11 +39,10 @@ class SimWorker:
         self.done = [False] * nslots
 
     def length(self, slot: int, lane: int) -> int:
-        j, size = slot * self.lanes + lane, self.nslots * self.lanes
-        return 0 if j >= self.nblocks else -(-(self.nblocks - j) // size)
+        return protocol.stream_length(slot, lane, self.nblocks, self.nslots, self.lanes)
 
     def block(self, slot: int, lane: int, pos: int) -> int:
-        return (pos * self.nslots + slot) * self.lanes + lane
+        return protocol.stream_block(slot, lane, pos, self.nslots, self.lanes)
 
     def data(self, slot: int) -> bytes:
         """DATA of the slot's current round: blocks held at the lanes' positions, and the next
@@ -72,7 +71,7 @@ class SimWorker:
             self.out[self.block(s, lane, p["lane_table"][lane][0])] = np.frombuffer(raw, dt)
         self.cur[s] = [nxt for _, nxt in p["lane_table"]]
         self.round[s] += 1
-        if p["flags"] & wire.PROTOCOL["FLAGS"]["LAST"]:
+        if p["flags"] & protocol.FLAGS["LAST"]:
             self.done[s] = True
             return None
         return self.data(s)
@@ -201,7 +200,7 @@ def test_mismatched_workers_get_an_error():
     replies = core.handle(other.data(0), other.addr, 0.0)
     errors = [(a, wire.parse(b)) for a, b in replies]
     assert sorted(a for a, _ in errors) == sorted([ws[0].addr, other.addr])
-    assert all(p["type"] == T["ERROR"] and p["round"] == wire.PROTOCOL["ERRORS"]["MISMATCH"]
+    assert all(p["type"] == T["ERROR"] and p["round"] == protocol.ERRORS["MISMATCH"]
                for _, p in errors)
     assert core.counters()["mismatch"] == 1
 

@@ -1,5 +1,5 @@
 // The OmniReduce-style aggregation protocol: the one definition shared by the C++ aggregator,
-// the worker engine in hvd_sparse._C and (through _C.omni_protocol()) every Python tool that
+// the worker engine in hvd_sparse._C and (through hvd_sparse._protocol) every Python tool that
 // reads or writes packets. docs/PROTOCOL.md is the prose spec of this file.
 //
 // Header fields are big-endian (network order); block values travel little-endian in the
@@ -43,7 +43,7 @@ constexpr int kMaxDatagram = 65507;      // UDP over IPv4
 
 // The fixed header, 56 bytes: the one list of its fields (name, type, offset; offsets are part
 // of the spec, docs/PROTOCOL.md). The struct, load_header/store_header and the field table that
-// Python reads (_C.omni_protocol()["FIELDS"]) are all generated from it.
+// Python reads (hvd_sparse._protocol.FIELDS) are all generated from it.
 #define HVD_SPARSE_HEADER_FIELDS(X)                                                         \
   X(magic, uint32_t, 0)                                                                     \
   X(version, uint8_t, 4)                                                                    \

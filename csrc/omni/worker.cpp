@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "../blocks.h"
+#include "../torch_dtype.h"
 #include "protocol.h"
 #include "transport/lossy.h"
 #include "transport/udp/transport.h"
@@ -51,16 +52,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double now_s() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
-
-uint8_t wire_dtype(at::ScalarType s) {
-  switch (s) {
-    case at::kFloat: return kF32;
-    case at::kDouble: return kF64;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: throw std::invalid_argument("omnireduce: unsupported dtype");
-  }
-}
 
 constexpr double kInitialWindow = 8, kMinWindow = 2, kMaxWindow = 4096;
 constexpr double kPaceAbove = 16;  // packets: smaller windows go out at once
@@ -192,7 +183,7 @@ class Worker {
     t->output = output;
     t->in = static_cast<const uint8_t*>(input.data_ptr());
     t->out = static_cast<uint8_t*>(output.data_ptr());
-    t->dtype = wire_dtype(input.scalar_type());
+    t->dtype = dtype_code(input.scalar_type());
     t->esize = dtype_size(t->dtype);
     t->numel = input.numel();
     TORCH_CHECK(bs >= 1 && bs <= 65535 && size_t(bs) * t->esize + kHeaderBytes + kBitmapBytes +
@@ -742,32 +733,6 @@ class Worker {
            malformed_ = 0, stale_ = 0;
 };
 
-py::dict protocol_constants() {
-  py::dict d;
-  d["MAGIC"] = kMagic;
-  d["VERSION"] = kVersion;
-  d["HEADER_BYTES"] = kHeaderBytes;
-  d["BITMAP_BYTES"] = kBitmapBytes;
-  d["LANE_BYTES"] = kLaneBytes;
-  d["INF"] = kInf;
-  d["MAX_LANES"] = kMaxLanes;
-  d["MAX_WORKERS"] = kMaxWorkers;
-  d["MAX_DATAGRAM"] = kMaxDatagram;
-  d["TYPES"] = py::dict(py::arg("DATA") = int(kData), py::arg("RESULT") = int(kResult),
-                        py::arg("REGISTER") = int(kRegister), py::arg("REGACK") = int(kRegAck),
-                        py::arg("RELEASE") = int(kRelease), py::arg("BYE") = int(kBye),
-                        py::arg("ERROR") = int(kError));
-  d["FLAGS"] = py::dict(py::arg("SHADOW") = int(kFlagShadow), py::arg("LAST") = int(kFlagLast));
-  d["ERRORS"] = py::dict(py::arg("MISMATCH") = int(kErrMismatch), py::arg("JOB") = int(kErrJob),
-                         py::arg("CAPACITY") = int(kErrCapacity));
-  // (name, offset, size) of the header fields, in order: the dissector is built from this.
-  py::list fields;
-  for (const HeaderField& f : kHeaderFields)
-    fields.append(py::make_tuple(f.name, f.offset, f.size));
-  d["FIELDS"] = fields;
-  return d;
-}
-
 }  // namespace
 
 void register_omni(py::module_& m) {
@@ -788,7 +753,6 @@ void register_omni(py::module_& m) {
       .def("finish", &Worker::finish)
       .def("stats", &Worker::stats)
       .def("close", &Worker::close, nogil());
-  m.def("omni_protocol", &protocol_constants, "constants and header layout of docs/PROTOCOL.md");
 }
 
 }  // namespace hvd_sparse::omni

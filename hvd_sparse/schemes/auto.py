@@ -11,7 +11,7 @@ import logging
 import horovod.torch as hvd
 import torch
 
-from .. import basics, blocks, costmodel
+from .. import blocks, costmodel
 from ..engine import Job, Stage
 from ..errors import HvdSparseError
 from ..segments import local_mask
@@ -24,9 +24,9 @@ _union_ratio: dict[str, float] = {}  # name -> observed union / sum of per-rank 
 
 
 def run(job: Job) -> Stage:
-    st = basics.state()
+    ctx = job.ctx
     t = job.tensor
-    if t.numel() * t.element_size() < st.config.small_bytes:
+    if t.numel() * t.element_size() < ctx.config.small_bytes:
         job.stats["reason"] = "small"
         return (yield from dense.run(job))
     nnz_local = int(local_mask(job).sum())
@@ -41,7 +41,7 @@ def run(job: Job) -> Stage:
                 f"dtype={t.dtype} (or the shapes differ)")
     nnz = rows[:, 0].tolist()
     ratio = _union_ratio.get(job.name)
-    predicted = costmodel.predict(st.net, t.numel(), t.element_size(), job.block_size, nnz,
+    predicted = costmodel.predict(ctx.net, t.numel(), t.element_size(), job.block_size, nnz,
                                   None if ratio is None else ratio * sum(nnz))
     if not omnireduce.covers(job.process_set):
         predicted.seconds.pop("omnireduce", None)

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from .. import _C, metrics
+from .. import _C
+from ..metrics import record_sparsify
 from .memory import NoMemory, ResidualMemory
 
 _FLOATS = (torch.float32, torch.float64)
@@ -109,7 +110,7 @@ class Sparsifier:
             flat.copy_(work)
         if flat.data_ptr() != grad.data_ptr():
             grad.copy_(flat.view(grad.shape))
-        metrics.record_sparsify(name, sparsifier=type(self).__name__,
+        record_sparsify(name, sparsifier=type(self).__name__,
                                 requested_density=(self.density if self.density is None
                                                     else self.density_now(name)),
                                 achieved_density=selected / grad.numel(), selected=selected,
@@ -127,7 +128,7 @@ class Sparsifier:
 
     @staticmethod
     def record_union(name: str, union: int, numel: int) -> None:
-        metrics.record_sparsify(name, union=union, union_density=union / max(1, numel))
+        record_sparsify(name, union=union, union_density=union / max(1, numel))
 
 
 def _elements(idx: torch.Tensor, unit: int, numel: int) -> int:

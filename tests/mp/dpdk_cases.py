@@ -20,6 +20,7 @@ import torch
 from common import case, close_to, report, start
 
 import hvd_sparse
+from hvd_sparse import protocol
 from hvd_sparse.testbed import Testbed, lifecycle, loss
 
 NUMEL = 1 << 19
@@ -113,9 +114,9 @@ def main() -> None:
                     if kind == 0:  # random bytes, any length up to a header and a bit
                         p = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 90)))
                     elif kind == 1:  # a header with the wrong magic
-                        p = struct.pack(">I", 0xDEADBEEF) + bytes(52)
+                        p = struct.pack(">I", protocol.MAGIC ^ 1) + bytes(protocol.HEADER_BYTES - 4)
                     else:  # truncated: the magic and version only
-                        p = struct.pack(">IB", 0x4853504F, 1)
+                        p = struct.pack(">IB", protocol.MAGIC, protocol.VERSION)
                     s.sendto(p, (host, int(port)))
                     sent[0] += 1
         t = threading.Thread(target=fire) if hvd.rank() == 0 else None

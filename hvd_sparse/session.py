@@ -1,0 +1,175 @@
+"""The aggregation session: this rank's worker engine joined to the job's aggregators.
+
+``start`` (called by ``hvd_sparse.init``, collective) joins the configured aggregators or has
+rank 0 start local ones (aggregator.LocalAggregators), agrees with every rank on the job token
+and the path MTU, and registers. The omnireduce scheme submits tensors to the resulting
+``Session``. Tensors are named on the wire by a hash of their name and how often that name was
+reduced, so every rank derives the same id whatever order it submits in.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import socket
+import statistics
+import time
+from collections import defaultdict
+
+import horovod.torch as hvd
+import torch
+
+from . import _C, protocol
+from .aggregator import LocalAggregators
+from .config import Config
+from .errors import HvdSparseError
+
+log = logging.getLogger("hvd_sparse")
+
+
+class Session:
+    """This rank's worker engine, joined to the job's aggregators."""
+
+    def __init__(self, cfg: Config, addrs: list[tuple[str, int]], token: int,
+                 local: LocalAggregators | None, max_datagram: int | None = None) -> None:
+        self.cfg, self.addrs, self.local = cfg, addrs, local
+        # Block values per packet: the configured fusion, cut so that a whole packet (header,
+        # bitmap, up to MAX_LANES lane entries) fits one frame of the path: an IP fragment
+        # lost on a busy link loses the whole datagram.
+        max_datagram = max_datagram or protocol.MAX_DATAGRAM
+        self.payload = max(1, min(cfg.payload_bytes, max_datagram - protocol.HEADER_BYTES
+                                  - protocol.BITMAP_BYTES
+                                  - protocol.MAX_LANES * protocol.LANE_BYTES))
+        # The engine's own no-progress timeout fires a little before the caller's, so the error
+        # names the aggregator rather than only the tensor.
+        self.worker = _C.OmniWorker(addrs, token, hvd.rank(), hvd.size(),
+                                    payload_bytes=self.payload,
+                                    slots_per_aggregator=cfg.slots, rto=cfg.rto,
+                                    timeout=cfg.timeout * 0.9, seed=hvd.rank())
+        self._calls: dict[str, int] = defaultdict(int)
+
+    def tensor_id(self, name: str) -> int:
+        self._calls[name] += 1
+        digest = hashlib.blake2b(f"{name}#{self._calls[name]}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") | 1  # never 0: ids name tensors, 0 names none
+
+    def layout(self) -> tuple[int, int]:
+        """(payload bytes per packet, slots over all aggregators): what sets a tensor's rounds."""
+        return self.payload, self.cfg.slots * len(self.addrs)
+
+    def describe(self) -> str:
+        """What the probe's timings depend on: how many aggregators, local or not, fusion."""
+        return f"{len(self.addrs)}x{'local' if self.local else 'remote'}/{self.layout()}"
+
+    def probe_time(self, numel: int, density: float = 1.0, reps: int = 3) -> float:
+        """Median seconds of aggregating a float32 tensor with ``density`` of its 256-blocks
+        non-zero, the same blocks on every rank (collective)."""
+        x, times = torch.zeros(numel // 256, 256), []
+        g = torch.Generator().manual_seed(0)
+        x[torch.randperm(x.shape[0], generator=g)[:max(1, round(density * x.shape[0]))]] = 1
+        x = x.view(-1)
+        for _ in range(reps + 1):
+            out = torch.zeros_like(x)  # only the union's blocks are written
+            t0 = time.perf_counter()
+            ticket = self.worker.submit(
+                self.tensor_id(f"hvd_sparse.probe.omni{numel}.{density}"), x, out, 256, 0, None,
+                "probe", 1.0)
+            self.worker.wait(ticket, self.cfg.timeout)
+            self.worker.finish(ticket)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    def close(self) -> None:
+        self.worker.close()
+        if self.local is not None:
+            self.local.stop()
+
+
+def start(cfg: Config) -> Session | None:
+    """Joins the configured aggregators or, when none are, starts local ones on rank 0.
+    Collective: every rank calls it. Returns None when aggregation is off."""
+    addrs = cfg.aggregator_list()
+    local = None
+    if not addrs:
+        count = cfg.local_aggregators
+        if count < 0:
+            count = max(1, hvd.size() // 4)
+        if count == 0:
+            return None
+        reply: object = None
+        # Ranks may share a hostname and still be apart (containers, network namespaces), so
+        # loopback serves only ranks in one network namespace of one running kernel.
+        where = hvd.allgather_object(_whereabouts(), name="hvd_sparse.omni.where")
+        if hvd.rank() == 0:
+            together = len({w[:2] for w in where}) == 1
+            try:
+                host = cfg.aggregator_host or ("127.0.0.1" if together else
+                                               _address_toward([w[2] for w in where[1:]]))
+                local = LocalAggregators(count, hvd.size(), "127.0.0.1" if together
+                                         else "0.0.0.0")
+                reply = [(host, p) for p in local.ports]
+            except HvdSparseError as e:
+                reply = str(e)
+        reply = hvd.broadcast_object(reply, root_rank=0, name="hvd_sparse.omni.addrs")
+        if isinstance(reply, str):
+            raise HvdSparseError(reply)
+        addrs = [tuple(a) for a in reply]  # type: ignore[union-attr]
+    token = hvd.broadcast_object(random.SystemRandom().getrandbits(63) | 1, root_rank=0,
+                                 name="hvd_sparse.omni.token")
+    # Every rank must lay tensors out alike: the smallest path MTU of any rank decides.
+    mtu = hvd.allreduce(torch.tensor([min(_max_datagram(h, p) for h, p in addrs)]),
+                        op=hvd.Min, name="hvd_sparse.omni.mtu")
+    session = Session(cfg, addrs, token, local, int(mtu))
+    try:
+        session.worker.register(cfg.timeout)
+    except RuntimeError as e:
+        session.close()
+        raise HvdSparseError(f"hvd_sparse: {e}") from e
+    log.debug("hvd_sparse: omnireduce aggregators %s", addrs)
+    return session
+
+
+def _whereabouts() -> tuple[str, int, list[str]]:
+    """(kernel boot id, network namespace, IPv4 addresses): what tells ranks apart."""
+    import psutil
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    addrs = [a.address for nic in psutil.net_if_addrs().values() for a in nic
+             if a.family == socket.AF_INET and not a.address.startswith(("127.", "169.254."))]
+    return boot, netns, addrs
+
+
+def _address_toward(peers: list[list[str]]) -> str:
+    """The address of this host that the routing table uses toward the other ranks: the
+    one they can reach it at (no default route needed, unlike probing a far address)."""
+    for addrs in peers:
+        for addr in addrs:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    s.connect((addr, 9))  # no packet is sent: this only picks a route
+                    return s.getsockname()[0]
+                except OSError:
+                    continue
+    raise HvdSparseError("hvd_sparse: no route from rank 0 to any address of the other ranks "
+                         f"({peers}): set HVD_SPARSE_AGGREGATOR_HOST to rank 0's address")
+
+
+IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux <linux/in.h>
+
+
+def _max_datagram(host: str, port: int) -> int:
+    """The largest UDP payload that reaches (host, port) in one frame: path MTU - 28."""
+    cap = protocol.MAX_DATAGRAM
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))
+            return min(cap, s.getsockopt(socket.IPPROTO_IP, IP_MTU) - 28)
+        except OSError:
+            return cap
