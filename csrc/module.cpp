@@ -6,7 +6,7 @@ namespace hvd_sparse {
 void register_codec(pybind11::module_& m);        // csrc/codec.cpp
 void register_fresh_zeros(pybind11::module_& m);  // csrc/fresh_zeros.cpp
 namespace omni {
-void register_omni(pybind11::module_& m);             // csrc/omni/worker.cpp
+void register_omni(pybind11::module_& m);             // csrc/omni/worker/binding.cpp
 void register_aggregator_core(pybind11::module_& m);  // csrc/omni/aggregator/binding.cpp
 }
 }  // namespace hvd_sparse

@@ -1,0 +1,138 @@
+// hvd_sparse._C.OmniWorker: the worker engine (worker.h) for Python, on torch tensors.
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "../../torch_dtype.h"
+#include "worker.h"
+
+namespace py = pybind11;
+
+namespace hvd_sparse::omni {
+namespace {
+
+class PyWorker {
+ public:
+  PyWorker(const std::vector<std::pair<std::string, int>>& aggs, uint64_t token, int worker,
+           int nworkers, int payload_bytes, int slots_per_agg, double rto, double timeout,
+           double drop_rate, double dup_rate, uint64_t seed) {
+    TORCH_CHECK(nworkers >= 1 && nworkers <= kMaxWorkers && worker >= 0 && worker < nworkers,
+                "omnireduce: bad worker id ", worker, " of ", nworkers);
+    WorkerOptions o;
+    o.token = token;
+    o.worker = uint16_t(worker);
+    o.nworkers = uint16_t(nworkers);
+    o.payload = payload_bytes;
+    o.slots_per_agg = slots_per_agg;
+    o.rto = rto;
+    o.timeout = timeout;
+    o.seed = seed;
+    o.drop_rate = drop_rate;
+    o.dup_rate = dup_rate;
+    w_ = std::make_unique<Worker>(aggs, o);
+  }
+
+  // output: the input itself, or zeros; only blocks some worker sends are written.
+  int64_t submit(uint64_t id, at::Tensor input, at::Tensor output, int64_t bs, int64_t meta,
+                 std::optional<at::Tensor> mask, const std::string& name, double scale) {
+    TORCH_CHECK(input.is_contiguous() && output.is_contiguous() && input.device().is_cpu() &&
+                output.device().is_cpu(), "omnireduce: tensors must be contiguous CPU tensors");
+    TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
+                "omnireduce: output must match the input");
+    TORCH_CHECK(bs >= 1 && bs <= 65535, "omnireduce: block_size ", bs, " out of range");
+    auto t = std::make_unique<TensorW>();
+    t->id = id;
+    t->name = name;
+    t->in = static_cast<const uint8_t*>(input.data_ptr());
+    t->out = static_cast<uint8_t*>(output.data_ptr());
+    t->dtype = dtype_code(input.scalar_type());
+    t->numel = input.numel();
+    t->bs = uint32_t(bs);
+    t->meta = uint32_t(meta);
+    t->scale = scale;
+    // The tensors live until finish(), which releases them with the GIL held.
+    t->hold = std::make_shared<std::pair<at::Tensor, at::Tensor>>(input, output);
+    const uint8_t* m = nullptr;
+    if (mask) {
+      TORCH_CHECK(mask->scalar_type() == at::kByte &&
+                  mask->numel() == num_blocks(input.numel(), bs) && mask->is_contiguous(),
+                  "omnireduce: mask must be uint8 with one entry per block");
+      m = mask->data_ptr<uint8_t>();
+    }
+    return w_->submit(std::move(t), m);
+  }
+
+  // Forgets a finished ticket; returns its counters or raises its error. Called with the GIL:
+  // it is released while waiting for the engine's lock (the background thread may hold it for
+  // a while), and the tensors are released only after, with the GIL back: dropping the last
+  // reference to a tensor whose Python object Python has already let go of runs Python code.
+  py::dict finish(int64_t ticket) {
+    std::unique_ptr<TensorW> t;
+    {
+      py::gil_scoped_release nogil;
+      t = w_->take(ticket);
+    }
+    if (!t->error.empty()) throw std::runtime_error(t->error);
+    py::dict d;
+    d["packets"] = t->packets;
+    d["bytes_sent"] = t->bytes_sent;
+    d["bytes_received"] = t->bytes_received;
+    d["retransmits"] = t->retransmits;
+    d["rounds"] = t->rounds;
+    d["union"] = t->union_blocks;
+    d["nnz_local"] = t->nnz_local;
+    d["lanes"] = t->lanes;
+    d["nslots"] = t->nslots;
+    return d;
+  }
+
+  py::dict stats() {
+    Worker::Stats s;
+    {
+      py::gil_scoped_release nogil;  // never wait for the engine's lock holding the GIL
+      s = w_->stats();
+    }
+    py::dict d;
+    for (auto& [k, v] : s.counters) d[k] = v;
+    py::list aggs;  // the congestion state of each aggregator's path
+    for (size_t i = 0; i < s.paths.size(); ++i) {
+      const AggregatorPath& a = s.paths[i];
+      aggs.append(py::dict(py::arg("name") = a.name, py::arg("window") = a.cwnd,
+                           py::arg("ssthresh") = a.ssthresh, py::arg("srtt") = a.srtt,
+                           py::arg("rto") = s.rto[i], py::arg("window_cuts") = double(a.cuts)));
+    }
+    d["aggregators"] = aggs;
+    return d;
+  }
+
+  Worker& worker() { return *w_; }
+
+ private:
+  std::unique_ptr<Worker> w_;
+};
+
+}  // namespace
+
+void register_omni(py::module_& m) {
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  py::class_<PyWorker>(m, "OmniWorker")
+      .def(py::init<const std::vector<std::pair<std::string, int>>&, uint64_t, int, int, int, int,
+                    double, double, double, double, uint64_t>(),
+           py::arg("aggregators"), py::arg("token"), py::arg("worker"), py::arg("nworkers"),
+           py::arg("payload_bytes") = 16384, py::arg("slots_per_aggregator") = 64,
+           py::arg("rto") = 0.02, py::arg("timeout") = 30.0, py::arg("drop_rate") = 0.0,
+           py::arg("dup_rate") = 0.0, py::arg("seed") = 0)
+      .def("register", [](PyWorker& w, double timeout) { w.worker().register_all(timeout); },
+           py::arg("timeout"), nogil())
+      .def("submit", &PyWorker::submit, py::arg("tensor_id"), py::arg("input"), py::arg("output"),
+           py::arg("block_size"), py::arg("meta"), py::arg("mask") = py::none(),
+           py::arg("name") = "", py::arg("scale") = 1.0, nogil())
+      .def("poll", [](PyWorker& w, int64_t t) { return w.worker().poll(t); }, nogil())
+      .def("wait", [](PyWorker& w, int64_t t, double timeout) { return w.worker().wait(t, timeout); },
+           py::arg("ticket"), py::arg("timeout"), nogil())
+      .def("finish", &PyWorker::finish)
+      .def("stats", &PyWorker::stats)
+      .def("close", [](PyWorker& w) { w.worker().close(); }, nogil());
+}
+
+}  // namespace hvd_sparse::omni

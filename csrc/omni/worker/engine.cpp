@@ -1,0 +1,460 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "../../blocks.h"
+#include "../halfconv.h"
+
+namespace hvd_sparse::omni {
+
+constexpr double kMinWindow = 2, kMaxWindow = 4096;
+constexpr double kPaceAbove = 16;  // packets: smaller windows go out at once
+constexpr double kMaxRto = 1.0;
+constexpr double kKeepalive = 10.0;  // seconds; the aggregator's --idle default is 120
+
+Engine::Engine(std::vector<AggregatorPath> aggs, const EngineOptions& o, Transport& io,
+               std::function<void()> finished)
+    : o_(o), io_(io), finished_(std::move(finished)), rng_(o.seed), aggs_(std::move(aggs)) {
+  if (aggs_.empty()) throw std::runtime_error("omnireduce: no aggregators");
+  if (o.nworkers < 1 || o.nworkers > kMaxWorkers || o.worker >= o.nworkers)
+    throw std::runtime_error("omnireduce: bad worker id " + std::to_string(o.worker) +
+                                " of " + std::to_string(o.nworkers));
+}
+
+void Engine::prepare(TensorW& t, const uint8_t* mask) const {
+  t.esize = dtype_size(t.dtype);
+  const uint64_t bs = t.bs;
+  if (bs < 1 || bs > 65535 ||
+      bs * t.esize + kHeaderBytes + kBitmapBytes + kLaneBytes > size_t(kMaxDatagram))
+    throw std::runtime_error("omnireduce: block_size " + std::to_string(bs) +
+                                " does not fit in one datagram");
+  const int64_t nb = num_blocks(t.numel, int64_t(bs));
+  if (nb < 1 || nb >= int64_t(kInf))
+    throw std::runtime_error("omnireduce: tensor size out of range");
+  t.nblocks = uint32_t(nb);
+  const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.esize), uint64_t(o_.payload),
+                            uint64_t(aggs_.size()) * uint64_t(o_.slots_per_agg));
+  t.lanes = geo.lanes;
+  t.nslots = geo.nslots;
+  // CSR of the tensor's non-zero blocks by stream (counting sort: positions stay ascending).
+  const uint32_t L = t.nslots * t.lanes;
+  std::vector<uint8_t> own;
+  const uint8_t* m = mask;
+  if (!m) {
+    own.resize(t.nblocks);
+    for (uint32_t b = 0; b < t.nblocks; ++b) {
+      int64_t n = std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs);
+      own[b] = (block_bits(t.in + size_t(b) * t.bs * t.esize, n, t.esize) &
+                magnitude_bits(t.esize)) != 0;
+    }
+    m = own.data();
+  }
+  t.start.assign(L + 1, 0);
+  for (uint32_t b = 0; b < t.nblocks; ++b)
+    if (m[b]) { t.start[b % L + 1]++; t.nnz_local++; }
+  for (uint32_t j = 0; j < L; ++j) t.start[j + 1] += t.start[j];
+  t.pos.resize(t.nnz_local);
+  std::vector<uint32_t> fill(t.start.begin(), t.start.end() - 1);
+  for (uint32_t b = 0; b < t.nblocks; ++b)
+    if (m[b]) t.pos[fill[b % L]++] = b / L;
+}
+
+// Opens every slot of a new tensor at round 0 (position 0 of every non-empty lane).
+void Engine::start(TensorW& t, double now) {
+  if (by_id_.count(t.id))
+    throw std::runtime_error("omnireduce: tensor '" + t.name + "' is already in flight");
+  by_id_[t.id] = &t;
+  t.slots.resize(t.nslots);
+  t.remaining = t.nslots;
+  for (uint32_t k = 0; k < aggs_.size(); ++k) t.lowest.push_back(k);  // slot g is on g % K
+  for (uint32_t g = 0; g < t.nslots; ++g) {
+    SlotW& s = t.slots[g];
+    s.g = g;
+    s.agg = int(g % aggs_.size());
+    s.cur.resize(t.lanes);
+    s.cursor.resize(t.lanes);
+    for (uint32_t l = 0; l < t.lanes; ++l) {
+      s.cur[l] = stream_length(g, l, t.nblocks, t.nslots, t.lanes) ? 0 : kInf;
+      s.cursor[l] = t.start[g * t.lanes + l];
+    }
+    s.progress_at = now;
+    build_data(t, s);
+    offer(t, s, now);
+  }
+}
+
+// A slot whose next DATA is built: out now if the window allows (or it is its tensor's
+// lowest unfinished slot there, which always goes), else in the aggregator's FIFO.
+void Engine::offer(TensorW& t, SlotW& s, double now) {
+  AggregatorPath& a = aggs_[s.agg];
+  if (t.lowest[s.agg] == s.g || (a.ready.empty() && a.inflight < a.cwnd && paced(a, now))) {
+    transmit(t, s, now);
+  } else {
+    s.queued = true;
+    a.ready.emplace_back(t.id, s.g);
+  }
+}
+
+void Engine::transmit(TensorW& t, SlotW& s, double now) {
+  AggregatorPath& a = aggs_[s.agg];
+  s.queued = false;
+  s.inflight = true;
+  a.inflight++;
+  if (a.cwnd > kPaceAbove && a.srtt > 0)  // a window spread over a round time, 1.25x faster
+    a.next_send = std::max(a.next_send, now - 1e-3) + a.srtt / (1.25 * a.cwnd);
+  s.rto = rto_for(a);
+  send_slot(t, s, now);
+}
+
+bool Engine::paced(const AggregatorPath& a, double now) const {
+  return a.cwnd <= kPaceAbove || a.srtt == 0 || now >= a.next_send;
+}
+
+// Sends what waits for aggregator k's window, in FIFO order, as far as window and pace allow.
+void Engine::pump(size_t k, double now) {
+  AggregatorPath& a = aggs_[k];
+  while (!a.ready.empty() && a.inflight < a.cwnd && paced(a, now)) {
+    auto [id, g] = a.ready.front();
+    a.ready.pop_front();
+    auto it = by_id_.find(id);
+    if (it == by_id_.end() || !it->second->slots[g].queued) continue;  // gone, or sent
+    transmit(*it->second, it->second->slots[g], now);
+  }
+}
+
+double Engine::rto_for(const AggregatorPath& a) const {
+  return a.srtt == 0 ? o_.rto : std::clamp(a.srtt + 4 * a.rttvar, o_.rto, kMaxRto);
+}
+
+// The window's response to one answered round: RTT estimate, then AIMD growth.
+void Engine::on_answer(AggregatorPath& a, SlotW& s, double now) {
+  s.inflight = false;
+  a.inflight--;
+  a.answered_sent_at = std::max(a.answered_sent_at, s.sent_at);
+  if (!s.resent) {  // Karn: a retransmitted round's time is ambiguous
+    double sample = now - s.sent_at;
+    if (a.srtt == 0) {
+      a.srtt = sample;
+      a.rttvar = sample / 2;
+    } else {
+      a.rttvar = 0.75 * a.rttvar + 0.25 * std::abs(a.srtt - sample);
+      a.srtt = 0.875 * a.srtt + 0.125 * sample;
+    }
+  }
+  a.cwnd = std::min(kMaxWindow, a.cwnd + (a.cwnd < a.ssthresh ? 1.0 : 1.0 / a.cwnd));
+}
+
+// A retransmission timer fired for a round sent at `sent`. Only when a round sent later was
+// answered meanwhile is that loss on the path (RACK's rule); otherwise the round may be
+// waiting for a peer that has not sent it yet (a straggler submits late), which says
+// nothing about congestion and must not shrink the window.
+void Engine::on_timeout(AggregatorPath& a, double sent, double now) {
+  if (a.answered_sent_at <= sent) return;
+  if (now - a.last_cut < std::max(a.srtt, 1e-3)) return;  // one cut per round trip
+  a.ssthresh = std::max(a.cwnd / 2, kMinWindow);
+  a.cwnd = a.ssthresh;
+  a.last_cut = now;
+  a.cuts++;
+}
+
+void Engine::release_window(TensorW& t) {
+  for (auto& s : t.slots)
+    if (s.inflight) {
+      s.inflight = false;
+      aggs_[s.agg].inflight--;
+    }
+}
+
+// DATA for the slot's current round: the blocks this rank holds at the lanes' positions and,
+// per lane, its next non-zero position beyond.
+void Engine::build_data(TensorW& t, SlotW& s) {
+  uint64_t bitmap = 0;
+  uint32_t present = 0;
+  for (uint32_t l = 0; l < t.lanes; ++l) {
+    uint32_t j = s.g * t.lanes + l;
+    if (s.cur[l] != kInf && s.cursor[l] < t.start[j + 1] && t.pos[s.cursor[l]] == s.cur[l]) {
+      bitmap |= uint64_t(1) << l;
+      ++present;
+    }
+  }
+  s.pkt.resize(data_bytes(t.lanes, present, t.bs, t.dtype));
+  uint8_t* p = s.pkt.data();
+  Header h = make_header(kData, o_.token, o_.worker, o_.nworkers);
+  h.dtype = t.dtype; h.slot = s.g; h.tensor = t.id; h.round = s.round;
+  h.flags = s.round & 1 ? kFlagShadow : 0;
+  h.lanes = uint16_t(t.lanes); h.block_size = uint16_t(t.bs); h.nblocks = t.nblocks;
+  h.nslots = t.nslots; h.meta = t.meta; h.present = present;
+  store_header(p, h);
+  st64(p + kHeaderBytes, bitmap);
+  uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
+  uint8_t* v = lane + size_t(t.lanes) * kLaneBytes;
+  const size_t vb = size_t(t.bs) * t.esize;
+  for (uint32_t l = 0; l < t.lanes; ++l) {
+    uint32_t j = s.g * t.lanes + l;
+    if (bitmap >> l & 1) {
+      uint64_t b = stream_block(s.g, l, s.cur[l], t.nslots, t.lanes);
+      size_t valid = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs)) * t.esize;
+      std::memcpy(v, t.in + b * vb, valid);
+      if (valid < vb) std::memset(v + valid, 0, vb - valid);  // tail block
+      v += vb;
+      s.cursor[l]++;
+    }
+    uint32_t nxt = s.cursor[l] < t.start[j + 1] ? t.pos[s.cursor[l]] : kInf;
+    st32(lane + l * kLaneBytes, s.cur[l]);
+    st32(lane + l * kLaneBytes + 4, nxt);
+  }
+}
+
+void Engine::send_slot(TensorW& t, SlotW& s, double now) {
+  s.sent_at = now;
+  t.packets++;
+  t.bytes_sent += s.pkt.size();
+  send_raw(s.agg, s.pkt.data(), s.pkt.size());
+}
+
+void Engine::send_raw(int agg, const uint8_t* p, size_t n) {
+  c_.tx_packets++;
+  c_.tx_bytes += n;
+  // A full socket buffer loses the datagram; the slot's timer resends it.
+  const Datagram d{p, n, aggs_[agg].addr};
+  io_.send(&d, 1);
+}
+
+void Engine::send_control(int agg, uint8_t type, uint64_t tensor) {
+  Header h = make_header(type, o_.token, o_.worker, o_.nworkers);
+  h.tensor = tensor;
+  uint8_t p[kHeaderBytes];
+  store_header(p, h);
+  send_raw(agg, p, kHeaderBytes);
+}
+
+// Writes one block of the result, times scale: float32 and 16-bit values multiply in float32
+// (as torch's x.mul_(scale) does), float64 in float64. Blocks no worker sends are never
+// written: the output must be zero there (the input itself in place, else fresh zeros).
+namespace {
+
+// out = v * scale, element by element: float32 and 16-bit values multiply in float32 (as
+// torch's x.mul_(scale) does), float64 in float64.
+void scale_block(uint8_t* o, const uint8_t* v, size_t n, uint8_t dtype, double scale) {
+  const float sf = float(scale);
+  for (size_t i = 0; i < n; ++i) {
+    switch (dtype) {
+      case kF64: { double x; std::memcpy(&x, v + 8 * i, 8); x *= scale; std::memcpy(o + 8 * i, &x, 8); break; }
+      case kF32: { float x; std::memcpy(&x, v + 4 * i, 4); x *= sf; std::memcpy(o + 4 * i, &x, 4); break; }
+      case kF16: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); x = float_to_f16(f16_to_float(x) * sf); std::memcpy(o + 2 * i, &x, 2); break; }
+      default: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); x = float_to_bf16(bf16_to_float(x) * sf); std::memcpy(o + 2 * i, &x, 2); break; }
+    }
+  }
+}
+
+}  // namespace
+
+// Writes one block of the result, times scale. Blocks no worker sends are never written: the
+// output must be zero there (the input itself in place, else fresh zeros).
+void Engine::write_block(TensorW& t, uint64_t b, const uint8_t* v) {
+  const size_t n = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs));
+  uint8_t* o = t.out + b * size_t(t.bs) * t.esize;
+  if (t.scale == 1.0) std::memcpy(o, v, n * t.esize);
+  else scale_block(o, v, n, t.dtype, t.scale);
+}
+
+void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, double now) {
+  const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
+  const uint64_t bitmap = ld64(p + kHeaderBytes);
+  if ((t.lanes < 64 && (bitmap >> t.lanes)) ||
+      uint32_t(__builtin_popcountll(bitmap)) != h.present) { c_.malformed++; return; }
+  for (uint32_t l = 0; l < t.lanes; ++l) {
+    uint32_t off = ld32(lane + l * kLaneBytes), nxt = ld32(lane + l * kLaneBytes + 4);
+    uint32_t len = stream_length(s.g, l, t.nblocks, t.nslots, t.lanes);
+    if (off != s.cur[l] || (off == kInf && ((bitmap >> l & 1) || nxt != kInf)) ||
+        (nxt != kInf && (nxt <= off || nxt >= len))) { c_.malformed++; return; }
+  }
+  const uint8_t* v = lane + size_t(t.lanes) * kLaneBytes;
+  const size_t vb = size_t(t.bs) * t.esize;
+  bool last = true;
+  for (uint32_t l = 0; l < t.lanes; ++l) {
+    uint32_t off = s.cur[l], nxt = ld32(lane + l * kLaneBytes + 4);
+    if (off == kInf) continue;
+    if (bitmap >> l & 1) {
+      write_block(t, stream_block(s.g, l, off, t.nslots, t.lanes), v);
+      v += vb;
+      t.union_blocks++;
+    }
+    s.cur[l] = nxt;
+    last = last && nxt == kInf;
+  }
+  t.rounds++;
+  t.bytes_received += h.present * vb;
+  on_answer(aggs_[s.agg], s, now);
+  s.round++;
+  s.progress_at = now;
+  s.resent = false;
+  if (last) {
+    s.done = true;
+    if (--t.remaining == 0) return complete(t);
+    uint32_t& lo = t.lowest[s.agg];  // the next lowest may wait in the FIFO: it goes now
+    while (lo < t.nslots && t.slots[lo].done) lo += uint32_t(aggs_.size());
+    if (lo < t.nslots && t.slots[lo].queued) transmit(t, t.slots[lo], now);
+    return;
+  }
+  build_data(t, s);
+  offer(t, s, now);
+}
+
+void Engine::complete(TensorW& t) {
+  std::vector<uint8_t> used(aggs_.size(), 0);
+  for (auto& s : t.slots) used[s.agg] = 1;
+  for (size_t k = 0; k < aggs_.size(); ++k)
+    if (used[k]) send_control(int(k), kRelease, t.id);
+  finish(t);
+}
+
+// The caller's buffers stay held (t.hold): the caller releases them (see binding.cpp).
+void Engine::finish(TensorW& t) {
+  t.finished = true;
+  by_id_.erase(t.id);
+  finished_();
+}
+
+void Engine::fail_only(TensorW& t, const std::string& why) {
+  if (t.finished) return;
+  t.error = "omnireduce: tensor '" + t.name + "': " + why;
+  t.finished = true;
+  finished_();
+}
+
+void Engine::fail(TensorW& t, const std::string& why) {
+  release_window(t);
+  fail_only(t, why);
+  by_id_.erase(t.id);
+}
+
+void Engine::abandon(TensorW& t, const std::string& why) {
+  if (!t.finished) fail(t, why);
+}
+
+void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, double now) {
+  c_.rx_packets++;
+  c_.rx_bytes += len;
+  Header h = load_header(p);
+  if (check_structure(h, len) || h.token != o_.token) { c_.malformed++; return; }
+  // Registration replies: REGACK, or an ERROR refusing the job (never a tensor's error).
+  if (h.type == kRegAck || (h.type == kError && h.round == kErrJob) ||
+      (h.type == kError && h.round == kErrCapacity && registering_)) {
+    for (size_t k = 0; k < aggs_.size(); ++k) {
+      if (acked_.size() <= k) break;
+      if (!(from == aggs_[k].addr)) continue;
+      if (h.type == kRegAck) acked_[k] = 1;
+      else
+        reg_error_ = "omnireduce: aggregator " + aggs_[k].name + " refused the job (error " +
+                     std::to_string(h.round) + ": worker count differs from its --workers, "
+                     "or it is full)";
+    }
+    return;
+  }
+  auto it = by_id_.find(h.tensor);
+  if (it == by_id_.end()) { c_.stale++; return; }  // a late duplicate of a finished tensor
+  TensorW& t = *it->second;
+  if (h.slot >= t.nslots) { c_.malformed++; return; }
+  SlotW& s = t.slots[h.slot];
+  if (h.type == kError) {
+    std::string why = h.round == kErrMismatch
+        ? "tensor mismatch across ranks: the ranks disagree on its shape, dtype or size"
+        : "aggregator out of memory";
+    return fail(t, why + " (reported by aggregator " + aggs_[s.agg].name + ")");
+  }
+  if (h.type != kResult) { c_.malformed++; return; }
+  if (h.dtype != t.dtype || h.lanes != t.lanes || h.block_size != t.bs ||
+      h.nblocks != t.nblocks || h.nslots != t.nslots) { c_.malformed++; return; }
+  if (s.done || h.round != s.round) { c_.stale++; return; }  // duplicate or retransmitted result
+  on_result(t, s, h, p, now);
+}
+
+void Engine::check_timers(double now) {
+  std::vector<std::pair<TensorW*, std::string>> failed;
+  for (auto& [id, t] : by_id_) {
+    for (auto& s : t->slots) {
+      if (s.done) continue;
+      if (now - s.progress_at > o_.timeout) {
+        failed.emplace_back(t, "no result from aggregator " + aggs_[s.agg].name + " for " +
+            std::to_string(int(o_.timeout)) + " s (slot " + std::to_string(s.g) + ", round " +
+            std::to_string(s.round) + "): the aggregator is down or a peer rank has not "
+            "submitted this tensor");
+        break;
+      }
+      if (s.inflight && now - s.sent_at > s.rto) {
+        s.resent = true;
+        t->retransmits++;
+        c_.retransmits++;
+        on_timeout(aggs_[s.agg], s.sent_at, now);
+        // Backoff, jittered so that slots lost together are not resent together.
+        s.rto = std::min(s.rto * (2 + 0.5 * unif_(rng_)), kMaxRto);
+        send_slot(*t, s, now);
+      }
+    }
+  }
+  for (auto& [t, why] : failed) fail(*t, why);
+}
+
+
+void Engine::tick(double now) {
+  if (now - last_timers_ > 1e-3) {
+    check_timers(now);
+    last_timers_ = now;
+  }
+  for (size_t k = 0; k < aggs_.size(); ++k) pump(k, now);
+  if (last_keepalive_ == 0) last_keepalive_ = now;
+  if (now - last_keepalive_ > kKeepalive) {  // aggregators forget jobs idle for long
+    for (size_t k = 0; k < aggs_.size(); ++k) send_control(int(k), kRegister, 0);
+    last_keepalive_ = now;
+  }
+}
+
+bool Engine::pacing() const {
+  for (auto& a : aggs_)
+    if (!a.ready.empty()) return true;
+  return false;
+}
+
+void Engine::begin_registration() {
+  acked_.assign(aggs_.size(), 0);
+  reg_error_.clear();
+  registering_ = true;
+}
+
+bool Engine::register_step() {
+  if (!reg_error_.empty()) throw std::runtime_error(reg_error_);
+  bool all = true;
+  for (size_t k = 0; k < aggs_.size(); ++k) {
+    if (acked_[k]) continue;
+    all = false;
+    send_control(int(k), kRegister, 0);
+  }
+  return all;
+}
+
+std::string Engine::unregistered() const {
+  std::string missing;
+  for (size_t k = 0; k < aggs_.size(); ++k)
+    if (k >= acked_.size() || !acked_[k]) missing += (missing.empty() ? "" : ", ") + aggs_[k].name;
+  return missing;
+}
+
+void Engine::close() {
+  for (size_t k = 0; k < aggs_.size(); ++k) send_control(int(k), kBye, 0);
+  for (auto& [id, t] : by_id_) fail_only(*t, "the worker was closed");
+  by_id_.clear();
+}
+
+std::vector<std::pair<const char*, uint64_t>> Engine::counters() const {
+  std::vector<std::pair<const char*, uint64_t>> v;
+#define HS_PAIR(n) v.emplace_back(#n, c_.n);
+  HS_WORKER_COUNTERS(HS_PAIR)
+#undef HS_PAIR
+  return v;
+}
+
+}  // namespace hvd_sparse::omni

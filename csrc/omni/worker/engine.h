@@ -1,0 +1,176 @@
+// The worker side of the aggregation protocol (docs/PROTOCOL.md) as a state machine, without
+// threads, locks or torch: tensors are split into slots and streamed round by round, RESULTs
+// are written into the output, windows and timers decide what goes when. worker.h runs it on a
+// thread with a transport; binding.cpp is its Python face (hvd_sparse._C.OmniWorker).
+//
+// For each tensor it streams, slot by slot, only the blocks this rank holds non-zero, writes
+// each round's RESULT straight into the output and announces its next non-zero position, so a
+// slot advances past blocks that are zero on every worker without anyone sending them. Each
+// outstanding packet has a retransmission timer from the measured round times (srtt + 4
+// rttvar, doubling while unanswered); a slot that makes no progress for `timeout` seconds fails
+// its tensor with an error naming the aggregator. Tensors are keyed by an id every rank derives
+// from the name, so ranks may submit them in any order and any number may be in flight.
+//
+// Congestion control, per aggregator: a window of DATA packets in flight, AIMD on loss (TCP
+// Reno's rule: +1 packet per window answered, halved at most once per round trip when a
+// retransmission timer fires while a later round was answered), paced over the round time
+// once the window is large. Loss, not delay, is the signal: a round's time includes waiting
+// for the slowest worker, which on a loaded host is mostly CPU scheduling, so delay says little
+// about the path. Slots beyond the window wait in a FIFO; the lowest unfinished slot of each
+// tensor on each aggregator always goes, which keeps every tensor moving whatever the windows
+// and submission orders of the other ranks (that slot is the same on every rank and never
+// waits on a later one).
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "../protocol.h"
+#include "../transport/transport.h"
+
+namespace hvd_sparse::omni {
+
+// One aggregator as this worker sees it: its address and the congestion state of the path.
+struct AggregatorPath {
+  Endpoint addr;
+  std::string name;
+  double srtt = 0, rttvar = 0;  // round time and its deviation, from unretransmitted rounds
+  double cwnd = 8, ssthresh = 4096;  // the initial window, and slow start up to the maximum
+  int64_t inflight = 0;         // DATA packets sent and not yet answered
+  double last_cut = 0;          // when the window was last halved
+  double answered_sent_at = 0;  // latest send time of an answered round
+  double next_send = 0;         // pacing: earliest time of the next send
+  uint64_t cuts = 0;
+  std::deque<std::pair<uint64_t, uint32_t>> ready;  // (tensor, slot) waiting for the window
+};
+
+struct SlotW {
+  uint32_t g = 0;
+  int agg = 0;
+  uint32_t round = 0;
+  std::vector<uint32_t> cur;     // per lane: position of the round in flight
+  std::vector<uint32_t> cursor;  // per lane: index into the stream's non-zero positions
+  std::vector<uint8_t> pkt;      // the DATA packet in flight (resent on timeout)
+  double sent_at = 0, rto = 0, progress_at = 0;
+  bool done = false, resent = false;
+  bool inflight = false, queued = false;  // its DATA is out / waits for the window
+};
+
+// One tensor's reduction. The caller fills the first group; the engine the rest.
+struct TensorW {
+  uint64_t id = 0;
+  std::string name;
+  std::shared_ptr<void> hold;  // keeps the caller's buffers alive; released by the caller
+  const uint8_t* in = nullptr;
+  uint8_t* out = nullptr;      // the input itself, or zeros: only blocks some worker sends are written
+  uint8_t dtype = 0;
+  int64_t numel = 0;
+  uint32_t bs = 0, meta = 0;
+  double scale = 1.0;
+
+  int esize = 4;
+  uint32_t nblocks = 0, nslots = 0, lanes = 0;
+  std::vector<uint32_t> start, pos;  // CSR: non-zero positions of each stream
+  std::vector<SlotW> slots;
+  std::vector<uint32_t> lowest;  // per aggregator: its lowest unfinished slot (always sent)
+  uint32_t remaining = 0;
+  bool finished = false;
+  std::string error;
+  uint64_t packets = 0, bytes_sent = 0, bytes_received = 0, retransmits = 0, rounds = 0,
+           union_blocks = 0, nnz_local = 0;
+};
+
+struct EngineOptions {
+  uint64_t token = 0;
+  uint16_t worker = 0, nworkers = 1;
+  int64_t payload = 16384;     // bytes of block values per packet
+  int64_t slots_per_agg = 64;  // packets each tensor keeps in flight per aggregator
+  double rto = 0.02;           // floor of the retransmission timeout
+  double timeout = 30.0;       // no progress for this long fails a tensor
+  uint64_t seed = 0;
+};
+
+#define HS_WORKER_COUNTERS(X) X(tx_packets) X(tx_bytes) X(rx_packets) X(rx_bytes) \
+  X(retransmits) X(malformed) X(stale)
+
+class Engine {
+ public:
+  // `finished` is called whenever a tensor finishes or fails.
+  Engine(std::vector<AggregatorPath> aggs, const EngineOptions& o, Transport& io,
+         std::function<void()> finished);
+
+  // Derives the tensor's geometry and indexes its non-zero blocks (`mask`: one byte per block,
+  // or nullptr to scan the input). Throws std::runtime_error on a block size or tensor size
+  // the protocol cannot carry.
+  void prepare(TensorW& t, const uint8_t* mask) const;
+  // Opens every slot of a prepared tensor and sends what the windows allow. Throws
+  // std::runtime_error when a tensor of that id is already in flight.
+  void start(TensorW& t, double now);
+  // Fails a tensor not finished yet (abandoned by its caller); idempotent.
+  void abandon(TensorW& t, const std::string& why);
+
+  void on_packet(const uint8_t* p, size_t len, const Endpoint& from, double now);
+  // Timers (retransmissions, no-progress failures), paced sends, keepalives.
+  void tick(double now);
+  // Whether paced sends wait: the caller should tick again within the millisecond.
+  bool pacing() const;
+
+  // Registration: REGISTER to every aggregator not acknowledged yet; true once all have, or
+  // throws std::runtime_error with an aggregator's refusal.
+  bool register_step();
+  void begin_registration();
+  void end_registration() { registering_ = false; }
+  std::string unregistered() const;  // names of the aggregators that have not acknowledged
+
+  // BYE to every aggregator and every tensor failed: the worker is closing.
+  void close();
+
+  size_t inflight() const { return by_id_.size(); }
+  const std::vector<AggregatorPath>& aggregators() const { return aggs_; }
+  double rto_for(const AggregatorPath& a) const;
+  std::vector<std::pair<const char*, uint64_t>> counters() const;
+
+ private:
+  void offer(TensorW& t, SlotW& s, double now);
+  void transmit(TensorW& t, SlotW& s, double now);
+  bool paced(const AggregatorPath& a, double now) const;
+  void pump(size_t k, double now);
+  void on_answer(AggregatorPath& a, SlotW& s, double now);
+  void on_timeout(AggregatorPath& a, double sent, double now);
+  void release_window(TensorW& t);
+  void build_data(TensorW& t, SlotW& s);
+  void send_slot(TensorW& t, SlotW& s, double now);
+  void send_raw(int agg, const uint8_t* p, size_t n);
+  void send_control(int agg, uint8_t type, uint64_t tensor);
+  void write_block(TensorW& t, uint64_t b, const uint8_t* v);
+  void on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, double now);
+  void complete(TensorW& t);
+  void finish(TensorW& t);
+  void fail_only(TensorW& t, const std::string& why);
+  void fail(TensorW& t, const std::string& why);
+  void check_timers(double now);
+
+  const EngineOptions o_;
+  Transport& io_;
+  std::function<void()> finished_;
+  std::mt19937_64 rng_;
+  std::uniform_real_distribution<double> unif_{0.0, 1.0};
+  std::vector<AggregatorPath> aggs_;
+  std::unordered_map<uint64_t, TensorW*> by_id_;
+  std::vector<uint8_t> acked_;
+  std::string reg_error_;
+  bool registering_ = false;
+  double last_timers_ = 0, last_keepalive_ = 0;
+  struct {
+#define HS_DECL(n) uint64_t n = 0;
+    HS_WORKER_COUNTERS(HS_DECL)
+#undef HS_DECL
+  } c_;
+};
+
+}  // namespace hvd_sparse::omni
