@@ -1,5 +1,5 @@
 // torch's ScalarType -> the wire/segment dtype code (blocks.h): the one mapping, for the codec
-// (csrc/codec.cpp) and the aggregation worker (csrc/omni/worker.cpp). Torch-side only: the
+// (csrc/codec.cpp) and the aggregation worker (csrc/omni/worker/binding.cpp). Torch-side only: the
 // torch-free aggregator and hvd_sparse._protocol never see a ScalarType.
 #pragma once
 #include <torch/extension.h>

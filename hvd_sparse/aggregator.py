@@ -1,7 +1,7 @@
 """The aggregator process: where its binary is, and starting local ones for a job.
 
 ``python -m hvd_sparse.aggregator --bind ADDR:PORT --workers N`` (or ``hvd-sparse aggregator``)
-runs the C++ aggregator (csrc/omni/aggregator.cpp, built by setup.py as a torch-free binary).
+runs the C++ aggregator (csrc/omni/aggregator/, built by setup.py as a torch-free binary).
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ For each transport the script brings a testbed up with that aggregator, then:
   per second (its counters) is the path's limit, with the protocol doing nothing but reject
   them by their magic.
 
-Writes bench_results/transport.json and transport.png.
+--rounds times per transport, alternated (medians reported, each round's time listed: the
+box is shared and noisy). Writes bench_results/transport.json and transport.png.
 """
 from __future__ import annotations
 
@@ -127,6 +128,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0, help="blaster duration")
     p.add_argument("--rate", default="34gbit", help="link cap (default: tbf's highest)")
     p.add_argument("--transports", default="udp,dpdk")
+    p.add_argument("--rounds", type=int, default=3, help="testbeds per transport, alternated")
     p.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
     p.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -142,14 +144,26 @@ def main() -> None:
     from rich.progress import Progress
 
     transports = a.transports.split(",")
-    rows: list[dict] = []
+    runs: list[dict] = []
     with Progress() as progress:
-        task = progress.add_task("transports", total=len(transports) * (1 + len(a.densities)))
-        for tr in transports:
-            rows += measure(tr, a, progress, task)
+        task = progress.add_task("transports", total=a.rounds * len(transports)
+                                 * (1 + len(a.densities)))
+        for _ in range(a.rounds):  # alternated, so that load on the box hits both alike
+            for tr in transports:
+                runs += measure(tr, a, progress, task)
+    rows = []
+    for tr in transports:
+        for density in a.densities:
+            same = [r for r in runs if r["transport"] == tr and r["density"] == density]
+            row = {k: statistics.median(r[k] for r in same) for k in same[0]
+                   if k not in ("transport", "density")}
+            rows.append({"transport": tr, "density": density, **row,
+                         "time ms (each round)": " ".join(f"{r['time ms']:.0f}" for r in same)})
     print_table(rows, f"aggregator transports: 4 kernel-UDP workers, {a.numel:,} float32, "
-                f"veth between namespaces, MTU 9000, {os.cpu_count()} cores")
-    out = write_json(a.out_dir / "transport.json", rows, args={**vars(a), "out_dir": None})
+                f"veth between namespaces, MTU 9000, {os.cpu_count()} cores, median of "
+                f"{a.rounds} rounds")
+    out = write_json(a.out_dir / "transport.json", rows, args={**vars(a), "out_dir": None},
+                     runs=runs)
 
     import matplotlib.pyplot as plt
 

@@ -1,4 +1,4 @@
-"""The OmniReduce-style aggregator (csrc/omni/aggregator.cpp) and worker engine
+"""The OmniReduce-style aggregator (csrc/omni/aggregator/) and worker engine
 (hvd_sparse._C.OmniWorker) without Horovod, against a float64 numpy reference.
 
 Every aggregator is a real process started by the ``aggs`` fixture (port 0, --port-file) and

@@ -1,6 +1,6 @@
 """OmniReduce: stream only non-zero blocks to aggregator processes, which sum and return them.
 
-The per-packet work is C++ (csrc/omni/worker.cpp, a background thread in this process); the
+The per-packet work is C++ (csrc/omni/worker/, a background thread in this process); the
 job's aggregators are joined at init (hvd_sparse/session.py) and reach this scheme through the
 job's context; this module turns one tensor into one submission to that session.
 """

@@ -9,6 +9,7 @@
 #include <rte_ethdev.h>
 #include <rte_ether.h>
 #include <rte_ip.h>
+#include <rte_lcore.h>
 #include <rte_mbuf.h>
 #include <rte_udp.h>
 
@@ -25,6 +26,7 @@ constexpr uint16_t kRing = 1024;                 // descriptors per queue and di
 constexpr uint16_t kDataRoom = 16384;            // bytes per mbuf: a whole jumbo frame
 constexpr size_t kHeaders = sizeof(rte_ether_hdr) + sizeof(rte_ipv4_hdr) + sizeof(rte_udp_hdr);
 constexpr double kArpRetry = 0.05;               // seconds between ARP requests for one peer
+constexpr uint32_t kSpins = 256;                 // empty polls before an idle queue sleeps
 
 // State every queue shares: the port, its pool, and the neighbour table (a peer's packets may
 // arrive on one queue while another queue sends it a RESULT).
@@ -70,11 +72,17 @@ class DpdkQueue : public Transport {
   ~DpdkQueue() override { release(); }
 
   size_t recv(std::vector<Datagram>& in, size_t max) override {
+    if (!registered_) {
+      // The calling thread is the aggregator's, not the EAL's: registered, it gets an lcore id
+      // and with it the mempool's per-lcore cache (else every mbuf goes through the ring).
+      rte_thread_register();
+      registered_ = true;
+    }
     release();
     in.clear();
     rte_mbuf* m[64];
     const uint16_t n = rte_eth_rx_burst(port_->id, q_, m, uint16_t(std::min<size_t>(max, 64)));
-    idle_ = n == 0;
+    idle_ = n == 0 ? idle_ + 1 : 0;
     for (uint16_t i = 0; i < n; ++i) {
       Datagram d;
       if (parse(m[i], &d)) {
@@ -90,6 +98,7 @@ class DpdkQueue : public Transport {
   }
 
   void send(const Datagram* out, size_t n) override {
+    summed_ = nullptr;  // the cache below holds within one call only
     rte_mbuf* m[64];
     uint16_t k = 0;
     for (size_t i = 0; i < n; ++i) {
@@ -103,10 +112,11 @@ class DpdkQueue : public Transport {
     if (k) flush(m, k);
   }
 
-  // A poll-mode driver has nothing to block on: when idle, sleep a little rather than spin,
-  // so that an aggregator sharing its cores with workers leaves them the CPU.
+  // A poll-mode driver has nothing to block on: it polls, and only after many empty polls in a
+  // row sleeps a little, so that an idle aggregator sharing its cores with workers leaves them
+  // the CPU while a busy one never sleeps between bursts.
   void wait(int timeout_ms, int) override {
-    if (!idle_ || timeout_ms <= 0) return;
+    if (idle_ < kSpins || timeout_ms <= 0) return;
     timespec ts{0, 20 * 1000};
     nanosleep(&ts, nullptr);
   }
@@ -239,10 +249,25 @@ class DpdkQueue : public Transport {
     udp->dgram_cksum = 0;
     std::memcpy(udp + 1, d.data, d.len);
     ip->hdr_checksum = rte_ipv4_cksum(ip);
-    udp->dgram_cksum = rte_ipv4_udptcp_cksum(ip, udp);  // receivers' kernels verify it
+    udp->dgram_cksum = udp_checksum(ip, udp, d);  // receivers' kernels verify it
     AtomicCounters::add(c_.tx_packets, 1);
     AtomicCounters::add(c_.tx_bytes, d.len);
     return m;
+  }
+
+  // The UDP checksum in software (virtual devices offload nothing). A RESULT goes to every
+  // worker of the job as the same bytes: its payload is summed once per send() and only the
+  // headers per copy.
+  uint16_t udp_checksum(const rte_ipv4_hdr* ip, const rte_udp_hdr* udp, const Datagram& d) {
+    if (summed_ != d.data || summed_len_ != d.len) {
+      summed_ = d.data;
+      summed_len_ = d.len;
+      payload_sum_ = rte_raw_cksum(d.data, d.len);
+    }
+    uint32_t sum = payload_sum_ + rte_raw_cksum(udp, sizeof *udp) + rte_ipv4_phdr_cksum(ip, 0);
+    while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
+    const uint16_t c = uint16_t(~sum);
+    return c == 0 ? 0xffff : c;  // 0 would mean "no checksum"
   }
 
   rte_mbuf* drop() {
@@ -254,7 +279,11 @@ class DpdkQueue : public Transport {
   const uint16_t q_;
   std::vector<rte_mbuf*> held_;  // the datagrams of the last recv() point into these
   uint16_t ip_id_ = 0;
-  bool idle_ = true;
+  uint32_t idle_ = 0;  // empty polls in a row
+  const uint8_t* summed_ = nullptr;  // the payload whose checksum is payload_sum_
+  size_t summed_len_ = 0;
+  uint32_t payload_sum_ = 0;
+  bool registered_ = false;
   AtomicCounters c_;
 };
 
