@@ -36,7 +36,7 @@ install: $(EXT)
 build: setup $(EXT) install
 
 lint: build
-	@$(VENV)/bin/ruff check hvd_sparse tests scripts
+	@$(VENV)/bin/ruff check hvd_sparse switch_emu tests scripts
 
 test: build lint $(if $(NVCC),cuda-check)
 	@$(PY) -m pytest -q tests
@@ -56,4 +56,4 @@ bench: build
 	@$(PY) scripts/bench_sync.py
 
 clean:
-	rm -rf build build.log $(EXT) hvd_sparse/_protocol.*.so hvd_sparse/bin *.egg-info bench_results .pytest_cache
+	rm -rf build build.log $(EXT) hvd_sparse/_protocol.*.so hvd_sparse/bin switch_emu/bin *.egg-info bench_results .pytest_cache

@@ -47,6 +47,8 @@ BINARIES = {"hvd-sparse-aggregator": ["csrc/omni/aggregator/main.cpp",
             "hvd-sparse-udpblast": ["csrc/omni/udpblast.cpp",  # raw UDP limit, for benchmarks
                                     "csrc/omni/transport/udp/transport.cpp"]}
 DPDK_SOURCES = ["csrc/omni/transport/dpdk/transport.cpp"]
+# Built only with DPDK: the emulated switch (its ports are DPDK ports).
+SWITCH = ("switch_emu/bin/hvd-sparse-switch", ["switch_emu/csrc/main.cpp"])
 
 
 def dpdk_flags() -> tuple[list[str], list[str]] | None:
@@ -98,6 +100,7 @@ class Build(BuildExtension):
     def run(self) -> None:
         super().run()
         root = ROOT if self.inplace else Path(self.build_lib)
+        self.build_switch(root)
         for name, sources in BINARIES.items():
             out = root / "hvd_sparse" / "bin" / name
             if up_to_date(out, [*sources, *DPDK_SOURCES]):
@@ -107,12 +110,27 @@ class Build(BuildExtension):
             print(" ".join(cmd))
             subprocess.check_call(cmd)
 
+    def build_switch(self, root: Path) -> None:
+        path, sources = SWITCH
+        out = root / path
+        dpdk = dpdk_flags()
+        if dpdk is None:
+            print("hvd-sparse: libdpdk not found by pkg-config: switch_emu's switch is not built")
+            return
+        if up_to_date(out, sources):
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [os.environ.get("CXX", "c++"), "-O3", "-std=c++17", "-Wall", "-pthread",
+               *(str(ROOT / s) for s in sources), "-o", str(out), *dpdk[0], *dpdk[1]]
+        print(" ".join(cmd))
+        subprocess.check_call(cmd)
+
 
 setup(
     name="hvd-sparse",
     version="0.1.0",
     description="Sparse gradient synchronization for Horovod",
-    packages=find_packages(include=["hvd_sparse", "hvd_sparse.*"]),
+    packages=find_packages(include=["hvd_sparse", "hvd_sparse.*", "switch_emu", "switch_emu.*"]),
     python_requires=">=3.10",
     ext_modules=[
         CppExtension(
@@ -131,7 +149,8 @@ setup(
                   include_dirs=["csrc"], extra_compile_args=["-O2", "-std=c++17"]),
         *cuda_extensions(),
     ],
-    package_data={"hvd_sparse": [f"bin/{name}" for name in BINARIES]},
+    package_data={"hvd_sparse": [f"bin/{name}" for name in BINARIES],
+                  "switch_emu": ["bin/hvd-sparse-switch"]},
     entry_points={"console_scripts": ["hvd-sparse=hvd_sparse.cli:main"]},
     cmdclass={"build_ext": Build},
 )

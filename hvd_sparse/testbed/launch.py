@@ -51,6 +51,35 @@ def start_aggregators(tb: Testbed) -> None:
             time.sleep(0.01)
 
 
+def start_switch(tb: Testbed) -> None:
+    """With ``switch="emu"``: switch_emu's switch in the switch namespace, one af_packet port
+    per host, in place of the bridge; it runs until `down`."""
+    if tb.switch != "emu":
+        return
+    from switch_emu import binary as switch_binary
+
+    tb.log_dir().mkdir(parents=True, exist_ok=True)
+    ready = tb.log_dir() / "switch.ready"
+    ready.unlink(missing_ok=True)
+    vdevs = " ".join(f"--vdev=net_af_packet{i},iface={h.port},framesz=16384,blocksz=16384,"
+                     "qdisc_bypass=0" for i, h in enumerate(tb.hosts))
+    eal = (f"--no-huge --no-pci -m 512 --no-shconf --log-level=warning "
+           f"--file-prefix={tb.name}-sw {vdevs}")
+    with open(tb.log_dir() / "switch.log", "w") as log:
+        p = subprocess.Popen(["ip", "netns", "exec", tb.switch_ns, str(switch_binary()),
+                              "--dpdk", eal, "--names", ",".join(h.name for h in tb.hosts),
+                              "--ready-file", str(ready)],
+                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    tb.pids["switch"] = p.pid
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        if p.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("testbed: the emulated switch did not start: "
+                               + (tb.log_dir() / "switch.log").read_text()[-1000:])
+        time.sleep(0.01)
+
+
 def dpdk_args(tb: Testbed, host: str) -> str:
     """EAL arguments for an aggregator host: no hugepages, no PCI, the host's veth through an
     af_packet vdev with frames up to 16 KiB (jumbo MTUs), through the link's qdisc (its rate

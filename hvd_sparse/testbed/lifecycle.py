@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 from . import launch, links, loss
 from .topology import Testbed, parse_rate
@@ -24,6 +25,7 @@ def up(tb: Testbed) -> Testbed:
         tb.save()  # first, so that `down` finds it even if we crash half-way
         links.create(tb)
         loss.apply(tb)
+        launch.start_switch(tb)
         launch.start_aggregators(tb)
         tb.save()
     except BaseException:
@@ -67,4 +69,5 @@ def down(name: str) -> list[str]:
     require_root()
     removed = links.destroy(name)
     Testbed.state_path(name).unlink(missing_ok=True)
+    shutil.rmtree(Testbed(name).log_dir(), ignore_errors=True)  # /run is memory: no leftovers
     return removed

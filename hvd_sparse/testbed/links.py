@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -33,9 +34,11 @@ def _cap(ns: NetNS, index: int, rate_bps: int) -> None:
 def create(tb: Testbed) -> None:
     """Builds the testbed's namespaces and links (the caller removes them on failure)."""
     netns.create(tb.switch_ns)
+    bridge = tb.switch == "bridge"  # else switch_emu owns the ports (launch.start_switch)
     with NetNS(tb.switch_ns) as sw:
-        sw.link("add", ifname="br0", kind="bridge")
-        for ifname in ("lo", "br0"):
+        if bridge:
+            sw.link("add", ifname="br0", kind="bridge")
+        for ifname in ("lo", "br0") if bridge else ("lo",):
             sw.link("set", index=sw.link_lookup(ifname=ifname)[0], state="up")
     for i, h in enumerate(tb.hosts):
         netns.create(h.ns)
@@ -54,9 +57,27 @@ def create(tb: Testbed) -> None:
         with NetNS(tb.switch_ns) as sw:
             idx = sw.link_lookup(ifname=sw_end)[0]
             sw.link("set", index=idx, ifname=h.port, mtu=tb.mtu,
-                    master=sw.link_lookup(ifname="br0")[0])
+                    **({"master": sw.link_lookup(ifname="br0")[0]} if bridge else {}))
             sw.link("set", index=idx, state="up")
             _cap(sw, idx, tb.rate_bps)
+        if not bridge:
+            disable_offloads(h.ns, "eth0")
+            disable_offloads(tb.switch_ns, h.port)
+
+
+def disable_offloads(ns_name: str, ifname: str) -> None:
+    """Frames leave ``ifname`` whole and checksummed: no segmentation or checksum offload, no
+    receive coalescing. A packet socket (af_packet, as switch_emu uses) sees frames as the
+    kernel holds them: a 64 KB TSO or GRO super-frame, or a checksum left to an offload that
+    veths never do, would reach the next host broken."""
+    cmd = ["ip", "netns", "exec", ns_name, "ethtool", "-K", ifname, "tx", "off", "sg", "off",
+           "tso", "off", "gso", "off", "gro", "off"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except FileNotFoundError as e:
+        raise RuntimeError("testbed: --switch emu needs ethtool (make build installs it)") from e
+    if p.returncode != 0:
+        raise RuntimeError(f"testbed: {' '.join(cmd)}: {p.stderr.strip()}")
 
 
 def set_rate(tb: Testbed, host: Host, rate_bps: int) -> None:

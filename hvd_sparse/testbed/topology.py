@@ -51,6 +51,7 @@ class Testbed:
     loss: float = 0.0  # drop rate on every switch port
     loss_proto: str = "all"  # "all" or "udp": what the drop rules apply to
     transport: str = "udp"  # the aggregators': kernel sockets, or DPDK on an af_packet vdev
+    switch: str = "bridge"  # the switch: a Linux bridge, or switch_emu's (DPDK, MAC learning)
     hosts: list[Host] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # aggregator host -> its process
 
@@ -64,6 +65,8 @@ class Testbed:
             raise ValueError("loss_proto must be 'all' or 'udp'")
         if self.transport not in ("udp", "dpdk"):
             raise ValueError("transport must be 'udp' or 'dpdk'")
+        if self.switch not in ("bridge", "emu"):
+            raise ValueError("switch must be 'bridge' or 'emu'")
         parse_rate(self.rate)
         if not self.hosts:
             self.hosts = [Host(f"w{i}", f"{self.name}-w{i}", f"{SUBNET}.{i + 1}")
