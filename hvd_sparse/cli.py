@@ -3,12 +3,13 @@
     hvd-sparse aggregator --bind 0.0.0.0:9999 --workers 8 [--threads T] [--stats 10]
     hvd-sparse testbed {up,run,set,status,down} ...   (emulated hosts; needs root)
     hvd-sparse analyze RUN.json [--png out.png] [--json out.json]
+    hvd-sparse dissect FILE.pcap | --iface IF [--count N] [--timeout S] [--port P] [--json]
 """
 from __future__ import annotations
 
 import sys
 
-USAGE = ("usage: hvd-sparse aggregator|analyze [options]   (hvd-sparse COMMAND --help)\n"
+USAGE = ("usage: hvd-sparse aggregator|analyze|dissect [options]   (hvd-sparse COMMAND --help)\n"
          "       hvd-sparse testbed {up,run,set,status,down} [options]")
 
 
@@ -26,6 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     if args[0] == "analyze":
         from . import analyze
         sys.exit(analyze.main(args[1:]))
+    if args[0] == "dissect":
+        from . import dissect
+        sys.exit(dissect.main(args[1:]))
     print(f"hvd-sparse: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
     sys.exit(2)
 
