@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -63,21 +62,9 @@ def rank_side(a: argparse.Namespace) -> None:
     Path(a.out).write_text(json.dumps({"times": times[1:], "nnz_blocks": int(keep.sum())}))
 
 
-def stats(tb, host: str = "a0") -> dict:
-    log = tb.log_dir() / f"{host}.log"
-    n = log.read_text().count(" stats ")
-    os.kill(tb.pids[host], signal.SIGUSR1)
-    for _ in range(200):
-        lines = [x for x in log.read_text().splitlines() if " stats " in x]
-        if len(lines) > n:
-            return json.loads(lines[-1].split(" stats ", 1)[1])
-        time.sleep(0.05)
-    raise RuntimeError(f"no stats from the aggregator: {log.read_text()[-1000:]}")
-
-
 def measure(transport: str, a: argparse.Namespace, progress, task) -> list[dict]:
     from hvd_sparse.aggregator import BINARY
-    from hvd_sparse.testbed import lifecycle, topology
+    from hvd_sparse.testbed import launch, lifecycle, topology
 
     tb = lifecycle.up(topology.Testbed("hvbt", workers=4, aggregators=1, rate=a.rate, mtu=9000,
                                        transport=transport))
@@ -85,14 +72,14 @@ def measure(transport: str, a: argparse.Namespace, progress, task) -> list[dict]
     try:
         agg = tb.aggregator_addresses()
         blaster = BINARY.parent / "hvd-sparse-udpblast"
-        before = stats(tb)
+        before = launch.counters(tb, "a0")
         procs = [subprocess.Popen(["ip", "netns", "exec", h.ns, str(blaster), "--to", agg,
                                    "--senders", "1", "--bytes", str(DATAGRAM), "--seconds",
                                    str(a.seconds)]) for h in tb.worker_hosts]
         for p in procs:
             p.wait(timeout=a.seconds + 30)
         time.sleep(0.2)
-        after = stats(tb)
+        after = launch.counters(tb, "a0")
         raw = (after["rx_bytes"] - before["rx_bytes"]) / a.seconds
         progress.advance(task)
         for density in a.densities:

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,20 +17,6 @@ from hvd_sparse.aggregator import binary
 from hvd_sparse.testbed import launch, lifecycle, links, topology
 
 NAME = f"hvd{os.getpid() % 100000}"
-
-
-def aggregator_stats(tb: topology.Testbed) -> dict:
-    """The DPDK aggregator's counters now: SIGUSR1, then its newest stats line."""
-    log = tb.log_dir() / "a0.log"
-    n = log.read_text().count(" stats ")
-    os.kill(tb.pids["a0"], signal.SIGUSR1)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        lines = [x for x in log.read_text().splitlines() if " stats " in x]
-        if len(lines) > n:
-            return json.loads(lines[-1].split(" stats ", 1)[1])
-        time.sleep(0.05)
-    raise AssertionError(f"no stats from the DPDK aggregator: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +34,7 @@ def test_dpdk_aggregator_with_kernel_udp_workers(testbed: topology.Testbed,
                                                  tmp_path: Path) -> None:
     log = (testbed.log_dir() / "a0.log").read_text()
     assert "transport=dpdk" in log, log
-    before = aggregator_stats(testbed)
+    before = launch.counters(testbed, "a0")
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'mp'}", "HVD_SPARSE_TEST_OUT": str(tmp_path),
            "HVD_SPARSE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     try:
@@ -66,7 +50,7 @@ def test_dpdk_aggregator_with_kernel_udp_workers(testbed: topology.Testbed,
     for r, rep in enumerate(reports):
         for name in ("reference", "udp_aggregator", "loss", "junk"):
             assert rep[name] == "", f"rank {r}, {name}: {rep[name]}"
-    after = aggregator_stats(testbed)
+    after = launch.counters(testbed, "a0")
     d = {k: after[k] - before[k] for k in after}
     assert d["rounds"] > 0 and d["tx_packets"] > 0, d
     # Every junk datagram reached the DPDK aggregator's core and was counted, none crashed it.

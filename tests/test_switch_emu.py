@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,19 +17,6 @@ from test_testbed import leftovers
 from hvd_sparse.testbed import launch, lifecycle, topology
 
 NAME = f"hve{os.getpid() % 100000}"
-
-
-def switch_stats(tb: topology.Testbed) -> dict:
-    log = tb.log_dir() / "switch.log"
-    n = log.read_text().count(" stats ")
-    os.kill(tb.pids["switch"], signal.SIGUSR1)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        lines = [x for x in log.read_text().splitlines() if " stats " in x]
-        if len(lines) > n:
-            return json.loads(lines[-1].split(" stats ", 1)[1])
-        time.sleep(0.05)
-    raise AssertionError(f"no stats from the switch: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +34,7 @@ def testbed():
 def test_jobs_cross_the_emulated_switch(testbed: topology.Testbed, tmp_path: Path) -> None:
     with NetNS(testbed.switch_ns) as sw:  # no bridge: the emulator is the only path
         assert not sw.link_lookup(ifname="br0")
-    before = switch_stats(testbed)
+    before = launch.counters(testbed, "switch")
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'mp'}", "HVD_SPARSE_TEST_OUT": str(tmp_path),
            "HVD_SPARSE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     try:
@@ -61,7 +46,7 @@ def test_jobs_cross_the_emulated_switch(testbed: topology.Testbed, tmp_path: Pat
         path = tmp_path / f"rank{r}.json"
         assert path.exists(), f"rank {r} wrote no report:\n{proc.stdout[-3000:]}"
         assert json.loads(path.read_text())["schemes"] == "", path.read_text()
-    after = switch_stats(testbed)
+    after = launch.counters(testbed, "switch")
     ports = {p["name"]: p for p in after["ports"]}
     assert sorted(ports) == sorted(h.name for h in testbed.hosts)
     for b in before["ports"]:  # every host's traffic went through the switch

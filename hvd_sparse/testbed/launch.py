@@ -8,8 +8,10 @@ Ranks talk to each other only over the testbed links (TCP BTL on eth0, no shared
 Horovod's MPI operations, since its Gloo operations do not start under plain mpirun."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -78,6 +80,21 @@ def start_switch(tb: Testbed) -> None:
             raise RuntimeError("testbed: the emulated switch did not start: "
                                + (tb.log_dir() / "switch.log").read_text()[-1000:])
         time.sleep(0.01)
+
+
+def counters(tb: Testbed, name: str, timeout: float = 10.0) -> dict:
+    """The counters of a testbed process (an aggregator host's ``a0``.., or ``switch``) now:
+    SIGUSR1, then the newest stats line of its log."""
+    log = tb.log_dir() / f"{name}.log"
+    n = log.read_text().count(" stats ")
+    os.kill(tb.pids[name], signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [x for x in log.read_text().splitlines() if " stats " in x]
+        if len(lines) > n:
+            return json.loads(lines[-1].split(" stats ", 1)[1])
+        time.sleep(0.05)
+    raise RuntimeError(f"testbed: no counters from {name}: {log.read_text()[-2000:]}")
 
 
 def dpdk_args(tb: Testbed, host: str) -> str:
