@@ -3,31 +3,24 @@ testbed, kernel-UDP workers (3 worker hosts, 1 Gbit/s, MTU 9000). Needs root and
 built with DPDK (make build installs libdpdk-dev): both hold in CI, so neither is skipped."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
-from test_testbed import leftovers
+from test_testbed import run_job, running
 
 from hvd_sparse.aggregator import binary
-from hvd_sparse.testbed import launch, lifecycle, links, topology
+from hvd_sparse.testbed import launch, links, topology
 
 NAME = f"hvd{os.getpid() % 100000}"
 
 
 @pytest.fixture(scope="module")
 def testbed():
-    tb = lifecycle.up(topology.Testbed(NAME, workers=3, aggregators=1, rate="1gbit", mtu=9000,
-                                       loss_proto="udp", transport="dpdk"))
-    try:
+    with running(topology.Testbed(NAME, workers=3, aggregators=1, rate="1gbit", mtu=9000,
+                                  loss_proto="udp", transport="dpdk")) as tb:
         yield tb
-    finally:
-        lifecycle.down(NAME)
-        assert leftovers(NAME) == []
 
 
 def test_dpdk_aggregator_with_kernel_udp_workers(testbed: topology.Testbed,
@@ -35,18 +28,7 @@ def test_dpdk_aggregator_with_kernel_udp_workers(testbed: topology.Testbed,
     log = (testbed.log_dir() / "a0.log").read_text()
     assert "transport=dpdk" in log, log
     before = launch.counters(testbed, "a0")
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'mp'}", "HVD_SPARSE_TEST_OUT": str(tmp_path),
-           "HVD_SPARSE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    try:
-        proc = launch.run(testbed, [sys.executable, str(ROOT / "tests/mp/dpdk_cases.py")],
-                          env=env, timeout=300, capture=True)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"DPDK job hung past 300 s:\n{(e.stdout or '')[-3000:]}")
-    reports = []
-    for r in range(testbed.workers):
-        path = tmp_path / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no report:\n{proc.stdout[-3000:]}"
-        reports.append(json.loads(path.read_text()))
+    reports = run_job(testbed, "dpdk_cases.py", tmp_path)
     for r, rep in enumerate(reports):
         for name in ("reference", "udp_aggregator", "loss", "junk"):
             assert rep[name] == "", f"rank {r}, {name}: {rep[name]}"

@@ -2,11 +2,13 @@
 Horovod, loss, a cut link, and nothing left behind. Needs root (CI runs as root)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,35 +28,49 @@ def leftovers(name: str) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def running(tb: topology.Testbed) -> Iterator[topology.Testbed]:
+    """The testbed up for the block, and down after it, leaving nothing behind."""
+    up = lifecycle.up(tb)
+    try:
+        yield up
+    finally:
+        lifecycle.down(tb.name)
+        assert leftovers(tb.name) == []
+        assert not topology.Testbed.state_path(tb.name).exists()
+        assert not tb.log_dir().exists()
+
+
+def run_job(tb: topology.Testbed, script: str, out: Path, timeout: float = 300) -> list[dict]:
+    """Runs tests/mp/``script`` as one rank per worker host; returns each rank's report."""
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'mp'}", "HVD_SPARSE_TEST_OUT": str(out),
+           "HVD_SPARSE_CACHE_DIR": str(out / "cache"), "OMP_NUM_THREADS": "1"}
+    try:
+        proc = launch.run(tb, [sys.executable, str(ROOT / "tests" / "mp" / script)], env=env,
+                          timeout=timeout, capture=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{script} hung past {timeout} s:\n{(e.stdout or '')[-3000:]}")
+    reports = []
+    for r in range(tb.workers):
+        path = out / f"rank{r}.json"
+        assert path.exists(), f"{script}: rank {r} wrote no report:\n{proc.stdout[-3000:]}\n" \
+                              f"{proc.stderr[-3000:]}"
+        reports.append(json.loads(path.read_text()))
+    return reports
+
+
 @pytest.fixture(scope="module")
 def testbed():
-    tb = lifecycle.up(topology.Testbed(NAME, workers=4, aggregators=1, rate="1gbit", mtu=9000,
-                              loss_proto="udp"))
-    try:
+    with running(topology.Testbed(NAME, workers=4, aggregators=1, rate="1gbit", mtu=9000,
+                                  loss_proto="udp")) as tb:
         yield tb
-    finally:
-        lifecycle.down(NAME)
-        assert leftovers(NAME) == []
-        assert not topology.Testbed.state_path(NAME).exists()
 
 
 def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
     before = links.counters(testbed)
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'mp'}", "HVD_SPARSE_TEST_OUT": str(tmp_path),
-           "HVD_SPARSE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    try:
-        proc = launch.run(testbed, [sys.executable, str(ROOT / "tests/mp/testbed_cases.py")],
-                          env=env, timeout=240, capture=True)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"testbed job hung past 240 s:\n{(e.stdout or '')[-3000:]}")
+    reports = run_job(testbed, "testbed_cases.py", tmp_path, timeout=240)
     took = time.monotonic() - t0
-    reports = []
-    for r in range(4):
-        path = tmp_path / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no report:\n{proc.stdout[-3000:]}\n" \
-                              f"{proc.stderr[-3000:]}"
-        reports.append(json.loads(path.read_text()))
     for r, rep in enumerate(reports):
         for case, why in rep.items():
             assert why == "", f"rank {r}, {case}: {why}"

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_install import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_PYTHON = Path("/usr/bin/python3")
@@ -62,15 +63,6 @@ print(json.dumps({
 '''
 
 
-def run(cmd: list[str | Path], env: dict[str, str], cwd: Path,
-        timeout: float = 60) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n" \
-                                 f"{proc.stderr[-3000:]}"
-    return proc
-
-
 def wait_port(port_file: Path, proc: subprocess.Popen, log: Path, timeout: float = 15) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -91,11 +83,11 @@ def test_aggregator_and_wire_without_torch(tmp_path: Path) -> None:
     assert probe.returncode != 0, f"{SYSTEM_PYTHON} imports torch: this test needs one without"
 
     venv = tmp_path / "venv"
-    run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", venv], env, tmp_path)
+    run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", venv], tmp_path, env, timeout=60)
     py = venv / "bin" / "python"
     env = {**env, "PYTHONPATH": str(ROOT)}
     info = run([py, "-c", "import sys, importlib.util as u; print(sys.version_info[:2], "
-                "u.find_spec('torch'), u.find_spec('horovod'))"], env, tmp_path).stdout
+                "u.find_spec('torch'), u.find_spec('horovod'))"], tmp_path, env, timeout=60).stdout
     assert info.strip() == f"{tuple(sys.version_info[:2])} None None", \
         f"the venv must be torch-free and of this Python's version (for the extension): {info}"
 
@@ -107,7 +99,7 @@ def test_aggregator_and_wire_without_torch(tmp_path: Path) -> None:
             env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         port = wait_port(port_file, agg, log)
-        report = json.loads(run([py, "-c", CLIENT, str(port)], env, tmp_path).stdout)
+        report = json.loads(run([py, "-c", CLIENT, str(port)], tmp_path, env, timeout=60).stdout)
     finally:
         agg.terminate()
         try:
