@@ -642,41 +642,49 @@ def fuzz_job(aggs, make_workers):
     sock.close()
 
 
+def reduce_under_junk(fuzz_job, tensor: int, seed: int, packets: list[bytes],
+                      what: str) -> dict:
+    """Reduces one tensor of the fuzz job while ``packets`` reach its aggregator: half while
+    the tensor waits for rank 2, half during it. Every rank's result must be exact; returns
+    how the aggregator's counters moved."""
+    agg, ws, sock, _ = fuzz_job
+    rng = np.random.default_rng(seed)
+    ins = [block_sparse(rng, Job.numel, Job.bs, 0.2, Job.dtype, force=(0,) if r == 1 else ())
+           for r in range(Job.n)]
+    ref = reference(ins)
+    sync(sock, agg)
+    before = agg.stats()
+    outs = [torch.zeros_like(x) for x in ins]
+    tickets = [ws[r].submit(tensor, ins[r], outs[r], Job.bs, 7, None, what, 1.0)
+               for r in range(2)]
+    half = len(packets) // 2
+    for p in packets[:half]:
+        sock.sendto(p, agg.addr)
+    tickets.append(ws[2].submit(tensor, ins[2], outs[2], Job.bs, 7, None, what, 1.0))
+    for p in packets[half:]:
+        sock.sendto(p, agg.addr)
+    for r, w in enumerate(ws):
+        assert w.wait(tickets[r], WAIT), f"rank {r} did not finish under {what}"
+    for r, w in enumerate(ws):
+        w.finish(tickets[r])
+        assert_result(outs[r], ref, f"rank {r} under {what}")
+    sync(sock, agg)
+    after = agg.stats()
+    assert agg.alive()
+    return {k: after[k] - before[k] for k in after}
+
+
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(junk=st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 2 ** 20),
                                st.binary(min_size=0, max_size=300)), min_size=1, max_size=40))
 def test_fuzz_malformed_and_foreign_packets_during_a_job(fuzz_job, junk):
-    agg, ws, sock, counter = fuzz_job
+    counter = fuzz_job[3]
     counter[0] += 1
     tensor = 1000 + counter[0]
-    rng = np.random.default_rng(counter[0])
-    ins = [block_sparse(rng, Job.numel, Job.bs, 0.2, Job.dtype, force=(0,) if r == 1 else ())
-           for r in range(Job.n)]
-    ref = reference(ins)
     built = [junk_packets(kind, seed + 7919 * i, tensor, raw)
              for i, (kind, seed, raw) in enumerate(junk)]
-    sync(sock, agg)
-    before = agg.stats()
-    outs = [torch.zeros_like(x) for x in ins]
-    # ranks 0 and 1 start; the junk arrives while the tensor waits for rank 2, then during it
-    tickets = [ws[r].submit(tensor, ins[r], outs[r], Job.bs, 7, None, "fz", 1.0)
-               for r in range(2)]
-    half = len(built) // 2
-    for _, p in built[:half]:
-        sock.sendto(p, agg.addr)
-    tickets.append(ws[2].submit(tensor, ins[2], outs[2], Job.bs, 7, None, "fz", 1.0))
-    for _, p in built[half:]:
-        sock.sendto(p, agg.addr)
-    for r, w in enumerate(ws):
-        assert w.wait(tickets[r], WAIT), f"rank {r} did not finish under fuzz"
-    for r, w in enumerate(ws):
-        w.finish(tickets[r])
-        assert_result(outs[r], ref, f"rank {r} under fuzz")
-    sync(sock, agg)
-    after = agg.stats()
-    assert agg.alive()
-    d = {k: after[k] - before[k] for k in after}
+    d = reduce_under_junk(fuzz_job, tensor, counter[0], [p for _, p in built], "fuzz")
     want = {x: sum(1 for e, _ in built if e == x) for x in ("malformed", "unknown", "fuzzy")}
     kinds = sorted({k for k, _, _ in junk})
     assert d["unknown_job"] == want["unknown"], (d, want, kinds)

@@ -30,14 +30,11 @@ from hypothesis import strategies as st
 from scapy.layers.inet import IP, UDP
 from scapy.packet import Raw, fuzz
 from test_aggregator import (  # noqa: F401 - aggs, make_workers, fuzz_job are fixtures
-    WAIT,
     Job,
     aggs,
-    assert_result,
-    block_sparse,
     fuzz_job,
     make_workers,
-    reference,
+    reduce_under_junk,
     round0,
     sync,
 )
@@ -372,35 +369,12 @@ def expected(payload: bytes) -> str:
 @given(junk=st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 2 ** 20)), min_size=1,
                      max_size=40))
 def test_scapy_junk_during_a_job(fuzz_job, junk: list[tuple[str, int]]) -> None:  # noqa: F811
-    agg, ws, sock, counter = fuzz_job
+    counter = fuzz_job[3]
     counter[0] += 1
     tensor = 5000 + counter[0]
-    rng = np.random.default_rng(counter[0])
-    ins = [block_sparse(rng, Job.numel, Job.bs, 0.2, Job.dtype, force=(0,) if r == 1 else ())
-           for r in range(Job.n)]
-    ref = reference(ins)
     built = [scapy_junk(kind, seed + 7919 * i, tensor) for i, (kind, seed) in enumerate(junk)]
     want = [expected(p) for p in built]
-    sync(sock, agg)
-    before = agg.stats()
-    outs = [torch.zeros_like(x) for x in ins]
-    tickets = [ws[r].submit(tensor, ins[r], outs[r], Job.bs, 7, None, "sj", 1.0)
-               for r in range(2)]
-    half = len(built) // 2
-    for p in built[:half]:
-        sock.sendto(p, agg.addr)
-    tickets.append(ws[2].submit(tensor, ins[2], outs[2], Job.bs, 7, None, "sj", 1.0))
-    for p in built[half:]:
-        sock.sendto(p, agg.addr)
-    for r, w in enumerate(ws):
-        assert w.wait(tickets[r], WAIT), f"rank {r} did not finish under scapy junk"
-    for r, w in enumerate(ws):
-        w.finish(tickets[r])
-        assert_result(outs[r], ref, f"rank {r} under scapy junk")
-    sync(sock, agg)
-    after = agg.stats()
-    assert agg.alive()
-    d = {k: after[k] - before[k] for k in after}
+    d = reduce_under_junk(fuzz_job, tensor, counter[0], built, "scapy junk")
     kinds = sorted({k for k, _ in junk})
     assert d["malformed"] == want.count("malformed"), (d, want, kinds)
     assert d["unknown_job"] == want.count("unknown"), (d, want, kinds)

@@ -1,6 +1,5 @@
 #include "transport.h"
 
-#include <pthread.h>
 #include <sched.h>
 #include <time.h>
 
@@ -38,7 +37,6 @@ struct Port {
   std::mutex mu;
   std::unordered_map<uint32_t, rte_ether_addr> neighbours;
   std::unordered_map<uint32_t, double> asked;  // ip -> when we last sent an ARP request
-  int open_queues = 0;
 
   ~Port() {
     rte_eth_dev_stop(id);
