@@ -15,7 +15,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 setup:
 	@bash scripts/setup.sh
 
-$(EXT): setup.py $(shell find csrc -name '*.cpp' -o -name '*.h') | setup
+$(EXT): setup.py $(shell find csrc switch_emu/csrc -name '*.cpp' -o -name '*.h') | setup
 	@echo "[build] hvd_sparse._C"
 	@$(PY) setup.py -q build_ext --inplace > build.log 2>&1 || { tail -40 build.log; exit 1; }
 

@@ -48,7 +48,8 @@ BINARIES = {"hvd-sparse-aggregator": ["csrc/omni/aggregator/main.cpp",
                                     "csrc/omni/transport/udp/transport.cpp"]}
 DPDK_SOURCES = ["csrc/omni/transport/dpdk/transport.cpp"]
 # Built only with DPDK: the emulated switch (its ports are DPDK ports).
-SWITCH = ("switch_emu/bin/hvd-sparse-switch", ["switch_emu/csrc/main.cpp"])
+SWITCH = ("switch_emu/bin/hvd-sparse-switch", ["switch_emu/csrc/main.cpp",
+                                               "switch_emu/csrc/pipeline.cpp"])
 
 
 def dpdk_flags() -> tuple[list[str], list[str]] | None:
@@ -80,7 +81,8 @@ def up_to_date(out: Path, sources: list[str]) -> bool:
     """True when ``out`` is newer than its sources and every header they could include."""
     if not out.exists():
         return False
-    deps = [*(ROOT / s for s in sources), *ROOT.glob("csrc/**/*.h")]
+    deps = [*(ROOT / s for s in sources), *ROOT.glob("csrc/**/*.h"),
+            *ROOT.glob("switch_emu/csrc/*.h")]
     return out.stat().st_mtime >= max(d.stat().st_mtime for d in deps)
 
 
@@ -139,7 +141,8 @@ setup(
              "csrc/rows.cpp", "csrc/cuda_host.cpp", "csrc/omni/worker/binding.cpp",
              "csrc/omni/worker/worker.cpp", "csrc/omni/worker/engine.cpp",
              "csrc/omni/transport/udp/transport.cpp", "csrc/omni/aggregator/binding.cpp",
-             "csrc/omni/aggregator/core.cpp"],
+             "csrc/omni/aggregator/core.cpp", "switch_emu/csrc/binding.cpp",
+             "switch_emu/csrc/pipeline.cpp"],
             include_dirs=["csrc"],
             extra_compile_args=["-O3", "-std=c++17", "-march=x86-64-v2", "-fopenmp"],
             extra_link_args=["-fopenmp"],

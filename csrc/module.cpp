@@ -8,6 +8,7 @@ void register_fresh_zeros(pybind11::module_& m);  // csrc/fresh_zeros.cpp
 namespace omni {
 void register_omni(pybind11::module_& m);             // csrc/omni/worker/binding.cpp
 void register_aggregator_core(pybind11::module_& m);  // csrc/omni/aggregator/binding.cpp
+void register_switch_pipeline(pybind11::module_& m);  // switch_emu/csrc/binding.cpp
 }
 }  // namespace hvd_sparse
 void register_sparsify(pybind11::module_& m);   // csrc/sparsify.cpp
@@ -23,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_cuda_host(m);
   hvd_sparse::omni::register_omni(m);
   hvd_sparse::omni::register_aggregator_core(m);
+  hvd_sparse::omni::register_switch_pipeline(m);
 }

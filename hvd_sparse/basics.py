@@ -20,6 +20,7 @@ class State:
     net: costmodel.NetModel
     world: tuple[int, int]  # Horovod's (rank, size) at init: what the state was built for
     omni: session.Session | None = None  # aggregators joined, when any
+    switch: session.Session | None = None  # the switch joined, when any
 
 
 _state: State | None = None
@@ -32,7 +33,8 @@ def init(**kwargs: object) -> None:
     timeout, small_bytes, probe ("auto", "force", "off"), cache_dir, log_level, threads;
     for the omnireduce scheme: aggregators ("host:port,..."; when empty rank 0 starts
     local_aggregators of its own), aggregator_host, fallback ("error" or "dense"),
-    payload_bytes, slots, rto; metrics_file, metrics_records, link_rate (the run file for
+    payload_bytes, slots, rto, fixed_point; for the switch scheme: switch ("ip:port");
+    metrics_file, metrics_records, link_rate (the run file for
     ``hvd-sparse analyze``). See config.py.
     """
     global _state
@@ -46,11 +48,15 @@ def init(**kwargs: object) -> None:
     # Ranks sharing a host share its cores; more threads than that make every loop crawl.
     _C.set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // hvd.local_size()))
     omni = session.start(cfg)
+    switch = session.join_switch(cfg)
     net = costmodel.load_or_probe(
         cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
-        layout=omni.layout() if omni else (0, 0), aggregators=omni.describe() if omni else "")
+        layout=omni.layout() if omni else (0, 0), aggregators=omni.describe() if omni else "",
+        switch=switch.probe_time if switch else None,
+        switch_layout=switch.layout() if switch else (0, 0),
+        switch_name=switch.describe() if switch else "")
     log.debug("hvd_sparse: network model (%s): %s", net.source, net)
-    _state = State(cfg, net, (hvd.rank(), hvd.size()), omni)
+    _state = State(cfg, net, (hvd.rank(), hvd.size()), omni, switch)
     _start_run_file(cfg, net, omni)
 
 
@@ -98,7 +104,8 @@ def shutdown() -> None:
     global _state
     if engine.inflight():
         log.warning("hvd_sparse.shutdown(): %d reduction(s) still in flight", engine.inflight())
-    if _state is not None and _state.omni is not None:
-        _state.omni.close()
+    for joined in (_state.omni, _state.switch) if _state is not None else ():
+        if joined is not None:
+            joined.close()
     _state = None
     runfile.flush()

@@ -4,13 +4,15 @@
     hvd-sparse testbed {up,run,set,status,down} ...   (emulated hosts; needs root)
     hvd-sparse analyze RUN.json [--png out.png] [--json out.json]
     hvd-sparse dissect FILE.pcap | --iface IF [--count N] [--timeout S] [--port P] [--json]
+    hvd-sparse switch {start,jobs,stats,limits} ...   (the emulated switch's control plane)
 """
 from __future__ import annotations
 
 import sys
 
 USAGE = ("usage: hvd-sparse aggregator|analyze|dissect [options]   (hvd-sparse COMMAND --help)\n"
-         "       hvd-sparse testbed {up,run,set,status,down} [options]")
+         "       hvd-sparse testbed {up,run,set,status,down} [options]\n"
+         "       hvd-sparse switch {start,jobs,stats,limits} [options]")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,6 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     if args[0] == "analyze":
         from . import analyze
         sys.exit(analyze.main(args[1:]))
+    if args[0] == "switch":
+        from switch_emu import control
+        sys.exit(control.main(args[1:]))
     if args[0] == "dissect":
         from . import dissect
         sys.exit(dissect.main(args[1:]))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .runfile import parse_rate
 
-SCHEMES = ("dense", "allgather", "zen", "omnireduce", "auto")
+SCHEMES = ("dense", "allgather", "zen", "omnireduce", "switch", "auto")
 
 
 @dataclass
@@ -27,6 +27,12 @@ class Config:
     local_aggregators: int = -1  # how many rank 0 starts; -1: one per 4 workers; 0: none
     aggregator_host: str = ""  # address workers reach local aggregators at; "": automatic
     fallback: str = "error"  # when aggregation fails: "error" raises, "dense" redoes it dense
+    # omnireduce: send values as int32 fixed point with one agreed exponent per tensor (what a
+    # switch sums; docs/PROTOCOL.md "Fixed point"); tensors holding NaN/Inf go dense
+    fixed_point: bool = False
+    # scheme "switch": the in-network aggregator ("ip:port"; set by ``hvd-sparse testbed run``
+    # when the testbed's switch is the emulator); "": none
+    switch: str = ""
     payload_bytes: int = 64512  # block values per datagram (block fusion): 63 float32 blocks
     slots: int = 64  # slots per aggregator per tensor: packets in flight per tensor
     # least retransmission timeout, seconds; above it srtt + 4 rttvar of measured round times
@@ -54,6 +60,7 @@ class Config:
             raise ValueError(f"metrics_records must be >= 1, got {self.metrics_records}")
         if self.link_rate:
             parse_rate(self.link_rate)
+        self.switch_address()
         return self
 
     def aggregator_list(self) -> list[tuple[str, int]]:
@@ -67,13 +74,30 @@ class Config:
                 out.append((str(item[0]), int(item[1])))
                 continue
             item = item.strip()
-            if not item:
-                continue
-            host, _, port = item.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"aggregators: expected host:port, got {item!r}")
-            out.append((host, int(port)))
+            if item:
+                out.append(_address("aggregators", item))
         return out
+
+    def switch_address(self) -> tuple[str, int] | None:
+        """``switch`` parsed: (ip, port), or None when no switch is configured."""
+        return _address("switch", self.switch.strip()) if self.switch.strip() else None
+
+
+def _address(option: str, item: str) -> tuple[str, int]:
+    host, _, port = item.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{option}: expected host:port, got {item!r}")
+    return host, int(port)
+
+
+def _parse(env: str, kind: type) -> object:
+    if kind is not bool:
+        return kind(env)
+    if env.strip().lower() in ("1", "true", "yes", "on"):  # bool("0") would be True
+        return True
+    if env.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {env!r}")
 
 
 def from_env_and_kwargs(**kwargs: object) -> Config:
@@ -82,7 +106,7 @@ def from_env_and_kwargs(**kwargs: object) -> Config:
     for f in dataclasses.fields(Config):
         env = os.environ.get(f"HVD_SPARSE_{f.name.upper()}")
         if env is not None:
-            values[f.name] = type(f.default)(env)
+            values[f.name] = _parse(env, type(f.default))
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
         raise TypeError(f"unknown hvd_sparse option(s): {sorted(unknown)}")

@@ -51,13 +51,21 @@ class NetModel:
     # per packet, slots over all aggregators) that sets the rounds. None: no aggregators.
     omnireduce: tuple[float, float, float] | None = None
     omni_layout: tuple[int, int] = (64512, 64)
+    # The same terms for aggregation in the switch (scheme "switch"), whose per-byte term is
+    # per byte on the busiest worker link (no aggregator link carries n copies), and its
+    # layout. Values are FIXED32 on the wire. None: no switch.
+    switch: tuple[float, float, float] | None = None
+    switch_layout: tuple[int, int] = (8192, 64)
 
     @staticmethod
-    def default(layout: tuple[int, int] | None = None) -> NetModel:
+    def default(layout: tuple[int, int] | None = None,
+                switch_layout: tuple[int, int] | None = None) -> NetModel:
         # Conservative guess (about 1 GB/s links) used when probing is off.
         return NetModel((2e-4, 2e-9), (2e-4, 1e-9), (3e-4, 1e-9), 2e9, 4e9,
                         omnireduce=(5e-4, 2e-5, 1e-9) if layout else None,
-                        omni_layout=layout or (64512, 64))
+                        omni_layout=layout or (64512, 64),
+                        switch=(5e-4, 2e-5, 1e-9) if switch_layout else None,
+                        switch_layout=switch_layout or (8192, 64))
 
     @staticmethod
     def for_link(rate_bps: float, n: int, base: NetModel, aggregators: int | None = None,
@@ -76,7 +84,9 @@ class NetModel:
             (base.allreduce[0], 2 * f * s), (base.allgather[0], f * s), (base.alltoall[0], s),
             base.decode_bps, base.local_bps, source=f"link {rate_bps:g} bit/s, {n} workers",
             omnireduce=(latency, packet, s / (2 * min(a, n))),
-            omni_layout=(base.omni_layout[0] or 64512, slots * a))
+            omni_layout=(base.omni_layout[0] or 64512, slots * a),
+            switch=(*base.switch[:2], s) if base.switch else None,
+            switch_layout=base.switch_layout)
 
 
 def _median_time(fn: Callable[[], object], reps: int = 5) -> float:
@@ -96,10 +106,12 @@ def _fit(small: tuple[float, float], big: tuple[float, float]) -> tuple[float, f
 
 
 def probe(omni: Callable[[int], float] | None = None,
-          layout: tuple[int, int] = (64512, 64)) -> NetModel:
+          layout: tuple[int, int] = (64512, 64), switch: Callable[[int], float] | None = None,
+          switch_layout: tuple[int, int] = (8192, 64)) -> NetModel:
     """Times the real collectives at two sizes (collective: every rank must call it);
     ``omni(numel, density)`` times one aggregation of a float32 tensor with that fraction of
-    blocks non-zero (the same on every rank), when there are aggregators laid out as ``layout``.
+    blocks non-zero (the same on every rank), when there are aggregators laid out as ``layout``;
+    ``switch`` the same in the switch.
     """
     n = hvd.size()
     small, big = 256, 1 << 20  # float32 elements per rank
@@ -125,18 +137,27 @@ def probe(omni: Callable[[int], float] | None = None,
         source="probe",
     )
     if omni is not None:
-        # t = latency * rounds + packet * slots * rounds + byte * bytes: dense probes alone
-        # cannot tell packets from bytes (both grow together), so a sparse one joins them.
-        points = []
-        for k, density in ((small, 1.0), (big, 1.0), (big, 1 / 32)):
-            nblocks = k // 256
-            nnz = max(1, round(density * nblocks))
-            rounds = omni_rounds(nblocks, nnz, layout)
-            points.append(((rounds, omni_slots(nblocks, layout) * rounds, 2 * n * nnz * 1024),
-                           omni(k, density)))
-        model.omnireduce = _fit_nonnegative(points)
+        model.omnireduce = _fit_aggregation(omni, layout, (small, big), 2 * n)
         model.omni_layout = layout
+    if switch is not None:
+        model.switch = _fit_aggregation(switch, switch_layout, (small, big), 2)
+        model.switch_layout = switch_layout
     return model
+
+
+def _fit_aggregation(timed: Callable[[int, float], float], layout: tuple[int, int],
+                     sizes: tuple[int, int], copies: int) -> tuple[float, ...]:
+    """t = latency * rounds + packet * slots * rounds + byte * bytes, from aggregations timed
+    at two sizes dense and one sparse (dense probes alone cannot tell packets from bytes, both
+    grow together). ``copies``: how many times a block crosses the link the bytes are on."""
+    points = []
+    for k, density in ((sizes[0], 1.0), (sizes[1], 1.0), (sizes[1], 1 / 32)):
+        nblocks = k // 256
+        nnz = max(1, round(density * nblocks))
+        rounds = omni_rounds(nblocks, nnz, layout)
+        points.append(((rounds, omni_slots(nblocks, layout) * rounds, copies * nnz * 1024),
+                       timed(k, density)))
+    return _fit_nonnegative(points)
 
 
 def _fit_nonnegative(points: list[tuple[tuple[float, ...], float]]) -> tuple[float, ...]:
@@ -204,12 +225,16 @@ def _cache_path(cache_dir: str, aggregators: str) -> Path:
 
 
 def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None = None,
-                  layout: tuple[int, int] = (64512, 64), aggregators: str = "") -> NetModel:
+                  layout: tuple[int, int] = (64512, 64), aggregators: str = "",
+                  switch: Callable[[int], float] | None = None,
+                  switch_layout: tuple[int, int] = (8192, 64), switch_name: str = "") -> NetModel:
     """The job's network model, identical on every rank (rank 0's cache or a fresh probe).
-    ``aggregators`` describes the aggregator set the cached ``omni`` timings belong to."""
+    ``aggregators`` and ``switch_name`` describe what the cached ``omni`` and ``switch``
+    timings belong to."""
     if mode == "off" or hvd.size() == 1:
-        return NetModel.default(layout if omni is not None else None)
-    path = _cache_path(cache_dir, aggregators)
+        return NetModel.default(layout if omni is not None else None,
+                                switch_layout if switch is not None else None)
+    path = _cache_path(cache_dir, f"{aggregators}|{switch_name}")
     cached = None
     if hvd.rank() == 0 and mode == "auto" and path.exists():
         try:
@@ -222,7 +247,7 @@ def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None
     cached = hvd.broadcast_object(cached, root_rank=0, name="hvd_sparse.probe.cached")
     if cached is not None:
         return cached
-    model = hvd.broadcast_object(probe(omni, layout), root_rank=0,
+    model = hvd.broadcast_object(probe(omni, layout, switch, switch_layout), root_rank=0,
                                  name="hvd_sparse.probe.model")
     if hvd.rank() == 0:
         try:
@@ -281,6 +306,17 @@ def predict(
         latency, packet, per_byte = m.omnireduce
         p.seconds["omnireduce"] = local + latency * rounds + packet * packets + per_byte * through
         p.received["omnireduce"] = union * block
+    if m.switch is not None:
+        # FIXED32 on the wire. Each worker link carries its own blocks in and the union out;
+        # the scale costs one tiny allreduce first.
+        wire = bs * 4 + OMNI_LANE
+        busiest = max(max(nnz, default=0), union) * wire
+        rounds = omni_rounds(nblocks, union, m.switch_layout, 4, bs)
+        packets = omni_slots(nblocks, m.switch_layout, 4, bs) * rounds
+        latency, packet, per_byte = m.switch
+        p.seconds["switch"] = (local + m.allreduce[0] + latency * rounds + packet * packets
+                               + per_byte * busiest)
+        p.received["switch"] = union * bs * 4
     return p
 
 

@@ -27,7 +27,7 @@ from .scapy_layer import AGGREGATOR_PORT, Body, HvdSparse, bind_port, block_byte
 
 _T = protocol.TYPES
 _TYPE_NAMES = {code: name for name, code in _T.items()}
-_DTYPE_NAMES = {code: name for name, (code, _) in protocol.DTYPES.items()}
+_DTYPE_NAMES = {code: name for name, (code, _) in protocol.WIRE_DTYPES.items()}
 _ERROR_NAMES = {code: name for name, code in protocol.ERRORS.items()}
 MAX_LISTED = 100  # malformed datagrams listed one by one; all are counted
 

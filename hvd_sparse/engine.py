@@ -51,6 +51,7 @@ class Context:
     config: Config
     net: NetModel  # the cost model's view of the network ("auto")
     omni: Session | None  # the aggregators joined at init ("omnireduce"), when any
+    switch: Session | None = None  # the switch joined at init ("switch"), when any
 
 
 @dataclass

@@ -18,6 +18,8 @@ def record(name: str, scheme: str, seconds: float, stats: dict[str, Any]) -> Non
         for key in ("bytes_received", "block_density", "union", "predicted_ms", "reason"):
             if key in stats:
                 r[key] = stats[key]
+            elif key == "reason":  # this call went where its scheme meant
+                r.pop(key, None)
 
 
 def record_sparsify(name: str, **fields: Any) -> None:

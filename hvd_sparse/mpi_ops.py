@@ -66,7 +66,7 @@ def allreduce_async(
               block_size=block_size or st.config.block_size, size=process_set.size(),
               rank=process_set.rank(), process_set=process_set,
               meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
-              ctx=engine.Context(st.config, st.net, st.omni),
+              ctx=engine.Context(st.config, st.net, st.omni, st.switch),
               inplace=t.numel() > 0 and (inplace or copied),
               output=tensor if inplace else None)
     return engine.submit(job, schemes.run(job), _record)

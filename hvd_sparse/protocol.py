@@ -23,8 +23,11 @@ TYPES: dict[str, int] = dict(_p.TYPES)  # packet type name -> code
 FLAGS: dict[str, int] = dict(_p.FLAGS)
 ERRORS: dict[str, int] = dict(_p.ERRORS)  # ERROR packets' code (in the round field)
 FIELDS: list[tuple[str, int, int]] = [tuple(f) for f in _p.FIELDS]  # (name, offset, size)
-DTYPES: dict[str, tuple[int, int]] = dict(_p.DTYPES)  # "float32" -> (code, element size)
-ELEM_SIZE: dict[int, int] = {code: size for code, size in DTYPES.values()}  # code -> bytes
+DTYPES: dict[str, tuple[int, int]] = dict(_p.DTYPES)  # tensor dtype "float32" -> (code, size)
+# What DATA and RESULT may carry: the tensor dtypes and "fixed32" (int32 fixed point)
+WIRE_DTYPES: dict[str, tuple[int, int]] = dict(_p.WIRE_DTYPES)
+FIXED32: int = WIRE_DTYPES["fixed32"][0]
+ELEM_SIZE: dict[int, int] = {code: size for code, size in WIRE_DTYPES.values()}  # code -> bytes
 
 
 def layout(nblocks: int, block_size: int, esize: int, payload: int,

@@ -42,7 +42,7 @@ _HEX = {1: XByteField, 2: XShortField, 4: XIntField, 8: XLongField}
 _FMT = {1: "B", 2: "H", 4: "I", 8: "Q"}  # big-endian struct codes, for enum fields
 _SHOWN_HEX = {"magic", "token", "tensor", "meta"}  # identifiers, not quantities
 _ENUMS = {"type": {code: name for name, code in protocol.TYPES.items()},
-          "dtype": {code: name for name, (code, _) in protocol.DTYPES.items()}}
+          "dtype": {code: name for name, (code, _) in protocol.WIRE_DTYPES.items()}}
 _DEFAULTS = {"magic": protocol.MAGIC, "version": protocol.VERSION}
 # Left None, these are counted from the body when the packet is built (as wire.data does).
 _COUNTED = ("lanes", "present")

@@ -3,8 +3,10 @@
 ``start`` (called by ``hvd_sparse.init``, collective) joins the configured aggregators or has
 rank 0 start local ones (aggregator.LocalAggregators), agrees with every rank on the job token
 and the path MTU, and registers. The omnireduce scheme submits tensors to the resulting
-``Session``. Tensors are named on the wire by a hash of their name and how often that name was
-reduced, so every rank derives the same id whatever order it submits in.
+``Session``. ``join_switch`` does the same with the switch that aggregates in the network
+(scheme "switch"): fixed point, packets a switch slot can hold, one tensor at a time. Tensors
+are named on the wire by a hash of their name and how often that name was reduced, so every
+rank derives the same id whatever order it submits in.
 """
 from __future__ import annotations
 
@@ -20,27 +22,37 @@ from collections import defaultdict
 import horovod.torch as hvd
 import torch
 
-from . import _C, protocol
+from switch_emu.control import CELLS_PER_SLOT, VALUES_PER_PASS
+
+from . import _C, fixedpoint, protocol
 from .aggregator import LocalAggregators
 from .config import Config
 from .errors import HvdSparseError
 
 log = logging.getLogger("hvd_sparse")
 
+# What one switch slot holds: CELLS_PER_SLOT passes of VALUES_PER_PASS int32 (8 KiB)
+SWITCH_SLOT_BYTES = CELLS_PER_SLOT * VALUES_PER_PASS * 4
+
 
 class Session:
     """This rank's worker engine, joined to the job's aggregators."""
 
     def __init__(self, cfg: Config, addrs: list[tuple[str, int]], token: int,
-                 local: LocalAggregators | None, max_datagram: int | None = None) -> None:
-        self.cfg, self.addrs, self.local = cfg, addrs, local
+                 local: LocalAggregators | None, max_datagram: int | None = None,
+                 switch: bool = False) -> None:
+        self.cfg, self.addrs, self.local, self.switch = cfg, addrs, local, switch
         # Block values per packet: the configured fusion, cut so that a whole packet (header,
         # bitmap, up to MAX_LANES lane entries) fits one frame of the path: an IP fragment
-        # lost on a busy link loses the whole datagram.
+        # lost on a busy link loses the whole datagram; and, to a switch, what one slot holds.
         max_datagram = max_datagram or protocol.MAX_DATAGRAM
         self.payload = max(1, min(cfg.payload_bytes, max_datagram - protocol.HEADER_BYTES
                                   - protocol.BITMAP_BYTES
                                   - protocol.MAX_LANES * protocol.LANE_BYTES))
+        if switch:
+            self.payload = min(self.payload, SWITCH_SLOT_BYTES)
+        # A switch sums one tensor at a time (see Turns)
+        self.turns = Turns() if switch else None
         # The engine's own no-progress timeout fires a little before the caller's, so the error
         # names the aggregator rather than only the tensor.
         self.worker = _C.OmniWorker(addrs, token, hvd.rank(), hvd.size(),
@@ -60,7 +72,8 @@ class Session:
 
     def describe(self) -> str:
         """What the probe's timings depend on: how many aggregators, local or not, fusion."""
-        return f"{len(self.addrs)}x{'local' if self.local else 'remote'}/{self.layout()}"
+        where = "switch" if self.switch else "local" if self.local else "remote"
+        return f"{len(self.addrs)}x{where}/{self.layout()}"
 
     def probe_time(self, numel: int, density: float = 1.0, reps: int = 3) -> float:
         """Median seconds of aggregating a float32 tensor with ``density`` of its 256-blocks
@@ -74,7 +87,7 @@ class Session:
             t0 = time.perf_counter()
             ticket = self.worker.submit(
                 self.tensor_id(f"hvd_sparse.probe.omni{numel}.{density}"), x, out, 256, 0, None,
-                "probe", 1.0)
+                "probe", 1.0, fixedpoint.exponent(1.0, hvd.size()) if self.switch else None)
             self.worker.wait(ticket, self.cfg.timeout)
             self.worker.finish(ticket)
             times.append(time.perf_counter() - t0)
@@ -84,6 +97,62 @@ class Session:
         self.worker.close()
         if self.local is not None:
             self.local.stop()
+
+
+class Turns:
+    """The order in which tensors go through a switch, one at a time, the same on every rank.
+
+    A switch binds each (tensor, slot) to a register group and drops what finds the group
+    taken until it is released; two tensors streaming at once could each hold a group the
+    other's laggard worker needs, with that worker's window full of dropped packets. So rank 0
+    numbers the tensors as they come (``issue``), every rank learns the number from the
+    tensor's scale agreement, and a tensor streams only after all lower numbers are ``done``.
+    """
+
+    def __init__(self) -> None:
+        self.issued = 0  # rank 0: numbers handed out
+        self.next = 0  # the number whose turn it is
+        self._done: set[int] = set()
+
+    def issue(self) -> int:
+        self.issued += 1
+        return self.issued - 1
+
+    def mine(self, number: int) -> bool:
+        return self.next == number
+
+    def done(self, number: int) -> None:
+        self._done.add(number)
+        while self.next in self._done:
+            self._done.remove(self.next)
+            self.next += 1
+
+
+def join_switch(cfg: Config) -> Session | None:
+    """Joins the switch named by ``switch`` (collective). None when no switch is configured or
+    it refuses the job on some rank (the reason is logged: the switch scheme then falls back)."""
+    addr = cfg.switch_address()
+    if addr is None:
+        return None
+    token = hvd.broadcast_object(random.SystemRandom().getrandbits(63) | 1, root_rank=0,
+                                 name="hvd_sparse.switch.token")
+    mtu = hvd.allreduce(torch.tensor([_max_datagram(*addr)]), op=hvd.Min,
+                        name="hvd_sparse.switch.mtu")
+    session = Session(cfg, [addr], token, None, int(mtu), switch=True)
+    why = ""
+    try:
+        session.worker.register(cfg.timeout)
+    except RuntimeError as e:
+        why = str(e)
+    refused = hvd.allgather_object(why, name="hvd_sparse.switch.registered")
+    if any(refused):
+        session.close()
+        rank, why = next((r, w) for r, w in enumerate(refused) if w)
+        log.warning("hvd_sparse: the switch at %s:%d cannot aggregate this job (rank %d: %s); "
+                    "scheme 'switch' falls back", *addr, rank, why)
+        return None
+    log.debug("hvd_sparse: switch %s:%d joined", *addr)
+    return session
 
 
 def start(cfg: Config) -> Session | None:

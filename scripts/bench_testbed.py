@@ -2,6 +2,8 @@
 switch namespace, every link rate-capped (tbf) in both directions, MTU 9000. Needs root.
 
     .venv/bin/python scripts/bench_testbed.py [--rates 1gbit,10gbit] [--quick]
+    .venv/bin/python scripts/bench_testbed.py --switch emu --rates 1gbit --densities 1,0.1,0.01
+
 
 For each rate the script brings a testbed up (hvd_sparse.testbed), runs itself on it as one
 Horovod rank per worker host (Open MPI, Horovod's MPI operations), and takes it down. Each rank
@@ -13,14 +15,16 @@ call them (the input restored outside the timed region):
   on ``t.to_sparse()`` made outside the timed region, as in bench_sync.py); hvd sparse e2e: the
   same with ``to_sparse()`` and the final ``to_dense()`` timed, dense in and out as ours;
 * allgather, zen, auto, omnireduce x4 (the 4 aggregator hosts), omnireduce x1 (only a0):
-  ``hvd_sparse.allreduce_(t, scheme=...)``.
+  ``hvd_sparse.allreduce_(t, scheme=...)``;
+* with ``--switch emu`` (switch_emu's switch in place of the bridge): switch, aggregation in
+  the switch (scheme "switch"), with the emulator's packets per second and passes per packet.
 
 Per method: the median over --reps of the slowest rank's time; bytes each host received
 (its eth0 counters, read by rank 0 around every timed call); the link utilization of the
 busiest worker (its received bits / time / rate); and the ratio to the per-host lower bound:
 the bytes a worker must receive (every block non-zero on some other rank) over the link rate,
 for the worker that must receive most. Results are checked against ``hvd.allreduce`` first.
-Writes bench_results/testbed.json and testbed.png.
+Writes bench_results/testbed.json and testbed.png (with --switch emu: switch.json, switch.png).
 """
 from __future__ import annotations
 
@@ -40,9 +44,10 @@ sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make
 from _report import console, print_table, save_png, write_json  # noqa: E402
 
 METHODS = ["hvd dense", "hvd sparse", "hvd sparse e2e", "allgather", "zen", "omnireduce x1",
-           "omnireduce x4", "auto"]
-OURS = ["allgather", "zen", "omnireduce x1", "omnireduce x4"]
+           "omnireduce x4", "switch", "auto"]
+OURS = ["allgather", "zen", "omnireduce x1", "omnireduce x4", "switch"]
 TARGET_SPARSE_X, TARGET_BOUND_X, TARGET_AUTO_X = 2.0, 1.5, 0.95
+TARGET_SWITCH_X = 2.5  # the switch against one aggregator host at 10%
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,13 +60,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--quick", action="store_true", help="4 Mi elements, 3 reps: a smoke run")
+    ap.add_argument("--switch", choices=("bridge", "emu"), default="bridge",
+                    help="the testbed's switch; emu adds the method 'switch'")
     ap.add_argument("--name", default="hvbench", help="testbed name")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
     ap.add_argument("--rank-side", help=argparse.SUPPRESS)  # result file: run as a rank
     args = ap.parse_args()
     if args.quick:
         args.numel, args.reps = 4 * 2**20, 3
-    args.methods = [m for m in METHODS if m in args.methods.split(",")]
+    args.methods = [m for m in METHODS if m in args.methods.split(",")
+                    and (m != "switch" or args.switch == "emu")]
     return args
 
 
@@ -74,8 +82,10 @@ def drive(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     failed = False
     for rate in args.rates.split(","):
-        console.rule(f"testbed: 4 workers + 4 aggregator hosts, {rate}, MTU {args.mtu}")
-        tb = lifecycle.up(Testbed(args.name, workers=4, aggregators=4, rate=rate, mtu=args.mtu))
+        console.rule(f"testbed: 4 workers + 4 aggregator hosts, {rate}, MTU {args.mtu}, "
+                     f"switch {args.switch}")
+        tb = lifecycle.up(Testbed(args.name, workers=4, aggregators=4, rate=rate, mtu=args.mtu,
+                                  switch=args.switch))
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "rows.json"
@@ -106,7 +116,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         r["x vs hvd sparse"] = base.get("ms", nan) / r.get("ms", nan)
     cols = ["rate", "density", "method", "ms", "x vs hvd sparse", "bound ms", "x of bound",
             "util %", "worker rx MB", "aggregators tx MB", "scheme", "retransmits", "model ms",
-            "model err %", "ok"]
+            "model err %", "switch kpps", "passes / packet", "ok"]
     print_table(rows, f"in-place allreduce of {args.numel:,} float32 on 4 emulated hosts, "
                 f"median of {args.reps} (slowest rank)", cols,
                 caption="bound: the bytes the worker that must receive most must receive (blocks "
@@ -114,7 +124,9 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
                 "received bits / time / rate. worker rx MB: mean over workers, per call (eth0 "
                 "counters). aggregators tx MB: all aggregator hosts together, per call. model: "
                 "the cost model's prediction (probed at init on these links; omnireduce's terms "
-                "fitted on the 4 aggregator hosts, so x1 has none).")
+                "fitted on the 4 aggregator hosts, so x1 has none). switch kpps: packets the "
+                "emulator aggregated per second of the call; passes / packet: pipeline passes "
+                "(1 + recirculations) per aggregated packet.")
     targets = []
 
     def target(name: str, value: float, need: float, higher: bool = True) -> None:
@@ -141,9 +153,17 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
                     target(f"{rate} @ {d:g}: auto ({a.get('scheme')}) vs best of hvd dense/"
                            f"{sparse.removeprefix('hvd ')}", base / a.get("ms", nan),
                            TARGET_AUTO_X)
-    out = write_json(args.out_dir / "testbed.json", rows, args=vars(args), targets=targets)
-    plot(rows, args, args.out_dir / "testbed.png")
-    console.print(f"wrote {out} and {args.out_dir / 'testbed.png'}")
+            sw, one = by.get((rate, d, "switch"), {}), by.get((rate, d, "omnireduce x1"), {})
+            if "ms" in sw and rate == "1gbit" and d in (0.01, 0.1):
+                if d == 0.1 and "ms" in one:
+                    target(f"{rate} @ {d:g}: switch vs omnireduce x1", one["ms"] / sw["ms"],
+                           TARGET_SWITCH_X)
+                target(f"{rate} @ {d:g}: switch x of bound", sw["x of bound"], TARGET_BOUND_X,
+                       higher=False)
+    stem = "switch" if args.switch == "emu" else "testbed"
+    out = write_json(args.out_dir / f"{stem}.json", rows, args=vars(args), targets=targets)
+    plot(rows, args, args.out_dir / f"{stem}.png")
+    console.print(f"wrote {out} and {args.out_dir / f'{stem}.png'}")
 
 
 def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
@@ -193,10 +213,16 @@ def rank_side(args: argparse.Namespace) -> None:
     cfg = st.config
     one = omni.start(dataclasses.replace(cfg, aggregators=cfg.aggregator_list()[:1]))
     sessions = {"omnireduce x1": one, "omnireduce x4": st.omni}
+    if st.switch is not None:
+        sessions["switch"] = st.switch
+
+    def switch_counters() -> dict:
+        from switch_emu import control
+        return control.Client(tb.switch_control).stats()["aggregation"]
 
     def ours(scheme: str, w: torch.Tensor) -> torch.Tensor:
         name = f"bench.{scheme.replace(' ', '.')}"
-        if scheme not in sessions:
+        if scheme not in sessions or scheme == "switch":
             return hvd_sparse.allreduce_(w, name=name, op=hvd.Sum, scheme=scheme)
         own, st.omni = st.omni, sessions[scheme]
         try:
@@ -218,7 +244,7 @@ def rank_side(args: argparse.Namespace) -> None:
         pred = costmodel.predict(st.net, args.numel, 4, 256, masks.sum(1).tolist(),
                                  float(masks.any(0).sum())).seconds
         model_of = {"hvd dense": "dense", "allgather": "allgather", "zen": "zen",
-                    "omnireduce x4": "omnireduce"}
+                    "omnireduce x4": "omnireduce", "switch": "switch"}
 
         def restore() -> torch.Tensor:
             return work.copy_(t)
@@ -246,12 +272,14 @@ def rank_side(args: argparse.Namespace) -> None:
                 del fns[m]
         times: dict[str, list[float]] = {m: [] for m in fns}
         rx: dict[str, list[dict]] = {m: [] for m in fns}
+        pipeline: dict[str, list[tuple[float, int, int]]] = {m: [] for m in fns}
         retx0 = {k: s.worker.stats()["retransmits"] for k, s in sessions.items()}
         names = list(fns)
         for i in range(args.warmup + args.reps):
             for m in names[i % len(names):] + names[:i % len(names)]:
                 fns[m].restore()
                 c0 = links.counters(tb) if rank == 0 else None
+                s0 = switch_counters() if rank == 0 and m == "switch" else None
                 sync()
                 t0 = time.perf_counter()
                 fns[m].call()
@@ -263,6 +291,10 @@ def rank_side(args: argparse.Namespace) -> None:
                         c1 = links.counters(tb)
                         rx[m].append({h: (c1[h]["rx_bytes"] - c0[h]["rx_bytes"],
                                           c1[h]["tx_bytes"] - c0[h]["tx_bytes"]) for h in c1})
+                        if s0 is not None:
+                            s1 = switch_counters()
+                            pipeline[m].append((dt, s1["packets"] - s0["packets"],
+                                                s1["passes"] - s0["passes"]))
             if rank == 0:
                 console.print(f"density {d:g}: rep {i + 1}/{args.warmup + args.reps} done")
         metrics = hvd_sparse.metrics()
@@ -281,6 +313,10 @@ def rank_side(args: argparse.Namespace) -> None:
                 r["x of bound"] = ms / r["bound ms"]
                 if "model ms" in r:
                     r["model err %"] = 100 * (r["model ms"] - ms) / ms
+                if pipeline[m]:
+                    secs, pkts, passes = (sum(x) for x in zip(*pipeline[m], strict=True))
+                    r["switch kpps"] = pkts / secs / 1e3
+                    r["passes / packet"] = passes / max(1, pkts)
             key = f"bench.{m.replace(' ', '.')}"
             if key in metrics:
                 r["scheme"] = metrics[key]["scheme"]

@@ -1,6 +1,6 @@
 """Convergence table: dense vs TopK / DGC / ExDyna at 1% on 4 ranks (tests/mp/convergence.py).
 
-    .venv/bin/python scripts/convergence.py              # 2000 steps, as the test
+    .venv/bin/python scripts/convergence.py              # 3000 steps, as the test
     .venv/bin/python scripts/convergence.py --steps 500  # shorter
 
 Runs the test's worker under ``horovodrun -np 4 --gloo`` and prints held-out accuracy, the mean
@@ -26,7 +26,7 @@ from _report import console, print_table, write_json  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--np", type=int, default=4)
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
     args = ap.parse_args()

@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hvd_sparse import _C, blocks, protocol, wire
+from hvd_sparse import _C, blocks, fixedpoint, protocol, wire
 
 ROOT = Path(__file__).resolve().parents[1]
 BINARY = ROOT / "hvd_sparse" / "bin" / "hvd-sparse-aggregator"
@@ -363,6 +363,74 @@ def test_half_precision_sums_are_rounded_once(aggs, make_workers):
         assert float(ref[0]) == 1 + (2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7)
         for o in outs:
             assert_result(o, ref, f"{dtype}")
+
+
+def fixed_reference(inputs: list[torch.Tensor], e: int, scale: float) -> torch.Tensor:
+    """docs/PROTOCOL.md "Fixed point" in numpy: q = rint(x 2^e) (ties to even) per rank, the
+    exact integer sum, times 2^-e and the scale in float64, rounded once to the dtype."""
+    q = [np.rint(np.ldexp(f64(x), e)).astype(np.int64) for x in inputs]
+    return round_once(np.ldexp(np.sum(q, axis=0).astype(np.float64), -e) * scale,
+                      inputs[0].dtype)
+
+
+def test_fixed_point_matches_the_integer_model(aggs, make_workers):
+    """Workers submitted with an exponent send fixed32 (4-byte geometry whatever the dtype) and
+    every rank gets the bytes of the integer model above, for every dtype, in and out of place,
+    scaled or not, including ties (2.5 and 3.5 steps round to 2 and 4) and huge exponents."""
+    n, k, payload, slots = 3, 2, 2048, 8
+    ws = make_workers([aggs(n) for _ in range(k)], n, payload_bytes=payload,
+                      slots_per_aggregator=slots)
+    rng = np.random.default_rng(8)
+    todo = []
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for inplace, scale in ((False, 1.0), (True, 1 / 3)):
+            bs, numel = 64, 64 * 150 + 17
+            ins = [block_sparse(rng, numel, bs, 0.2, dtype, force=(0,)) for _ in range(n)]
+            m = max(float(x.abs().max()) for x in ins)
+            e = fixedpoint.exponent(m, n)
+            ins[0][:2] = torch.tensor([2.5, 3.5], dtype=torch.float64).mul(2.0 ** -e).to(dtype)
+            assert torch.equal(ins[0][:2].double(), torch.tensor([2.5, 3.5]) * 2.0 ** -e)
+            todo.append((f"{dtype} inplace={inplace} scale={scale:g}", ins, e, inplace, scale))
+    # Tiny float64 values: an exponent beyond float64's normal powers of two (2^1026).
+    ins = [block_sparse(rng, 64 * 40, 64, 0.5, torch.float64, force=(0,)) * 1e-300
+           for _ in range(n)]
+    e = fixedpoint.exponent(max(float(x.abs().max()) for x in ins), n)
+    assert e > 1022
+    todo.append(("float64 tiny", ins, e, False, 1.0))
+    tickets = {}
+    for r, w in enumerate(ws):
+        for i, (name, ins, e, inplace, scale) in enumerate(todo):
+            x = ins[r].clone()
+            o = x if inplace else torch.zeros_like(x)
+            tickets[r, i] = w.submit(300 + i, x, o, 64, 7, None, name, scale, exponent=e), o
+    for (r, i), (t, _) in tickets.items():
+        assert ws[r].wait(t, WAIT), f"rank {r} case {todo[i][0]} did not finish"
+    for i, (name, ins, e, _, scale) in enumerate(todo):
+        ref = fixed_reference(ins, e, scale)
+        nb = -(-ins[0].numel() // 64)
+        for r in range(n):
+            st_ = ws[r].finish(tickets[r, i][0])
+            assert (st_["lanes"], st_["nslots"]) == protocol.layout(nb, 64, 4, payload, k * slots)
+            out = tickets[r, i][1]
+            assert bits(out) == bits(ref), f"{name}: rank {r} differs from the integer model"
+
+
+def test_fixed_point_overflow_fails_the_tensor_by_name(aggs, make_workers):
+    """A rank that uses a larger exponent than agreed makes a sum leave the int32 range: the
+    aggregator answers ERROR OVERFLOW and every rank raises naming the tensor, at once."""
+    agg = aggs(2)
+    ws = make_workers([agg], 2)
+    x = torch.full((256,), 3.0)
+    e = fixedpoint.exponent(3.0, 2)
+    t0 = time.monotonic()
+    tickets = [w.submit(9, x.clone(), torch.zeros(256), 64, 7, None, "grad.w", 1.0,
+                        exponent=e + 4 * (r == 0)) for r, w in enumerate(ws)]
+    for w, t in zip(ws, tickets, strict=True):
+        assert w.wait(t, WAIT)
+        with pytest.raises(RuntimeError, match=r"tensor 'grad.w': fixed-point overflow"):
+            w.finish(t)
+    assert time.monotonic() - t0 < 10, "an overflow is reported, not timed out"
+    assert agg.stats()["overflow"] == 1
 
 
 def test_worker_processes(aggs, tmp_path):
@@ -960,7 +1028,7 @@ def test_protocol_doc_matches_the_code():
     types = {name: int(num) for num, name in re.findall(r"(\d+) ([A-Z]+)", meaning["type"])}
     assert types == protocol.TYPES
     dtypes = {name: int(num) for num, name in re.findall(r"(\d+) (\w+)", meaning["dtype"])}
-    assert dtypes == {name: code for name, (code, _) in protocol.DTYPES.items()}
+    assert dtypes == {name: code for name, (code, _) in protocol.WIRE_DTYPES.items()}
     flags = {name: int(num) for num, name in re.findall(r"(\d+) ([A-Z]+)", meaning["flags"])}
     assert flags == protocol.FLAGS
     errors = {name: int(num) for num, name in

@@ -6,15 +6,20 @@ loses, duplicates or adds junk to them. Results are compared with the float64 su
 """
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import numpy as np
 import pytest
 from test_aggregator import KINDS, junk_packets
 from test_aggregator import Job as FuzzJob
 
-from hvd_sparse import _C, protocol, wire
+from hvd_sparse import _C, fixedpoint, protocol, wire
 
 T, INF = protocol.TYPES, protocol.INF
 NP_DTYPE = {protocol.DTYPES[name][0]: np.dtype(name) for name in ("float32", "float64", "float16")}
+NP_DTYPE[protocol.FIXED32] = np.dtype(np.int32)
+I32 = np.iinfo(np.int32)
 
 
 class SimWorker:
@@ -216,3 +221,135 @@ def test_idle_tensors_and_jobs_expire():
     assert core.counters()["expired"] == 0 and core.active_jobs() == 1
     core.expire(106.0)
     assert core.counters()["expired"] == 1 and core.active_jobs() == 0
+
+
+# ------------------------------------------------------------------------------------------
+# Fixed point (docs/PROTOCOL.md, "Fixed point")
+# ------------------------------------------------------------------------------------------
+
+def fixed_job(n: int, numel: int, bs: int, density: float, seed: int) -> list[SimWorker]:
+    """Workers holding int32 values whose sums span the whole int32 range, both ends included."""
+    rng = np.random.default_rng(seed)
+    nb = -(-numel // bs)
+    xs = []
+    for _ in range(n):
+        keep = np.repeat(rng.random(nb) < density, bs)[:numel]
+        m = I32.max // n  # n values in [-m, m] cannot sum outside the int32 range
+        xs.append((rng.integers(-m, m + 1, numel) * keep).astype(np.int32))
+    # Sums at exactly INT32_MAX and INT32_MIN (block 0 is then non-zero on every rank).
+    for i, total in ((0, I32.max), (1, I32.min)):
+        for x in xs:
+            x[i] = total // n
+        xs[0][i] += total - n * (total // n)
+    return [SimWorker(r, n, 0x77, xs[r], bs, 4, 5, protocol.FIXED32) for r in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("density", [0.0, 0.05, 0.5, 1.0])
+def test_fixed32_sums_are_exact(n, density):
+    ws = fixed_job(n, numel=16 * 90 + 5, bs=16, density=density, seed=n)
+    ref = np.sum([w.blocks.reshape(-1).astype(np.int64) for w in ws], axis=0)
+    assert ref[0] == I32.max and ref[1] == I32.min  # the edges are reached, not passed
+    core = _C.AggregatorCore()
+    simulate(core, ws, np.random.default_rng(n), drop=0.1, dup=0.1)
+    for w in ws:
+        np.testing.assert_array_equal(w.result().astype(np.int64), ref, f"rank {w.rank}")
+    c = core.counters()
+    assert c["overflow"] == c["mismatch"] == c["malformed"] == 0, c
+
+
+def test_fixed32_overflow_errors_every_worker_and_never_wraps():
+    """Block 7 sums to 2^31 (INT32_MAX + 1): its slot gets ERROR OVERFLOW to every worker,
+    again on every retransmission; no RESULT ever carries a value unequal to the exact sum."""
+    n, bs, nslots = 4, 8, 3
+    rng = np.random.default_rng(4)
+    xs = [rng.integers(-1000, 1000, bs * 30).astype(np.int32) for _ in range(n)]
+    for x in xs:
+        x[7 * bs + 3] = 2**29  # 4 x 2^29 = 2^31
+    ws = [SimWorker(r, n, 0x77, xs[r], bs, 2, nslots, protocol.FIXED32) for r in range(n)]
+    ref = np.sum([x.astype(np.int64) for x in xs], axis=0).reshape(-1, bs)
+    core = _C.AggregatorCore()
+    for w in ws:
+        core.handle(wire.header(type=T["REGISTER"], token=0x77, worker=w.rank, nworkers=n),
+                    w.addr, 0.0)
+    flight = [(w.addr, w.data(s)) for w in ws for s in range(nslots)]
+    errors, results = [], 0
+    bad_slot = next(s for s in range(nslots) for lane in range(2) for pos in range(30)
+                    if ws[0].block(s, lane, pos) == 7)
+    for step in range(10_000):
+        if not flight:
+            break
+        addr, pkt = flight.pop(0)
+        for to, raw in core.handle(pkt, addr, 0.0):
+            p = wire.parse(raw)
+            if p["type"] == T["ERROR"]:
+                errors.append((to, p))
+                continue
+            assert p["type"] == T["RESULT"] and p["dtype"] == protocol.FIXED32
+            results += 1
+            w = next(w for w in ws if w.addr == to)
+            carried = [lane for lane in range(w.lanes) if p["bitmap"] >> lane & 1]
+            for lane, raw_block in zip(carried, p["blocks"], strict=True):
+                b = w.block(p["slot"], lane, p["lane_table"][lane][0])
+                assert b != 7, "the overflowing block was returned"
+                np.testing.assert_array_equal(np.frombuffer(raw_block, "<i4"), ref[b])
+            nxt = w.on_result(p)
+            if nxt is not None:
+                flight.append((to, nxt))
+        if step == 200:  # every worker resends its stuck slot: the ERROR comes again
+            flight += [(w.addr, w.data(bad_slot)) for w in ws]
+    assert results > 0  # the other slots completed exactly
+    first = errors[:n]
+    assert sorted(a for a, _ in first) == sorted(w.addr for w in ws)
+    assert all(p["round"] == protocol.ERRORS["OVERFLOW"] and p["tensor"] == ws[0].tensor
+               for _, p in errors)
+    assert len(errors) > n  # retransmissions of the failed tensor are answered with ERROR too
+    c = core.counters()
+    assert c["overflow"] == 1 and c["mismatch"] == 0, c
+    assert not any(w.done[bad_slot] for w in ws)
+
+
+@pytest.mark.parametrize("max_abs,n,e", [
+    (1.0, 1, 30),            # 2^30 <= 2^31 - 1 < 2^31
+    (1.0, 4, 28),
+    (3.0, 4, 27),            # 12 * 2^27 = 1.5 * 2^30 <= 2^31 - 1 < 12 * 2^28
+    (2.0**31 - 1, 1, 0),     # equality is allowed
+    (2.0**31, 1, -1),
+    (0.75, 1024, 21),        # 768 * 2^21 = 1.5 * 2^30
+    (2.0**-20, 2, 49),       # 2^-19 * 2^49 = 2^30
+    (0.0, 4, 0),
+])
+def test_exponent_hand_computed(max_abs, n, e):
+    assert fixedpoint.exponent(max_abs, n) == e
+    want = 0.0 if max_abs == 0 else n * 2.0 ** -(e + 1)
+    assert fixedpoint.error_bound(max_abs, n) == want
+
+
+def test_exponent_is_the_largest_that_fits():
+    rng = np.random.default_rng(0)
+    cases = [(float(m), int(n)) for m, n in zip(
+        np.exp(rng.uniform(-700, 700, 2000)), rng.integers(1, 1025, 2000), strict=True)]
+    cases += [(5e-324, 1), (1.7976931348623157e308, 1024), (float(np.finfo(np.float32).max), 7),
+              (float(np.finfo(np.float32).tiny), 3), (65504.0, 4), (1.0 + 2**-52, 3)]
+    for m, n in cases:
+        e = fixedpoint.exponent(m, n)
+        two = Fraction(2)
+        assert Fraction(m) * n * two**e <= 2**31 - 1 < Fraction(m) * n * two**(e + 1), (m, n, e)
+        assert fixedpoint.error_bound(m, n) == math.ldexp(n, -(e + 1))
+    for bad in (math.nan, math.inf, -1.0):
+        with pytest.raises(ValueError):
+            fixedpoint.exponent(bad, 4)
+
+
+@pytest.mark.parametrize("env,want", [("1", True), ("true", True), ("0", False), ("off", False),
+                                      (None, False)])
+def test_fixed_point_option_from_env(monkeypatch, env, want):
+    from hvd_sparse.config import from_env_and_kwargs
+    if env is None:
+        monkeypatch.delenv("HVD_SPARSE_FIXED_POINT", raising=False)
+    else:
+        monkeypatch.setenv("HVD_SPARSE_FIXED_POINT", env)
+    assert from_env_and_kwargs().fixed_point is want
+    monkeypatch.setenv("HVD_SPARSE_FIXED_POINT", "maybe")
+    with pytest.raises(ValueError):
+        from_env_and_kwargs()

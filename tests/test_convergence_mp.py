@@ -9,7 +9,7 @@ SPARSE = ["topk", "dgc", "exdyna"]
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    reps = launch("convergence.py", 4, tmp_path_factory.mktemp("conv"), timeout=420)
+    reps = launch("convergence.py", 4, tmp_path_factory.mktemp("conv"), timeout=600)
     for rank, rep in enumerate(reps):
         assert rep["error"] == "", f"rank {rank}: {rep['error']}"
     return reps

@@ -77,7 +77,7 @@ def data_cases() -> list[tuple[list[tuple[int, int]], dict[int, bytes], dict[str
     """(lane table, lane -> block, header fields) of DATA and RESULT packets in every dtype."""
     rng = np.random.default_rng(5)
     out = []
-    for code, esize in protocol.DTYPES.values():
+    for code, esize in protocol.WIRE_DTYPES.values():
         for lanes in (1, 3, protocol.MAX_LANES):
             bs = int(rng.integers(1, 40))
             table = [(int(rng.integers(0, 100)), int(rng.integers(100, 200))) if rng.random() < .7
@@ -330,7 +330,7 @@ def scapy_junk(kind: str, seed: int, tensor: int) -> bytes:
         "magic": {"magic": int(rng.integers(0, 2 ** 32)) ^ protocol.MAGIC or 1},
         "version": {"version": int(rng.choice([0, protocol.VERSION + 1, 255]))},
         "type": {"type": int(rng.choice([0, max(T.values()) + 1, 255]))},
-        "dtype": {"dtype": int(rng.integers(len(protocol.DTYPES), 256))},
+        "dtype": {"dtype": int(rng.integers(len(protocol.WIRE_DTYPES), 256))},
         "worker": {"worker": int(rng.integers(Job.n, 2 ** 16))},
         "nworkers": {"nworkers": int(rng.choice([0, protocol.MAX_WORKERS + 1])), "worker": 0},
         "lanes": {"lanes": int(rng.choice([0, protocol.MAX_LANES + 1]))},

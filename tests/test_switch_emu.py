@@ -1,33 +1,46 @@
-"""switch_emu's switch as the testbed's switch (``--switch emu``): it owns one DPDK port per
-host and forwards by MAC learning, so MPI and the aggregation traffic cross it as they would a
-Linux bridge. Needs root and DPDK (make build installs libdpdk-dev): both hold in CI."""
+"""switch_emu's switch as the testbed's switch (``--switch emu``, 4 worker hosts, 1 aggregator
+host): it owns one DPDK port per host and forwards by MAC learning, so MPI and the aggregation
+traffic to other hosts cross it as they would a Linux bridge, and it aggregates the datagrams
+sent to its own address: scheme "switch" of real Horovod jobs, and raw protocol workers. Needs
+root and DPDK (make build installs libdpdk-dev): both hold in CI."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from pyroute2 import NetNS
 from test_testbed import run_job, running
 
-from hvd_sparse.testbed import launch, lifecycle, topology
+from hvd_sparse.testbed import launch, lifecycle, loss, topology
+from switch_emu import control
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NAME = f"hve{os.getpid() % 100000}"
 
 
 @pytest.fixture(scope="module")
 def testbed():
-    with running(topology.Testbed(NAME, workers=2, aggregators=1, rate="1gbit", mtu=9000,
+    with running(topology.Testbed(NAME, workers=4, aggregators=1, rate="1gbit", mtu=9000,
                                   switch="emu")) as tb:
         yield tb
 
 
-def test_jobs_cross_the_emulated_switch(testbed: topology.Testbed, tmp_path: Path) -> None:
+def test_jobs_cross_and_aggregate_in_the_emulated_switch(testbed: topology.Testbed,
+                                                         tmp_path: Path) -> None:
+    """MPI, allgather and omnireduce cross the switch; scheme "switch" sums in it within the
+    fixed-point bound, bit-identical on every rank, for every dtype and density; tensors in
+    flight together take turns; NaN and oversized blocks fall back with their reason."""
     with NetNS(testbed.switch_ns) as sw:  # no bridge: the emulator is the only path
         assert not sw.link_lookup(ifname="br0")
     before = launch.counters(testbed, "switch")
-    for rep in run_job(testbed, "switch_cases.py", tmp_path):
-        assert rep["schemes"] == "", rep
+    reps = run_job(testbed, "switch_cases.py", tmp_path)
+    for case in ("schemes", "aggregate", "in_flight_together", "falls_back"):
+        assert all(rep[case] == "" for rep in reps), (case, [rep[case] for rep in reps])
     after = launch.counters(testbed, "switch")
     ports = {p["name"]: p for p in after["ports"]}
     assert sorted(ports) == sorted(h.name for h in testbed.hosts)
@@ -35,9 +48,84 @@ def test_jobs_cross_the_emulated_switch(testbed: topology.Testbed, tmp_path: Pat
         assert ports[b["name"]]["rx"] - b["rx"] > 100, (b, ports[b["name"]])
         assert ports[b["name"]]["tx"] - b["tx"] > 100, (b, ports[b["name"]])
     assert after["macs"] >= len(testbed.hosts)
+    agg, was = after["aggregation"], before["aggregation"]
+    assert agg["results"] - was["results"] > 0, agg
+    # oversized blocks were kept from the switch by the scheme, not refused by it
+    assert agg["unsupported"] == was["unsupported"] and agg["overflow"] == 0, agg
+    assert agg["malformed"] == was["malformed"], agg
 
 
-def test_loss_is_refused_on_the_emulated_switch(testbed: topology.Testbed) -> None:
-    with pytest.raises(ValueError, match="not supported yet"):
-        lifecycle.update(topology.Testbed.load(NAME), loss_rate=0.01)
-    assert topology.Testbed.load(NAME).loss == 0.0
+def test_two_jobs_share_the_switch(testbed: topology.Testbed, tmp_path: Path) -> None:
+    """Two raw jobs of two workers each, at once: each installs its own groups and gets its
+    exact sum."""
+    hosts = testbed.hosts[:4]
+    procs = [subprocess.Popen(["ip", "netns", "exec", h.ns, sys.executable,
+                               str(ROOT / "tests" / "mp" / "switch_raw.py"), str(i % 2), "2",
+                               testbed.switch_address, str(tmp_path / f"raw{i}.json"),
+                               str(0x7001 + i // 2)],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+             for i, h in enumerate(hosts)]
+    assert [p.wait(timeout=60) for p in procs] == [0] * 4
+    reports = [json.loads((tmp_path / f"raw{i}.json").read_text()) for i in range(4)]
+    assert all(r["done"] and r["exact"] for r in reports), reports
+    c = control.Client(testbed.switch_control)
+    jobs = {j["token"]: j for j in c.jobs() if j["token"] in (0x7001, 0x7002)}
+    assert sorted(jobs) == [0x7001, 0x7002]
+    a, b = sorted(jobs.values(), key=lambda j: j["first"])
+    assert a["first"] + a["groups"] <= b["first"]  # disjoint slot ranges
+    assert c.remove(0x7001) and c.remove(0x7002)
+
+
+@pytest.mark.parametrize("lossy", [0.0, 0.02])
+def test_the_switch_aggregates_in_the_network(testbed: topology.Testbed, tmp_path: Path,
+                                              lossy: float) -> None:
+    """Raw workers in the worker namespaces stream FIXED32 blocks to the switch's own address:
+    each gets numpy's exact int64 sum back, through real frames (ARP for the switch's address,
+    results out of each worker's port), also with 2% of the UDP frames lost on every port; the
+    job installed itself and, without loss, all its groups are released."""
+    n = testbed.workers
+    tb = lifecycle.update(topology.Testbed.load(NAME), loss_rate=lossy)
+    lost = loss.dropped(tb)
+    was = launch.counters(tb, "switch")["aggregation"]
+    try:
+        procs = [subprocess.Popen(["ip", "netns", "exec", h.ns, sys.executable,
+                                   str(ROOT / "tests" / "mp" / "switch_raw.py"), str(r), str(n),
+                                   tb.switch_address, str(tmp_path / f"raw{r}.json")],
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+                 for r, h in enumerate(tb.hosts[:n])]
+        assert [p.wait(timeout=60) for p in procs] == [0] * n
+        lost = loss.dropped(tb) - lost
+    finally:
+        lifecycle.update(topology.Testbed.load(NAME), loss_rate=0.0)
+    reports = [json.loads((tmp_path / f"raw{r}.json").read_text()) for r in range(n)]
+    assert all(r["done"] and r["exact"] for r in reports), reports
+    assert (lost > 0) == (lossy > 0), lost
+    now = launch.counters(tb, "switch")["aggregation"]
+    agg = {k: now[k] - was[k] for k in was if k != "occupied"} | {"occupied": now["occupied"]}
+    assert agg["no_route"] == 0 and agg["malformed"] == 0, agg
+    # 8 lanes of 64 values: 8 passes per DATA, 7 of them recirculations; one DATA at least
+    # per worker, slot and round
+    assert agg["recirculations"] % 7 == 0, agg
+    assert agg["recirculations"] >= 7 * n * agg["results"], agg
+    job = [j for j in control.Client(tb.switch_control).jobs() if j["token"] == 0x5A17]
+    assert [(j["workers"], j["registered"], j["automatic"]) for j in job] == [(n, n, True)]
+    if not lossy:
+        assert agg["occupied"] == 0 and agg["released"] >= reports[0]["nslots"], agg
+    assert control.Client(tb.switch_control).remove(0x5A17)  # the next run's job is new
+
+
+def test_the_control_plane_installs_disjoint_jobs(testbed: topology.Testbed) -> None:
+    """Over the control socket: two installed jobs get disjoint ranges, one beyond the limits
+    is refused with the reason, removal frees the range."""
+    c = control.Client(testbed.switch_control)
+    lim = c.limits()
+    assert (lim["cells"], lim["values_per_pass"], lim["max_workers"]) == (8192, 64, 32)
+    taken = sum(j["groups"] for j in c.jobs())
+    a, b = c.install(101, 4, 10), c.install(102, 32, 10)
+    assert abs(a - b) >= 10
+    with pytest.raises(control.ControlError, match="at most 32"):
+        c.install(103, 33, 1)
+    with pytest.raises(control.ControlError, match="pool exhausted"):
+        c.install(104, 2, lim["groups"] - taken - 19)
+    assert c.remove(101) and c.remove(102) and not c.remove(101)
+    assert {j["token"] for j in c.jobs()}.isdisjoint({101, 102})

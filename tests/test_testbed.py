@@ -42,11 +42,13 @@ def running(tb: topology.Testbed) -> Iterator[topology.Testbed]:
 
 
 def run_job(tb: topology.Testbed, script: str, out: Path, timeout: float = 300) -> list[dict]:
-    """Runs tests/mp/``script`` as one rank per worker host; returns each rank's report."""
+    """Runs tests/mp/``script`` (plus any arguments after its name) as one rank per worker host;
+    returns each rank's report."""
+    name, *args = script.split()
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'mp'}", "HVD_SPARSE_TEST_OUT": str(out),
            "HVD_SPARSE_CACHE_DIR": str(out / "cache"), "OMP_NUM_THREADS": "1"}
     try:
-        proc = launch.run(tb, [sys.executable, str(ROOT / "tests" / "mp" / script)], env=env,
+        proc = launch.run(tb, [sys.executable, str(ROOT / "tests" / "mp" / name), *args], env=env,
                           timeout=timeout, capture=True)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{script} hung past {timeout} s:\n{(e.stdout or '')[-3000:]}")

@@ -1,6 +1,7 @@
 // float16 / bfloat16 <-> float32 bit conversions (round to nearest even), torch-free so the
 // aggregator binary can sum 16-bit wire values in wider precision.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -44,6 +45,21 @@ inline uint16_t float_to_f16(float f) {
   uint32_t h = (e << 10) | (man >> 13), rest = man & 0x1fff;
   if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;  // may carry into the exponent: fine
   return uint16_t(sign | h);
+}
+
+// float64 -> float32 rounded to odd (truncated, lowest bit set when inexact): rounding that to
+// float16 or bfloat16 (at least 2 bits narrower than float32) then rounds the float64 value
+// exactly once; rounding to nearest twice can land one ulp off (e.g. 1 + 2^-11 + 2^-24 would
+// become 1.0 in float16 instead of 1 + 2^-10). The aggregator's sums and the worker's
+// fixed-point results both go through it, so every rank gets the same bytes.
+inline float to_float_odd(double d) {
+  float f = float(d);
+  if (std::isfinite(f) && double(f) != d) {
+    uint32_t u = float_to_bits(f);
+    if (std::fabs(double(f)) > std::fabs(d)) --u;  // toward zero (sign-magnitude)
+    f = bits_to_float(u | 1);
+  }
+  return f;
 }
 
 }  // namespace hvd_sparse::omni

@@ -29,7 +29,17 @@ enum ErrorCode : uint32_t {
   kErrMismatch = 1,   // workers disagree on the tensor (dtype, block count, shape, layout)
   kErrJob = 2,        // REGISTER disagrees with the job (worker count) or too many jobs
   kErrCapacity = 3,   // the aggregator is out of slot memory
+  kErrOverflow = 4,   // a FIXED32 sum left the int32 range: the tensor falls back, never wraps
+  kErrUnsupported = 5,  // a switch cannot aggregate this job or tensor (dtype, workers, size)
 };
+
+// Wire dtypes: the tensor dtypes of blocks.h, plus int32 fixed point, what a switch can sum
+// (no floating point there). A FIXED32 value q stands for q * 2^-e, e one power of two per
+// tensor that the workers agree on before streaming it (docs/PROTOCOL.md, "Fixed point").
+constexpr uint8_t kFixed32 = 4;
+constexpr int kNumWireDTypes = 5;
+inline int wire_size(uint8_t d) { return d == kFixed32 ? 4 : dtype_size(d); }
+inline const char* wire_dtype_name(uint8_t d) { return d == kFixed32 ? "fixed32" : dtype_name(d); }
 
 enum Flags : uint8_t {
   kFlagShadow = 1,  // round & 1: which of the slot's two sets this packet belongs to
@@ -48,7 +58,7 @@ constexpr int kMaxDatagram = 65507;      // UDP over IPv4
   X(magic, uint32_t, 0)                                                                     \
   X(version, uint8_t, 4)                                                                    \
   X(type, uint8_t, 5)                                                                       \
-  X(dtype, uint8_t, 6)       /* DType (blocks.h): 0 float32, 1 float64, 2 float16, 3 bfloat16 */\
+  X(dtype, uint8_t, 6)       /* wire dtype: 0 float32, 1 float64, 2 float16, 3 bfloat16, 4 fixed32 */\
   X(flags, uint8_t, 7)                                                                      \
   X(token, uint64_t, 8)      /* job token (random, shared by the job's ranks) */            \
   X(worker, uint16_t, 16)                                                                   \
@@ -98,7 +108,7 @@ constexpr size_t kLaneBytes = 8;
 
 inline size_t data_bytes(uint32_t lanes, uint32_t present, uint32_t bs, uint8_t dtype) {
   return kHeaderBytes + kBitmapBytes + size_t(lanes) * kLaneBytes +
-         size_t(present) * bs * dtype_size(dtype);
+         size_t(present) * bs * wire_size(dtype);
 }
 
 // How a tensor of `nblocks` blocks is cut up: `lanes` blocks per packet (as many as fit
@@ -182,12 +192,31 @@ inline const char* check_structure(const Header& h, size_t len) {
   if (h.type < kData || h.type > kError) return "type";
   if (h.nworkers == 0 || h.nworkers > kMaxWorkers || h.worker >= h.nworkers) return "worker";
   if (h.type != kData && h.type != kResult) return len == kHeaderBytes ? nullptr : "size";
-  if (h.dtype > kBF16) return "dtype";
+  if (h.dtype >= kNumWireDTypes) return "dtype";
   if (h.lanes == 0 || h.lanes > kMaxLanes || h.block_size == 0) return "layout";
   if (h.nslots == 0 || h.nblocks == 0 || h.slot >= h.nslots) return "slot";
   if (h.present > h.lanes) return "count";
   if (len != data_bytes(h.lanes, h.present, h.block_size, h.dtype)) return "size";
   return nullptr;
+}
+
+// The bitmap and lane table of a structurally valid DATA against the lanes' positions `cur`
+// (nullptr: round 0, every non-empty lane at position 0): offsets at the positions, nexts
+// beyond them and inside their streams, the bitmap's population `present`.
+inline bool lanes_valid(const Header& h, const uint8_t* p, const uint32_t* cur) {
+  const uint64_t bitmap = ld64(p + kHeaderBytes);
+  if (h.lanes < 64 && (bitmap >> h.lanes)) return false;
+  if (uint32_t(__builtin_popcountll(bitmap)) != h.present) return false;
+  const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
+  for (uint32_t l = 0; l < h.lanes; ++l) {
+    uint32_t off = ld32(lane + l * kLaneBytes), nxt = ld32(lane + l * kLaneBytes + 4);
+    uint32_t len = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes);
+    uint32_t want = cur ? cur[l] : len ? 0 : kInf;
+    if (off != want || (off == kInf && ((bitmap >> l & 1) || nxt != kInf)) ||
+        (nxt != kInf && (nxt <= off || nxt >= len)))
+      return false;
+  }
+  return true;
 }
 
 }  // namespace hvd_sparse::omni

@@ -26,7 +26,9 @@ constexpr Named kTypes[] = {{"DATA", omni::kData},         {"RESULT", omni::kRes
 constexpr Named kFlags[] = {{"SHADOW", omni::kFlagShadow}, {"LAST", omni::kFlagLast}};
 constexpr Named kErrors[] = {{"MISMATCH", omni::kErrMismatch},
                              {"JOB", omni::kErrJob},
-                             {"CAPACITY", omni::kErrCapacity}};
+                             {"CAPACITY", omni::kErrCapacity},
+                             {"OVERFLOW", omni::kErrOverflow},
+                             {"UNSUPPORTED", omni::kErrUnsupported}};
 
 // Adds `obj` (a new reference, may be null after a failed build) as attribute `name`.
 bool add(PyObject* m, const char* name, PyObject* obj) {
@@ -60,12 +62,13 @@ PyObject* fields() {
   return t;
 }
 
-// {name: (code, element size)} of blocks.h's DType.
-PyObject* dtypes() {
+// {name: (code, element size)} of the first `n` wire dtypes (blocks.h's tensor dtypes come
+// first, then protocol.h's fixed point).
+PyObject* dtypes(int n) {
   PyObject* d = PyDict_New();
-  for (int code = 0; d != nullptr && code < hvd_sparse::kNumDTypes; ++code) {
-    PyObject* v = Py_BuildValue("(ii)", code, hvd_sparse::dtype_size(uint8_t(code)));
-    if (v == nullptr || PyDict_SetItemString(d, hvd_sparse::kDTypeNames[code], v) != 0)
+  for (int code = 0; d != nullptr && code < n; ++code) {
+    PyObject* v = Py_BuildValue("(ii)", code, omni::wire_size(uint8_t(code)));
+    if (v == nullptr || PyDict_SetItemString(d, omni::wire_dtype_name(uint8_t(code)), v) != 0)
       Py_CLEAR(d);
     Py_XDECREF(v);
   }
@@ -169,7 +172,8 @@ PyMODINIT_FUNC PyInit__protocol() {
       PyModule_AddIntConstant(m, "MAX_DATAGRAM", omni::kMaxDatagram) == 0 &&
       add(m, "TYPES", name_table(kTypes)) && add(m, "FLAGS", name_table(kFlags)) &&
       add(m, "ERRORS", name_table(kErrors)) && add(m, "FIELDS", fields()) &&
-      add(m, "DTYPES", dtypes());
+      add(m, "DTYPES", dtypes(hvd_sparse::kNumDTypes)) &&
+      add(m, "WIRE_DTYPES", dtypes(omni::kNumWireDTypes));
   if (!ok) {
     Py_DECREF(m);
     return nullptr;

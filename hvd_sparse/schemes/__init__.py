@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from ..engine import Job, Stage
-from . import allgather, auto, dense, omnireduce, rows, zen
+from . import allgather, auto, dense, omnireduce, rows, switch, zen
 
 # "rows" takes sparse COO tensors (chosen by allreduce_async, not by the user's scheme).
 SCHEMES = {"dense": dense.run, "allgather": allgather.run, "zen": zen.run,
-           "omnireduce": omnireduce.run, "auto": auto.run, "rows": rows.run}
+           "omnireduce": omnireduce.run, "switch": switch.run, "auto": auto.run,
+           "rows": rows.run}
 
 
 def run(job: Job) -> Stage:

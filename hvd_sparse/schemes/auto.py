@@ -15,11 +15,11 @@ from .. import blocks, costmodel
 from ..engine import Job, Stage
 from ..errors import HvdSparseError
 from ..segments import local_mask
-from . import allgather, dense, omnireduce, zen
+from . import allgather, dense, omnireduce, switch, zen
 
 log = logging.getLogger("hvd_sparse")
 _RUN = {"dense": dense.run, "allgather": allgather.run, "zen": zen.run,
-        "omnireduce": omnireduce.run}
+        "omnireduce": omnireduce.run, "switch": switch.run}
 _union_ratio: dict[str, float] = {}  # name -> observed union / sum of per-rank non-zero blocks
 
 
@@ -45,6 +45,8 @@ def run(job: Job) -> Stage:
                                   None if ratio is None else ratio * sum(nnz))
     if not omnireduce.covers(job.process_set):
         predicted.seconds.pop("omnireduce", None)
+    if switch.unsupported(job, ctx.switch):
+        predicted.seconds.pop("switch", None)
     choice = costmodel.choose(predicted)
     job.stats.update(predicted_ms={k: round(v * 1e3, 3) for k, v in predicted.seconds.items()},
                      block_density=sum(nnz) / len(nnz) / max(1, blocks.num_blocks(

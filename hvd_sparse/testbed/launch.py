@@ -55,31 +55,28 @@ def start_aggregators(tb: Testbed) -> None:
 
 def start_switch(tb: Testbed) -> None:
     """With ``switch="emu"``: switch_emu's switch in the switch namespace, one af_packet port
-    per host, in place of the bridge; it runs until `down`."""
+    per host, in place of the bridge, aggregating at ``tb.switch_address``; it runs until
+    `down`. Jobs install themselves at their first REGISTER (a quarter of the pool each)."""
     if tb.switch != "emu":
         return
-    from switch_emu import binary as switch_binary
+    from switch_emu import control
 
     tb.log_dir().mkdir(parents=True, exist_ok=True)
-    ready = tb.log_dir() / "switch.ready"
+    ready, log = tb.log_dir() / "switch.ready", tb.log_dir() / "switch.log"
     ready.unlink(missing_ok=True)
-    vdevs = " ".join(f"--vdev=net_af_packet{i},iface={h.port},framesz=16384,blocksz=16384,"
-                     "qdisc_bypass=0" for i, h in enumerate(tb.hosts))
-    eal = (f"--no-huge --no-pci -m 512 --no-shconf --log-level=warning "
-           f"--file-prefix={tb.name}-sw {vdevs}")
-    with open(tb.log_dir() / "switch.log", "w") as log:
-        p = subprocess.Popen(["ip", "netns", "exec", tb.switch_ns, str(switch_binary()),
-                              "--dpdk", eal, "--names", ",".join(h.name for h in tb.hosts),
-                              "--ready-file", str(ready)],
-                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    groups = 8192 // control.CELLS_PER_SLOT
+    cmd = control.command(control.eal_args([h.port for h in tb.hosts], f"{tb.name}-sw"),
+                          [h.name for h in tb.hosts], aggregate=tb.switch_address,
+                          control=tb.switch_control, auto_groups=groups // 4, ready_file=ready)
+    with open(log, "w") as f:
+        p = subprocess.Popen(["ip", "netns", "exec", tb.switch_ns, *cmd], stdout=f,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True)
     tb.pids["switch"] = p.pid
-    deadline = time.monotonic() + 20
-    while not ready.exists():
-        if p.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("testbed: the emulated switch did not start: "
-                               + (tb.log_dir() / "switch.log").read_text()[-1000:])
-        time.sleep(0.01)
+    try:
+        control.wait_ready(p, ready, log)
+    except RuntimeError as e:
+        raise RuntimeError(f"testbed: {e}") from None
 
 
 def counters(tb: Testbed, name: str, timeout: float = 10.0) -> dict:
@@ -168,6 +165,8 @@ def job_env(tb: Testbed, extra: dict[str, str] | None = None) -> dict[str, str]:
     }
     if tb.aggregator_hosts:
         env["HVD_SPARSE_AGGREGATORS"] = tb.aggregator_addresses()
+    if tb.switch == "emu":
+        env["HVD_SPARSE_SWITCH"] = tb.switch_address
     env.update(extra or {})
     return env
 

@@ -24,8 +24,8 @@ def up(tb: Testbed) -> Testbed:
     try:
         tb.save()  # first, so that `down` finds it even if we crash half-way
         links.create(tb)
+        launch.start_switch(tb)  # before the loss: the emulated switch applies it itself
         loss.apply(tb)
-        launch.start_switch(tb)
         launch.start_aggregators(tb)
         tb.save()
     except BaseException:

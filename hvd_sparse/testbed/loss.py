@@ -1,4 +1,5 @@
-"""Frame loss on the switch: nftables rules in the switch namespace's bridge forward chain.
+"""Frame loss on the switch: nftables rules in the switch namespace's bridge forward chain, or
+the emulated switch's own loss (it reads frames before netfilter could drop them).
 
 Loss is dropped on the path (never in a sender's own output chain, which a sender would see
 as a send error). A rule per lossy host drops frames entering or leaving its port at random
@@ -30,10 +31,11 @@ def _nft(tb: Testbed, *args: str, script: str | None = None) -> str:
 def apply(tb: Testbed) -> None:
     """Installs the testbed's loss rates (replacing any earlier rules)."""
     if tb.switch == "emu":
-        if tb.loss > 0 or any(h.loss > 0 for h in tb.hosts):
-            # The emulator reads frames before netfilter could drop them.
-            raise ValueError("testbed: loss on the emulated switch (--switch emu) is not "
-                             "supported yet; use --switch bridge for loss")
+        from switch_emu import control
+        c = control.Client(tb.switch_control)
+        c.call(f"loss * {tb.loss} {tb.loss_proto}")
+        for h in tb.hosts:
+            c.call(f"loss {h.port} {h.loss} {tb.loss_proto}")
         return
     match = "meta l4proto udp " if tb.loss_proto == "udp" else ""
     rules = []
@@ -53,8 +55,9 @@ def apply(tb: Testbed) -> None:
 
 def dropped(tb: Testbed) -> int:
     """Frames the loss rules have dropped so far."""
-    if tb.switch == "emu":  # no rules there (see apply)
-        return 0
+    if tb.switch == "emu":
+        from switch_emu import control
+        return sum(p["lost"] for p in control.Client(tb.switch_control).stats()["ports"])
     out = json.loads(_nft(tb, "-j", "list", "table", "bridge", TABLE))
     total = 0
     for item in out.get("nftables", []):

@@ -79,6 +79,15 @@ class Testbed:
         return f"{self.name}-sw"
 
     @property
+    def switch_address(self) -> str:
+        """Where the emulated switch aggregates (an address no host has)."""
+        return f"{SUBNET}.254:{AGGREGATOR_PORT}"
+
+    @property
+    def switch_control(self) -> Path:
+        return self.log_dir() / "switch.sock"
+
+    @property
     def rate_bps(self) -> int:
         return parse_rate(self.rate)
 

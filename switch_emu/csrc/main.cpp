@@ -1,12 +1,22 @@
 // hvd-sparse-switch: the switch of the emulated network, on DPDK. One port per host (an
 // af_packet vdev on each of the switch namespace's veth ends); ordinary frames are forwarded
 // by MAC learning (unknown and broadcast destinations flood to every other port), so ARP, MPI
-// and Gloo flow as through a Linux bridge. In-network aggregation of registered jobs builds on
-// this forwarding plane (switch_emu/program.py declares the aggregation pipeline).
+// and Gloo flow as through a Linux bridge. With --aggregate IP:PORT the switch also owns that
+// address (it answers ARP for it) and runs the aggregation program (pipeline.h; declared and
+// fitted to the switch's limits by switch_emu/program.py) on the datagrams sent to it: each
+// RESULT leaves once per worker, from the port it is learned on (the job's multicast group).
+// A local control socket (--control PATH, text commands, JSON replies) installs, removes and
+// lists jobs and reads the counters: switch_emu/control.py speaks it.
 //
 //   hvd-sparse-switch --dpdk "--no-huge --no-pci -m 512 --vdev=net_af_packet0,iface=w0 ..."
 //                     [--names w0,w1,..] [--stats SECONDS] [--ready-file PATH]
+//                     [--aggregate IP:PORT [--cells N] [--values-per-pass N]
+//                      [--cells-per-slot N] [--auto-groups N] [--hold S] [--control PATH]]
+#include <arpa/inet.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -23,10 +33,18 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <memory>
+#include <random>
 #include <unordered_map>
 #include <vector>
 
+#include "../../csrc/omni/transport/dpdk/frames.h"
+#include "pipeline.h"
+
 namespace {
+
+namespace omni = hvd_sparse::omni;
+namespace frames = hvd_sparse::omni::frames;
 
 constexpr uint16_t kRing = 512;
 constexpr uint16_t kDataRoom = 16384;  // a whole jumbo frame per mbuf
@@ -44,7 +62,8 @@ double now_s() {
 struct Port {
   uint16_t id = 0;
   std::string name;
-  uint64_t rx = 0, tx = 0, flooded = 0, dropped = 0;
+  uint64_t rx = 0, tx = 0, flooded = 0, dropped = 0, lost = 0;
+  double loss = 0;  // drop rate of frames entering or leaving this port
 };
 
 uint64_t mac_key(const rte_ether_addr& a) {
@@ -58,14 +77,27 @@ uint64_t mac_key(const rte_ether_addr& a) {
   std::exit(2);
 }
 
+// The switch's own endpoint and the aggregation program behind it.
+struct Aggregation {
+  omni::Endpoint self;
+  rte_ether_addr mac{};  // locally administered, owned by no host
+  std::unique_ptr<omni::Pipeline> pipeline;
+  std::unordered_map<uint32_t, std::pair<rte_ether_addr, size_t>> hosts;  // ip -> (MAC, port)
+  uint64_t rx = 0, tx = 0, no_route = 0, ignored = 0;
+  uint16_t ip_id = 0;
+  std::vector<omni::Out> out;
+};
+
 class Switch {
  public:
-  explicit Switch(std::vector<Port> ports) : ports_(std::move(ports)) {}
+  Switch(std::vector<Port> ports, rte_mempool* pool, std::unique_ptr<Aggregation> agg)
+      : ports_(std::move(ports)), pool_(pool), agg_(std::move(agg)) {}
 
   // One pass over every port: receive a burst, learn, forward. Returns the frames received.
   unsigned poll() {
     unsigned got = 0;
     rte_mbuf* m[kBurst];
+    now_ = now_s();
     for (size_t p = 0; p < ports_.size(); ++p) {
       const uint16_t n = rte_eth_rx_burst(ports_[p].id, 0, m, kBurst);
       ports_[p].rx += n;
@@ -82,14 +114,41 @@ class Switch {
       const Port& q = ports_[p];
       s += (p ? ", " : "") + std::string("{\"name\": \"") + q.name + "\", \"rx\": " +
            std::to_string(q.rx) + ", \"tx\": " + std::to_string(q.tx) + ", \"flooded\": " +
-           std::to_string(q.flooded) + ", \"dropped\": " + std::to_string(q.dropped) + "}";
+           std::to_string(q.flooded) + ", \"dropped\": " + std::to_string(q.dropped) +
+           ", \"lost\": " + std::to_string(q.lost) + "}";
     }
-    return s + "], \"macs\": " + std::to_string(macs_.size()) + "}";
+    s += "], \"macs\": " + std::to_string(macs_.size());
+    if (agg_) {
+      const omni::Pipeline& p = *agg_->pipeline;
+      s += ", \"aggregation\": {\"rx\": " + std::to_string(agg_->rx) + ", \"tx\": " +
+           std::to_string(agg_->tx) + ", \"no_route\": " + std::to_string(agg_->no_route) +
+           ", \"ignored\": " + std::to_string(agg_->ignored) + ", \"occupied\": " +
+           std::to_string(p.occupied()) + ", \"jobs_installed\": " +
+           std::to_string(p.jobs().size());
+      for (auto& [name, v] : p.counters()) s += ", \"" + std::string(name) + "\": " + std::to_string(v);
+      s += "}";
+    }
+    return s + "}";
+  }
+
+  omni::Pipeline* pipeline() { return agg_ ? agg_->pipeline.get() : nullptr; }
+  double now() const { return now_; }
+
+  // Loss as the bridge's nftables rules make it (hvd_sparse/testbed/loss.py): the switch-wide
+  // rate once per frame, a port's rate on the frames entering and leaving it; with udp_only,
+  // only IPv4/UDP frames are lost.
+  void set_loss(const std::string& port, double rate, bool udp_only) {
+    udp_only_ = udp_only;
+    if (port == "*") loss_ = rate;
+    for (Port& p : ports_)
+      if (p.name == port) p.loss = rate;
   }
 
  private:
   void forward(size_t in, rte_mbuf* m) {
     if (m->data_len < sizeof(rte_ether_hdr)) { rte_pktmbuf_free(m); return; }
+    if (lost(in, m, loss_ + ports_[in].loss)) return;
+    if (agg_ && take(in, m)) return;
     auto* eth = rte_pktmbuf_mtod(m, rte_ether_hdr*);
     if (!rte_is_multicast_ether_addr(&eth->src_addr)) macs_[mac_key(eth->src_addr)] = in;
     auto it = rte_is_unicast_ether_addr(&eth->dst_addr) ? macs_.find(mac_key(eth->dst_addr))
@@ -108,7 +167,71 @@ class Switch {
       if (p != in) queue(p, m);
   }
 
-  void queue(size_t p, rte_mbuf* m) {
+  // Frames for the switch's own address: ARP requests for it are answered, datagrams to its
+  // aggregation port go through the pipeline. Returns false for frames to forward.
+  bool take(size_t in, rte_mbuf* m) {
+    Aggregation& a = *agg_;
+    if (const rte_arp_hdr* arp = frames::arp_of(m)) {
+      const rte_arp_ipv4& d = arp->arp_data;
+      if (d.arp_sip) a.hosts[d.arp_sip] = {d.arp_sha, in};
+      if (d.arp_tip != a.self.ip) return false;
+      if (rte_be_to_cpu_16(arp->arp_opcode) == RTE_ARP_OP_REQUEST)
+        if (rte_mbuf* r = frames::arp_frame(pool_, RTE_ARP_OP_REPLY, a.mac, a.self.ip, d.arp_sha,
+                                            d.arp_sha, d.arp_sip))
+          queue(in, r, true);
+      rte_pktmbuf_free(m);
+      return true;
+    }
+    const auto* eth = rte_pktmbuf_mtod(m, rte_ether_hdr*);
+    if (!rte_is_same_ether_addr(&eth->dst_addr, &a.mac)) return false;
+    frames::Udp u;
+    if (frames::parse_udp(m, &u) && u.to == a.self && !u.fragment) {
+      a.rx++;
+      a.hosts[u.from.ip] = {u.eth->src_addr, in};
+      a.out.clear();
+      a.pipeline->handle(u.data, u.len, u.from, now_, a.out);
+      for (const omni::Out& o : a.out) send(o);
+    } else {
+      a.ignored++;  // to the switch's MAC but not its aggregation port: nobody else's
+    }
+    rte_pktmbuf_free(m);
+    return true;
+  }
+
+  // One datagram from the switch's endpoint, out of the port its addressee was learned on.
+  void send(const omni::Out& o) {
+    Aggregation& a = *agg_;
+    auto it = a.hosts.find(o.to.ip);
+    rte_mbuf* m = it == a.hosts.end() ? nullptr : rte_pktmbuf_alloc(pool_);
+    if (!m || o.bytes->size() + frames::kHeaders > kDataRoom) {
+      if (m) rte_pktmbuf_free(m);
+      a.no_route++;
+      return;
+    }
+    frames::write_udp(m, a.mac, it->second.first, a.self, o.to, o.bytes->data(),
+                      o.bytes->size(), a.ip_id++);
+    a.tx++;
+    queue(it->second.second, m, true);
+  }
+
+  bool lost(size_t port, rte_mbuf* m, double rate) {
+    if (rate <= 0 || unif_(rng_) >= rate) return false;
+    if (udp_only_) {
+      const auto* eth = rte_pktmbuf_mtod(m, const rte_ether_hdr*);
+      const auto* ip = reinterpret_cast<const rte_ipv4_hdr*>(eth + 1);
+      if (eth->ether_type != rte_cpu_to_be_16(RTE_ETHER_TYPE_IPV4) ||
+          m->data_len < sizeof *eth + sizeof *ip || ip->next_proto_id != IPPROTO_UDP)
+        return false;
+    }
+    ports_[port].lost++;
+    rte_pktmbuf_free(m);  // one reference: a flooded frame's other copies go on
+    return true;
+  }
+
+  // Frames the switch makes itself (results, ARP replies) meet the switch-wide rate here,
+  // forwarded ones met it on the way in.
+  void queue(size_t p, rte_mbuf* m, bool own = false) {
+    if (lost(p, m, ports_[p].loss + (own ? loss_ : 0))) return;
     auto& q = out_[p];
     q.push_back(m);
     if (q.size() == kBurst) flush_port(p);
@@ -129,25 +252,152 @@ class Switch {
   }
 
   std::vector<Port> ports_;
+  rte_mempool* pool_;
+  std::unique_ptr<Aggregation> agg_;
+  double now_ = 0;
+  double loss_ = 0;
+  bool udp_only_ = false;
+  std::mt19937_64 rng_{0x5157};
+  std::uniform_real_distribution<double> unif_{0.0, 1.0};
   std::unordered_map<uint64_t, size_t> macs_;  // MAC -> port
   std::unordered_map<size_t, std::vector<rte_mbuf*>> out_;
+};
+
+// The control plane's local socket: one text command per datagram, one JSON reply to its
+// sender (switch_emu/control.py). Commands: limits | jobs | stats |
+// install TOKEN WORKERS GROUPS | remove TOKEN | loss PORT|* RATE [udp|all].
+class Control {
+ public:
+  explicit Control(std::string path) : path_(std::move(path)) {
+    fd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    if (fd_ < 0 || path_.size() >= sizeof a.sun_path) fail("control socket: bad path " + path_);
+    std::memcpy(a.sun_path, path_.c_str(), path_.size() + 1);
+    unlink(path_.c_str());
+    if (bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
+      fail("control socket: cannot bind " + path_ + ": " + std::strerror(errno));
+  }
+  ~Control() {
+    close(fd_);
+    unlink(path_.c_str());
+  }
+
+  void poll(Switch& sw) {
+    char buf[256];
+    sockaddr_un from{};
+    socklen_t len = sizeof from;
+    for (ssize_t n; (n = recvfrom(fd_, buf, sizeof buf - 1, 0, reinterpret_cast<sockaddr*>(&from),
+                                  &len)) >= 0; len = sizeof from) {
+      buf[n] = 0;
+      const std::string r = run(sw, buf) + "\n";
+      sendto(fd_, r.data(), r.size(), 0, reinterpret_cast<sockaddr*>(&from), len);
+    }
+  }
+
+ private:
+  static std::string run(Switch& sw, const std::string& line) {
+    omni::Pipeline* p = sw.pipeline();
+    std::istringstream in(line);
+    std::string cmd;
+    in >> cmd;
+    if (cmd == "stats") return sw.stats_json();
+    if (cmd == "loss") {
+      std::string port, what = "all";
+      double rate = -1;
+      if (!(in >> port >> rate) || rate < 0 || rate > 1 ||
+          ((in >> what) && what != "udp" && what != "all"))
+        return R"({"error": "usage: loss PORT|* RATE [udp|all]"})";
+      sw.set_loss(port, rate, what == "udp");
+      return R"({"loss": true})";
+    }
+    if (!p) return R"({"error": "no aggregation program: start the switch with --aggregate"})";
+    const omni::PipelineOptions& o = p->options();
+    if (cmd == "limits")
+      return "{\"cells\": " + std::to_string(o.cells) + ", \"values_per_pass\": " +
+             std::to_string(o.values_per_pass) + ", \"cells_per_slot\": " +
+             std::to_string(o.cells_per_slot) + ", \"groups\": " +
+             std::to_string(o.cells / o.cells_per_slot) + ", \"max_workers\": " +
+             std::to_string(o.max_workers) + ", \"auto_groups\": " +
+             std::to_string(o.auto_groups) + "}";
+    if (cmd == "jobs") {
+      std::string s = "{\"jobs\": [";
+      for (const omni::SwitchJob& j : p->jobs()) {
+        int registered = 0;
+        for (const omni::Endpoint& e : j.addr) registered += e.port != 0;
+        s += std::string(s.back() == '[' ? "" : ", ") + "{\"token\": " + std::to_string(j.token) +
+             ", \"workers\": " + std::to_string(j.nworkers) + ", \"registered\": " +
+             std::to_string(registered) + ", \"first\": " + std::to_string(j.first) +
+             ", \"groups\": " + std::to_string(j.groups) + ", \"automatic\": " +
+             (j.automatic ? "true" : "false") + "}";
+      }
+      return s + "]}";
+    }
+    uint64_t token = 0;
+    if (cmd == "install") {
+      unsigned workers = 0, groups = 0;
+      if (!(in >> token >> workers >> groups) || workers > 65535)
+        return R"({"error": "usage: install TOKEN WORKERS GROUPS"})";
+      try {
+        return "{\"first\": " + std::to_string(p->install(token, uint16_t(workers), groups,
+                                                          sw.now())) + "}";
+      } catch (const std::exception& e) {
+        return std::string("{\"error\": \"") + e.what() + "\"}";
+      }
+    }
+    if (cmd == "remove") {
+      if (!(in >> token)) return R"({"error": "usage: remove TOKEN"})";
+      return std::string("{\"removed\": ") + (p->remove(token) ? "true" : "false") + "}";
+    }
+    return R"({"error": "unknown command: limits | jobs | stats | install | remove | loss"})";
+  }
+
+  std::string path_;
+  int fd_ = -1;
 };
 
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string eal, ready_file, names_arg;  // --names: the ports' names, in vdev order
+  std::string aggregate, control;
+  omni::PipelineOptions po;
   double stats_every = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--dpdk" && i + 1 < argc) eal = argv[++i];
-    else if (a == "--stats" && i + 1 < argc) stats_every = std::atof(argv[++i]);
-    else if (a == "--ready-file" && i + 1 < argc) ready_file = argv[++i];
-    else if (a == "--names" && i + 1 < argc) names_arg = argv[++i];
+    const bool more = i + 1 < argc;
+    if (a == "--dpdk" && more) eal = argv[++i];
+    else if (a == "--stats" && more) stats_every = std::atof(argv[++i]);
+    else if (a == "--ready-file" && more) ready_file = argv[++i];
+    else if (a == "--names" && more) names_arg = argv[++i];
+    else if (a == "--aggregate" && more) aggregate = argv[++i];
+    else if (a == "--control" && more) control = argv[++i];
+    else if (a == "--cells" && more) po.cells = uint32_t(std::atol(argv[++i]));
+    else if (a == "--values-per-pass" && more) po.values_per_pass = uint32_t(std::atol(argv[++i]));
+    else if (a == "--cells-per-slot" && more) po.cells_per_slot = uint32_t(std::atol(argv[++i]));
+    else if (a == "--auto-groups" && more) po.auto_groups = uint32_t(std::atol(argv[++i]));
+    else if (a == "--hold" && more) po.hold = std::atof(argv[++i]);
     else {
       std::fprintf(stderr, "usage: hvd-sparse-switch --dpdk \"EAL ARGS (one vdev per port)\" "
-                   "[--names A,B,..] [--stats SECONDS] [--ready-file PATH]\n");
+                   "[--names A,B,..] [--stats SECONDS] [--ready-file PATH] [--aggregate IP:PORT "
+                   "[--cells N] [--values-per-pass N] [--cells-per-slot N] [--auto-groups N] "
+                   "[--hold SECONDS] [--control PATH]]\n");
       return a == "-h" || a == "--help" ? 0 : 2;
+    }
+  }
+  std::unique_ptr<Aggregation> agg;
+  if (!aggregate.empty()) {
+    agg = std::make_unique<Aggregation>();
+    const size_t colon = aggregate.rfind(':');
+    if (colon == std::string::npos ||
+        inet_pton(AF_INET, aggregate.substr(0, colon).c_str(), &agg->self.ip) != 1)
+      fail("--aggregate wants IPV4:PORT, not " + aggregate);
+    agg->self.port = htons(uint16_t(std::atoi(aggregate.c_str() + colon + 1)));
+    agg->mac = {{0x02, 0x68, 0x73, 0x77, 0x00, 0x01}};  // locally administered: "hsw"
+    try {
+      agg->pipeline = std::make_unique<omni::Pipeline>(po);
+    } catch (const std::exception& e) {
+      fail(e.what());
     }
   }
   std::vector<std::string> args{"hvd-sparse-switch"};
@@ -186,20 +436,32 @@ int main(int argc, char** argv) {
     rte_eth_dev_get_name_by_port(pid, name);
     ports.push_back({pid, ports.size() < names.size() ? names[ports.size()] : name});
   }
-  Switch sw(std::move(ports));
+  Switch sw(std::move(ports), pool, std::move(agg));
+  std::unique_ptr<Control> ctl;
+  if (!control.empty()) ctl = std::make_unique<Control>(control);
   std::printf("hvd-sparse switch: %u ports\n", nports);
+  if (!aggregate.empty())
+    std::printf("hvd-sparse switch: aggregation at %s: %u cells of %u int32 (%u slot groups of "
+                "%u cells, each with a shadow set), at most %u workers per job\n",
+                aggregate.c_str(), po.cells, po.values_per_pass, po.cells / po.cells_per_slot,
+                po.cells_per_slot, po.max_workers);
   std::fflush(stdout);
   if (!ready_file.empty())
     if (FILE* f = std::fopen(ready_file.c_str(), "w")) std::fclose(f);
 
-  double last_stats = now_s();
-  uint32_t idle = 0;
+  double last_stats = now_s(), last_expire = last_stats;
+  uint32_t idle = 0, loops = 0;
   while (!g_stop.load(std::memory_order_relaxed)) {
     if (sw.poll()) {
       idle = 0;
     } else if (++idle >= kSpins) {
       timespec ts{0, 20 * 1000};  // idle: leave the CPU to the hosts sharing it
       nanosleep(&ts, nullptr);
+    }
+    if (ctl && (idle >= kSpins || ++loops % 64 == 0)) ctl->poll(sw);
+    if (sw.pipeline() && sw.now() - last_expire > 1.0) {
+      sw.pipeline()->expire(sw.now());
+      last_expire = sw.now();
     }
     if (g_dump.exchange(false) || (stats_every > 0 && now_s() - last_stats >= stats_every)) {
       std::printf("hvd-sparse switch stats %s\n", sw.stats_json().c_str());

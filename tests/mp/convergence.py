@@ -26,7 +26,7 @@ from torch import nn
 import hvd_sparse
 
 IN, CLASSES = 128, 10
-STEPS = int(os.environ.get("HVD_SPARSE_CONV_STEPS", "2000"))
+STEPS = int(os.environ.get("HVD_SPARSE_CONV_STEPS", "3000"))
 WARMUP = STEPS // 4  # density is judged after this many steps
 BATCH, LR, DENSITY, BLOCK = 32, 0.1, 0.01, 4
 

@@ -1,22 +1,40 @@
-"""One job on the netns testbed with switch_emu's switch in place of the bridge (2 worker hosts,
-1 aggregator host), launched by tests/test_switch_emu.py: MPI (Horovod's dense allreduce), the
-allgather scheme and omnireduce through an aggregator host all cross the emulated switch and
-equal Horovod's allreduce of the same tensors in float64."""
+"""One job on the netns testbed with switch_emu's switch in place of the bridge (4 worker hosts,
+1 aggregator host), launched by tests/test_switch_emu.py.
+
+    switch_cases.py            MPI (Horovod's dense allreduce), allgather and omnireduce through
+                               the aggregator host cross the switch; scheme "switch" sums in it
+    switch_cases.py aggregate  only scheme "switch"
+
+Scheme "switch": float32, float16 and bfloat16 at element densities 0 .. 1 equal the float64
+sum of Horovod's allreduce within the fixed-point bound (hvd_sparse.fixedpoint.error_bound)
+plus one rounding to the dtype, bit-identical on every rank; tensors in flight together; what
+the switch cannot take (NaN, a block larger than a slot) falls back with its reason, exactly.
+"""
 from __future__ import annotations
+
+import hashlib
+import sys
 
 import horovod.torch as hvd
 import torch
 from common import case, close_to, report, start
 
 import hvd_sparse
+from hvd_sparse import fixedpoint
 
 NUMEL = 1 << 18
+DENSITIES = (0.0, 1e-4, 0.01, 0.3, 1.0)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def data(seed: int, dtype: torch.dtype) -> torch.Tensor:
+def data(seed: int, dtype: torch.dtype, density: float = 0.1, block: bool = True) -> torch.Tensor:
+    """Random values in ``density`` of the 256-blocks (``block``) or of the elements."""
     g = torch.Generator().manual_seed(1000 * seed + hvd.rank())
-    keep = torch.rand(NUMEL // 256, generator=g) < 0.1
-    return (torch.randn(NUMEL // 256, 256, generator=g) * keep[:, None]).view(-1).to(dtype)
+    if block:
+        keep = (torch.rand(NUMEL // 256, generator=g) < density)[:, None].expand(-1, 256)
+    else:
+        keep = torch.rand(NUMEL // 256, 256, generator=g) < density
+    return (torch.randn(NUMEL // 256, 256, generator=g) * 3 * keep).reshape(-1).to(dtype)
 
 
 def schemes() -> str:
@@ -31,10 +49,94 @@ def schemes() -> str:
     return "; ".join(bad)
 
 
+def bounded(out: torch.Tensor, ref: torch.Tensor, inputs: torch.Tensor) -> str:
+    """'' when ``out`` is within the fixed-point bound of the float64 sum ``ref``, plus one
+    rounding to its dtype, and bit-identical on every rank; else why not."""
+    m = float(hvd.allreduce(inputs.double().abs().max().reshape(1), op=hvd.Max,
+                            name="bound.max")) if inputs.numel() else 0.0
+    bound = fixedpoint.error_bound(m, hvd.size())
+    info = torch.finfo(out.dtype)
+    allowed = bound + info.eps * (ref.abs() + bound) + info.smallest_normal * info.eps
+    err = (out.double() - ref).abs()
+    if out.dtype != inputs.dtype or not bool((err <= allowed).all()):
+        worst = int((err - allowed).argmax())
+        return (f"{out.dtype}: error {float(err[worst]):g} > allowed {float(allowed[worst]):g} "
+                f"at {worst} (bound {bound:g})")
+    digest = hashlib.sha256(out.view(torch.int16 if out.element_size() == 2 else torch.int32)
+                            .numpy().tobytes()).hexdigest()
+    digests = hvd.allgather_object(digest, name="bound.digest")
+    return "" if len(set(digests)) == 1 else f"{out.dtype}: ranks differ: {digests}"
+
+
+def went_through_switch(name: str) -> str:
+    m = hvd_sparse.metrics()[name]
+    return "" if m["scheme"] == "switch" and "reason" not in m else f"{name}: {m}"
+
+
+def aggregate() -> str:
+    bad = []
+    for dtype in DTYPES:
+        for k, density in enumerate(DENSITIES):
+            t = data(10 + k, dtype, density, block=False)
+            name = f"sw.{dtype}.{density}"
+            ref = hvd.allreduce(t.double(), name=f"ref.{name}", op=hvd.Sum)
+            out = hvd_sparse.allreduce(t, name=name, scheme="switch", op=hvd.Sum)
+            for why in (bounded(out, ref, t), went_through_switch(name)):
+                if why:
+                    bad.append(f"density {density}: {why}")
+    # Average (the op's scale applies after the integer sum), in place
+    t = data(20, torch.float32, 0.05)
+    x = t.clone()
+    ref = hvd.allreduce(t.double(), name="ref.avg", op=hvd.Average)
+    hvd_sparse.allreduce_(t, name="sw.avg", scheme="switch", op=hvd.Average)
+    bad += [w for w in (bounded(t, ref, x), went_through_switch("sw.avg")) if w]
+    return "; ".join(bad)
+
+
+def in_flight_together() -> str:
+    """Tensors submitted together take turns in the switch: every one is right."""
+    ts = [data(30 + i, torch.float32, 0.2) for i in range(4)]
+    refs = [hvd.allreduce(t.double(), name=f"ref.fl{i}", op=hvd.Sum) for i, t in enumerate(ts)]
+    handles = [hvd_sparse.allreduce_async(t, name=f"fl{i}", scheme="switch", op=hvd.Sum)
+               for i, t in enumerate(ts)]
+    outs = [hvd_sparse.synchronize(h) for h in handles]
+    return "; ".join(w for i, (o, r, t) in enumerate(zip(outs, refs, ts, strict=True))
+                     for w in (bounded(o, r, t), went_through_switch(f"fl{i}")) if w)
+
+
+def falls_back() -> str:
+    """NaN on one rank and a block larger than a switch slot go elsewhere, with the reason, and
+    give what Horovod's allreduce gives."""
+    bad = []
+    t = data(40, torch.float32)
+    if hvd.rank() == 1:
+        t[7] = float("nan")
+    ref = hvd.allreduce(t.double(), name="ref.nan", op=hvd.Sum)
+    out = hvd_sparse.allreduce(t, name="sw.nan", scheme="switch", op=hvd.Sum)
+    if why := close_to(out, ref, torch.float32):
+        bad.append(f"nan: {why}")
+    if hvd_sparse.metrics()["sw.nan"].get("reason") != "switch: non-finite":
+        bad.append(f"nan: {hvd_sparse.metrics()['sw.nan']}")
+    t = data(41, torch.float32)
+    ref = hvd.allreduce(t.double(), name="ref.big", op=hvd.Sum)
+    # 2112 values: 33 passes of 64, one more than a slot's cells
+    out = hvd_sparse.allreduce(t, name="sw.big", scheme="switch", op=hvd.Sum, block_size=2112)
+    if why := close_to(out, ref, torch.float32):
+        bad.append(f"block 2112: {why}")
+    if not hvd_sparse.metrics()["sw.big"].get("reason", "").startswith("switch: block size"):
+        bad.append(f"block 2112: {hvd_sparse.metrics()['sw.big']}")
+    return "; ".join(bad)
+
+
 def main() -> None:
     start(probe="off", timeout=20.0)
     results: dict[str, object] = {}
-    case(results, "schemes", schemes)
+    if sys.argv[1:] != ["aggregate"]:
+        case(results, "schemes", schemes)
+    case(results, "aggregate", aggregate)
+    if sys.argv[1:] != ["aggregate"]:
+        case(results, "in_flight_together", in_flight_together)
+        case(results, "falls_back", falls_back)
     report(results)
     hvd_sparse.shutdown()
 

@@ -1,33 +1,13 @@
 // hvd_sparse._C.AggregatorCore: the aggregator's protocol logic with no socket, for tests that
 // drive it packet by packet (tests/test_aggregator_core.py).
-#include <arpa/inet.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <stdexcept>
-
-#include "core.h"
+#include "binding.h"
 
 namespace py = pybind11;
 
 namespace hvd_sparse::omni {
-namespace {
-
-Endpoint endpoint(const std::pair<std::string, int>& a) {
-  Endpoint e;
-  if (inet_pton(AF_INET, a.first.c_str(), &e.ip) != 1)
-    throw std::invalid_argument("not an IPv4 address: " + a.first);
-  e.port = htons(uint16_t(a.second));
-  return e;
-}
-
-py::tuple address(const Endpoint& e) {
-  char b[INET_ADDRSTRLEN];
-  inet_ntop(AF_INET, &e.ip, b, sizeof b);
-  return py::make_tuple(std::string(b), int(ntohs(e.port)));
-}
-
-}  // namespace
 
 void register_aggregator_core(py::module_& m) {
   py::class_<AggregatorCore>(m, "AggregatorCore")
@@ -44,12 +24,7 @@ void register_aggregator_core(py::module_& m) {
              std::vector<Out> out;
              core.handle(reinterpret_cast<const uint8_t*>(p.data()), p.size(), endpoint(from),
                          now, out);
-             py::list sent;
-             for (const Out& o : out)
-               sent.append(py::make_tuple(
-                   address(o.to),
-                   py::bytes(reinterpret_cast<const char*>(o.bytes->data()), o.bytes->size())));
-             return sent;
+             return sent(out);
            },
            py::arg("packet"), py::arg("sender"), py::arg("now") = 0.0,
            "Handles one datagram from sender (host, port); returns [((host, port), bytes)] to send.")

@@ -45,20 +45,6 @@ struct Job {
   double touched = 0;
 };
 
-// float64 -> float32 rounded to odd (truncated, lowest bit set when inexact): rounding that to
-// float16 or bfloat16 (at least 2 bits narrower than float32) then rounds the float64 sum
-// exactly once, as the spec says; rounding to nearest twice can land one ulp off (e.g.
-// 1 + 2^-11 + 2^-24 would become 1.0 in float16 instead of 1 + 2^-10).
-float to_float_odd(double d) {
-  float f = float(d);
-  if (std::isfinite(f) && double(f) != d) {
-    uint32_t u = float_to_bits(f);
-    if (std::fabs(double(f)) > std::fabs(d)) --u;  // toward zero (sign-magnitude)
-    f = bits_to_float(u | 1);
-  }
-  return f;
-}
-
 bool test_bit(const std::vector<uint64_t>& v, uint32_t i) { return v[i >> 6] >> (i & 63) & 1; }
 void set_bit(std::vector<uint64_t>& v, uint32_t i) { v[i >> 6] |= uint64_t(1) << (i & 63); }
 
@@ -165,24 +151,6 @@ struct AggregatorCore::Impl {
       if (job.addr[w].port) out.push_back({job.addr[w], b});
   }
 
-  // The bitmap and lane table of a DATA against the lanes' positions `cur` (nullptr: round 0
-  // of the packet's own layout, every non-empty lane at position 0).
-  static bool lanes_valid(const Header& h, const uint8_t* p, const uint32_t* cur) {
-    const uint64_t bitmap = ld64(p + kHeaderBytes);
-    if (h.lanes < 64 && (bitmap >> h.lanes)) return false;
-    if (uint32_t(__builtin_popcountll(bitmap)) != h.present) return false;
-    const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
-    for (uint32_t l = 0; l < h.lanes; ++l) {
-      uint32_t off = ld32(lane + l * kLaneBytes), nxt = ld32(lane + l * kLaneBytes + 4);
-      uint32_t len = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes);
-      uint32_t want = cur ? cur[l] : len ? 0 : kInf;
-      if (off != want || (off == kInf && ((bitmap >> l & 1) || nxt != kInf)) ||
-          (nxt != kInf && (nxt <= off || nxt >= len)))
-        return false;
-    }
-    return true;
-  }
-
   // A valid DATA from `from`: the worker lives there, the job and tensor are alive.
   void accept(Job& job, Tensor& t, const Header& h, const Endpoint& from) {
     job.touched = t.touched = now_;
@@ -274,16 +242,18 @@ struct AggregatorCore::Impl {
       if (!(bitmap >> l & 1)) continue;
       double* a = s.acc.data() + l * bs;
       add_block(a, v, bs, h.dtype);
-      v += bs * dtype_size(h.dtype);
+      v += bs * wire_size(h.dtype);
     }
     s.present |= bitmap;
     set_bit(s.seen, h.worker);
     if (++s.count < job.nworkers) return;
-    complete(job, h, s, out);
+    complete(job, t, h, s, out);
   }
 
+  // Sums of int32 (fixed32) in a double are exact: |sum| <= 1024 * 2^31 < 2^53.
   static void add_block(double* a, const uint8_t* v, size_t bs, uint8_t dtype) {
     switch (dtype) {
+      case kFixed32: { int32_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 4 * i, 4); a[i] += x; } break; }
       case kF32: { float x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 4 * i, 4); a[i] += x; } break; }
       case kF64: { double x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 8 * i, 8); a[i] += x; } break; }
       case kF16: { uint16_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 2 * i, 2); a[i] += f16_to_float(x); } break; }
@@ -295,14 +265,31 @@ struct AggregatorCore::Impl {
     switch (dtype) {
       case kF32: for (size_t i = 0; i < bs; ++i) { float x = float(a[i]); std::memcpy(v + 4 * i, &x, 4); } break;
       case kF64: std::memcpy(v, a, bs * 8); break;
+      case kFixed32: for (size_t i = 0; i < bs; ++i) { int32_t x = int32_t(a[i]); std::memcpy(v + 4 * i, &x, 4); } break;
       case kF16: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_f16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
       default: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_bf16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
     }
   }
 
+  // A fixed32 sum outside the int32 range (some worker ignored the agreed exponent): the whole
+  // tensor fails rather than any rank receiving a wrapped or saturated value.
+  static bool overflows(const Slot& s, uint32_t lanes, size_t bs) {
+    for (uint32_t l = 0; l < lanes; ++l) {
+      if (!(s.present >> l & 1)) continue;
+      for (const double* a = s.acc.data() + l * bs, *e = a + bs; a != e; ++a)
+        if (*a < double(INT32_MIN) || *a > double(INT32_MAX)) return true;
+    }
+    return false;
+  }
+
   // Every worker has sent this round: build the RESULT, keep it as the shadow copy, send it to
   // all workers, and open the next round at the lanes' minimum announced positions.
-  void complete(Job& job, const Header& h, Slot& s, std::vector<Out>& out) {
+  void complete(Job& job, Tensor& t, const Header& h, Slot& s, std::vector<Out>& out) {
+    if (h.dtype == kFixed32 && overflows(s, h.lanes, h.block_size)) {
+      t.error = kErrOverflow;
+      c.overflow++;
+      return send_error(job, h, t.error, out);
+    }
     const uint32_t present = uint32_t(__builtin_popcountll(s.present));
     bool last = true;
     for (uint32_t n : s.next) last = last && n == kInf;
@@ -318,7 +305,7 @@ struct AggregatorCore::Impl {
     st64(p + kHeaderBytes, s.present);
     uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
     uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
-    const size_t bs = h.block_size, vb = bs * dtype_size(h.dtype);
+    const size_t bs = h.block_size, vb = bs * wire_size(h.dtype);
     for (uint32_t l = 0; l < h.lanes; ++l) {
       st32(lane + l * kLaneBytes, s.cur[l]);
       st32(lane + l * kLaneBytes + 4, s.next[l]);

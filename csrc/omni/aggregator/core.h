@@ -22,7 +22,7 @@ struct CoreOptions {
 
 // What the core counted; printed by the aggregator with its transports' counters.
 #define HS_CORE_COUNTERS(X) X(rounds) X(retransmits) X(duplicates) X(stale) X(malformed) \
-  X(unknown_job) X(mismatch) X(jobs) X(tensors) X(released) X(expired)
+  X(unknown_job) X(mismatch) X(overflow) X(jobs) X(tensors) X(released) X(expired)
 
 // A packet to send: shared, since one RESULT goes to every worker of the job.
 struct Out {

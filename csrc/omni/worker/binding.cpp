@@ -33,8 +33,11 @@ class PyWorker {
   }
 
   // output: the input itself, or zeros; only blocks some worker sends are written.
+  // exponent: send as fixed32 q = round(x * 2^exponent) (the same on every rank), or None to
+  // send the tensor's own dtype.
   int64_t submit(uint64_t id, at::Tensor input, at::Tensor output, int64_t bs, int64_t meta,
-                 std::optional<at::Tensor> mask, const std::string& name, double scale) {
+                 std::optional<at::Tensor> mask, const std::string& name, double scale,
+                 std::optional<int64_t> exponent) {
     TORCH_CHECK(input.is_contiguous() && output.is_contiguous() && input.device().is_cpu() &&
                 output.device().is_cpu(), "omnireduce: tensors must be contiguous CPU tensors");
     TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
@@ -50,6 +53,13 @@ class PyWorker {
     t->bs = uint32_t(bs);
     t->meta = uint32_t(meta);
     t->scale = scale;
+    if (exponent) {
+      // Beyond these, 2^e is outside float64 for any finite value: no rule produces them.
+      TORCH_CHECK(*exponent >= -1100 && *exponent <= 1200, "omnireduce: fixed-point exponent ",
+                  *exponent, " out of range");
+      t->fixed = true;
+      t->exponent = int(*exponent);
+    }
     // The tensors live until finish(), which releases them with the GIL held.
     t->hold = std::make_shared<std::pair<at::Tensor, at::Tensor>>(input, output);
     const uint8_t* m = nullptr;
@@ -126,7 +136,8 @@ void register_omni(py::module_& m) {
            py::arg("timeout"), nogil())
       .def("submit", &PyWorker::submit, py::arg("tensor_id"), py::arg("input"), py::arg("output"),
            py::arg("block_size"), py::arg("meta"), py::arg("mask") = py::none(),
-           py::arg("name") = "", py::arg("scale") = 1.0, nogil())
+           py::arg("name") = "", py::arg("scale") = 1.0, py::arg("exponent") = py::none(),
+           nogil())
       .def("poll", [](PyWorker& w, int64_t t) { return w.worker().poll(t); }, nogil())
       .def("wait", [](PyWorker& w, int64_t t, double timeout) { return w.worker().wait(t, timeout); },
            py::arg("ticket"), py::arg("timeout"), nogil())

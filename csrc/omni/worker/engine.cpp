@@ -15,6 +15,75 @@ constexpr double kPaceAbove = 16;  // packets: smaller windows go out at once
 constexpr double kMaxRto = 1.0;
 constexpr double kKeepalive = 10.0;  // seconds; the aggregator's --idle default is 120
 
+namespace {
+
+// out = v * scale, element by element: float32 and 16-bit values multiply in float32 (as
+// torch's x.mul_(scale) does), float64 in float64.
+void scale_block(uint8_t* o, const uint8_t* v, size_t n, uint8_t dtype, double scale) {
+  const float sf = float(scale);
+  for (size_t i = 0; i < n; ++i) {
+    switch (dtype) {
+      case kF64: { double x; std::memcpy(&x, v + 8 * i, 8); x *= scale; std::memcpy(o + 8 * i, &x, 8); break; }
+      case kF32: { float x; std::memcpy(&x, v + 4 * i, 4); x *= sf; std::memcpy(o + 4 * i, &x, 4); break; }
+      case kF16: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); x = float_to_f16(f16_to_float(x) * sf); std::memcpy(o + 2 * i, &x, 2); break; }
+      default: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); x = float_to_bf16(bf16_to_float(x) * sf); std::memcpy(o + 2 * i, &x, 2); break; }
+    }
+  }
+}
+
+double load(const uint8_t* v, size_t i, uint8_t dtype) {
+  switch (dtype) {
+    case kF64: { double x; std::memcpy(&x, v + 8 * i, 8); return x; }
+    case kF32: { float x; std::memcpy(&x, v + 4 * i, 4); return x; }
+    case kF16: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); return f16_to_float(x); }
+    default: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); return bf16_to_float(x); }
+  }
+}
+
+// Rounds a float64 value once to the tensor's dtype (16-bit ones through round-to-odd float32).
+void store(uint8_t* o, size_t i, double x, uint8_t dtype) {
+  switch (dtype) {
+    case kF64: std::memcpy(o + 8 * i, &x, 8); break;
+    case kF32: { float f = float(x); std::memcpy(o + 4 * i, &f, 4); break; }
+    case kF16: { uint16_t h = float_to_f16(to_float_odd(x)); std::memcpy(o + 2 * i, &h, 2); break; }
+    default: { uint16_t h = float_to_bf16(to_float_odd(x)); std::memcpy(o + 2 * i, &h, 2); break; }
+  }
+}
+
+// x * 2^e, exactly (but for subnormal results, rounded alike): one multiplication where 2^e
+// is a normal double (ldexp per element costs 3x more), ldexp otherwise.
+struct Pow2 {
+  int e;
+  double f;
+  explicit Pow2(int e) : e(e), f(std::abs(e) <= 1022 ? std::ldexp(1.0, e) : 0) {}
+  double operator()(double x) const { return f != 0 ? x * f : std::ldexp(x, e); }
+};
+
+// int32 LE q = x * 2^e rounded to nearest, ties to even (nearbyint in the default rounding
+// mode), clamped to the int32 range. NaN (never sent in fixed point: the caller falls back
+// first) becomes 0 rather than undefined behaviour.
+void quantize(uint8_t* q, const uint8_t* v, size_t n, uint8_t dtype, int e) {
+  const Pow2 up(e);
+  for (size_t i = 0; i < n; ++i) {
+    const double r = std::nearbyint(up(load(v, i, dtype)));
+    const int32_t x = r >= double(INT32_MAX) ? INT32_MAX : r <= double(INT32_MIN) ? INT32_MIN
+                      : r == r ? int32_t(r) : 0;
+    std::memcpy(q + 4 * i, &x, 4);
+  }
+}
+
+// out = q * 2^-e * scale in float64 (exact but for the scale), rounded once to the dtype.
+void dequantize(uint8_t* o, const uint8_t* q, size_t n, uint8_t dtype, int e, double scale) {
+  const Pow2 down(-e);
+  for (size_t i = 0; i < n; ++i) {
+    int32_t x;
+    std::memcpy(&x, q + 4 * i, 4);
+    store(o, i, down(double(x)) * scale, dtype);
+  }
+}
+
+}  // namespace
+
 Engine::Engine(std::vector<AggregatorPath> aggs, const EngineOptions& o, Transport& io,
                std::function<void()> finished)
     : o_(o), io_(io), finished_(std::move(finished)), rng_(o.seed), aggs_(std::move(aggs)) {
@@ -26,17 +95,21 @@ Engine::Engine(std::vector<AggregatorPath> aggs, const EngineOptions& o, Transpo
 
 void Engine::prepare(TensorW& t, const uint8_t* mask) const {
   t.esize = dtype_size(t.dtype);
+  t.wire = t.fixed ? kFixed32 : t.dtype;
+  t.wsize = wire_size(t.wire);
   const uint64_t bs = t.bs;
   if (bs < 1 || bs > 65535 ||
-      bs * t.esize + kHeaderBytes + kBitmapBytes + kLaneBytes > size_t(kMaxDatagram))
+      bs * t.wsize + kHeaderBytes + kBitmapBytes + kLaneBytes > size_t(kMaxDatagram))
     throw std::runtime_error("omnireduce: block_size " + std::to_string(bs) +
                                 " does not fit in one datagram");
   const int64_t nb = num_blocks(t.numel, int64_t(bs));
   if (nb < 1 || nb >= int64_t(kInf))
     throw std::runtime_error("omnireduce: tensor size out of range");
   t.nblocks = uint32_t(nb);
-  const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.esize), uint64_t(o_.payload),
-                            uint64_t(aggs_.size()) * uint64_t(o_.slots_per_agg));
+  const uint64_t slots = groups_ ? std::min<uint64_t>(groups_, o_.slots_per_agg)
+                                 : uint64_t(o_.slots_per_agg);
+  const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.wsize), uint64_t(o_.payload),
+                            uint64_t(aggs_.size()) * slots);
   t.lanes = geo.lanes;
   t.nslots = geo.nslots;
   // CSR of the tensor's non-zero blocks by stream (counting sort: positions stay ascending).
@@ -180,10 +253,10 @@ void Engine::build_data(TensorW& t, SlotW& s) {
       ++present;
     }
   }
-  s.pkt.resize(data_bytes(t.lanes, present, t.bs, t.dtype));
+  s.pkt.resize(data_bytes(t.lanes, present, t.bs, t.wire));
   uint8_t* p = s.pkt.data();
   Header h = make_header(kData, o_.token, o_.worker, o_.nworkers);
-  h.dtype = t.dtype; h.slot = s.g; h.tensor = t.id; h.round = s.round;
+  h.dtype = t.wire; h.slot = s.g; h.tensor = t.id; h.round = s.round;
   h.flags = s.round & 1 ? kFlagShadow : 0;
   h.lanes = uint16_t(t.lanes); h.block_size = uint16_t(t.bs); h.nblocks = t.nblocks;
   h.nslots = t.nslots; h.meta = t.meta; h.present = present;
@@ -191,14 +264,16 @@ void Engine::build_data(TensorW& t, SlotW& s) {
   st64(p + kHeaderBytes, bitmap);
   uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
   uint8_t* v = lane + size_t(t.lanes) * kLaneBytes;
-  const size_t vb = size_t(t.bs) * t.esize;
+  const size_t vb = size_t(t.bs) * t.wsize;
   for (uint32_t l = 0; l < t.lanes; ++l) {
     uint32_t j = s.g * t.lanes + l;
     if (bitmap >> l & 1) {
       uint64_t b = stream_block(s.g, l, s.cur[l], t.nslots, t.lanes);
-      size_t valid = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs)) * t.esize;
-      std::memcpy(v, t.in + b * vb, valid);
-      if (valid < vb) std::memset(v + valid, 0, vb - valid);  // tail block
+      size_t n = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs));
+      const uint8_t* in = t.in + b * t.bs * t.esize;
+      if (t.fixed) quantize(v, in, n, t.dtype, t.exponent);
+      else std::memcpy(v, in, n * t.esize);
+      if (n * t.wsize < vb) std::memset(v + n * t.wsize, 0, vb - n * t.wsize);  // tail block
       v += vb;
       s.cursor[l]++;
     }
@@ -223,41 +298,22 @@ void Engine::send_raw(int agg, const uint8_t* p, size_t n) {
   io_.send(&d, 1);
 }
 
-void Engine::send_control(int agg, uint8_t type, uint64_t tensor) {
+void Engine::send_control(int agg, uint8_t type, uint64_t tensor, uint32_t slot) {
   Header h = make_header(type, o_.token, o_.worker, o_.nworkers);
   h.tensor = tensor;
+  h.slot = slot;
   uint8_t p[kHeaderBytes];
   store_header(p, h);
   send_raw(agg, p, kHeaderBytes);
 }
-
-// Writes one block of the result, times scale: float32 and 16-bit values multiply in float32
-// (as torch's x.mul_(scale) does), float64 in float64. Blocks no worker sends are never
-// written: the output must be zero there (the input itself in place, else fresh zeros).
-namespace {
-
-// out = v * scale, element by element: float32 and 16-bit values multiply in float32 (as
-// torch's x.mul_(scale) does), float64 in float64.
-void scale_block(uint8_t* o, const uint8_t* v, size_t n, uint8_t dtype, double scale) {
-  const float sf = float(scale);
-  for (size_t i = 0; i < n; ++i) {
-    switch (dtype) {
-      case kF64: { double x; std::memcpy(&x, v + 8 * i, 8); x *= scale; std::memcpy(o + 8 * i, &x, 8); break; }
-      case kF32: { float x; std::memcpy(&x, v + 4 * i, 4); x *= sf; std::memcpy(o + 4 * i, &x, 4); break; }
-      case kF16: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); x = float_to_f16(f16_to_float(x) * sf); std::memcpy(o + 2 * i, &x, 2); break; }
-      default: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); x = float_to_bf16(bf16_to_float(x) * sf); std::memcpy(o + 2 * i, &x, 2); break; }
-    }
-  }
-}
-
-}  // namespace
 
 // Writes one block of the result, times scale. Blocks no worker sends are never written: the
 // output must be zero there (the input itself in place, else fresh zeros).
 void Engine::write_block(TensorW& t, uint64_t b, const uint8_t* v) {
   const size_t n = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs));
   uint8_t* o = t.out + b * size_t(t.bs) * t.esize;
-  if (t.scale == 1.0) std::memcpy(o, v, n * t.esize);
+  if (t.fixed) dequantize(o, v, n, t.dtype, t.exponent, t.scale);
+  else if (t.scale == 1.0) std::memcpy(o, v, n * t.esize);
   else scale_block(o, v, n, t.dtype, t.scale);
 }
 
@@ -273,7 +329,7 @@ void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, 
         (nxt != kInf && (nxt <= off || nxt >= len))) { c_.malformed++; return; }
   }
   const uint8_t* v = lane + size_t(t.lanes) * kLaneBytes;
-  const size_t vb = size_t(t.bs) * t.esize;
+  const size_t vb = size_t(t.bs) * t.wsize;
   bool last = true;
   for (uint32_t l = 0; l < t.lanes; ++l) {
     uint32_t off = s.cur[l], nxt = ld32(lane + l * kLaneBytes + 4);
@@ -294,6 +350,7 @@ void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, 
   s.resent = false;
   if (last) {
     s.done = true;
+    if (groups_) send_control(int(s.agg), kRelease, t.id, s.g);  // frees the switch's group
     if (--t.remaining == 0) return complete(t);
     uint32_t& lo = t.lowest[s.agg];  // the next lowest may wait in the FIFO: it goes now
     while (lo < t.nslots && t.slots[lo].done) lo += uint32_t(aggs_.size());
@@ -343,15 +400,23 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
   if (check_structure(h, len) || h.token != o_.token) { c_.malformed++; return; }
   // Registration replies: REGACK, or an ERROR refusing the job (never a tensor's error).
   if (h.type == kRegAck || (h.type == kError && h.round == kErrJob) ||
-      (h.type == kError && h.round == kErrCapacity && registering_)) {
+      (h.type == kError && registering_ &&
+       (h.round == kErrCapacity || h.round == kErrUnsupported))) {
     for (size_t k = 0; k < aggs_.size(); ++k) {
       if (acked_.size() <= k) break;
       if (!(from == aggs_[k].addr)) continue;
-      if (h.type == kRegAck) acked_[k] = 1;
-      else
-        reg_error_ = "omnireduce: aggregator " + aggs_[k].name + " refused the job (error " +
-                     std::to_string(h.round) + ": worker count differs from its --workers, "
-                     "or it is full)";
+      if (h.type == kRegAck) {
+        acked_[k] = 1;
+        if (h.nslots) groups_ = groups_ ? std::min(groups_, h.nslots) : h.nslots;
+        continue;
+      }
+      reg_error_ = "omnireduce: aggregator " + aggs_[k].name + " refused the job: " +
+                   (h.round == kErrJob
+                        ? "the worker count differs from its --workers, or the job is not "
+                          "installed"
+                    : h.round == kErrCapacity ? "it serves as many jobs as it can hold"
+                                              : "more workers than it can count (a switch "
+                                                "counts 32)");
     }
     return;
   }
@@ -361,13 +426,20 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
   if (h.slot >= t.nslots) { c_.malformed++; return; }
   SlotW& s = t.slots[h.slot];
   if (h.type == kError) {
-    std::string why = h.round == kErrMismatch
-        ? "tensor mismatch across ranks: the ranks disagree on its shape, dtype or size"
-        : "aggregator out of memory";
+    std::string why =
+        h.round == kErrMismatch
+            ? "tensor mismatch across ranks: the ranks disagree on its shape, dtype or size"
+        : h.round == kErrOverflow
+            ? "fixed-point overflow: a sum left the int32 range (the ranks disagree on the "
+              "tensor's scale)"
+        : h.round == kErrUnsupported
+            ? "the switch cannot aggregate it (it sums only fixed point, and at most 8 KiB "
+              "of values per packet)"
+            : "aggregator out of memory";
     return fail(t, why + " (reported by aggregator " + aggs_[s.agg].name + ")");
   }
   if (h.type != kResult) { c_.malformed++; return; }
-  if (h.dtype != t.dtype || h.lanes != t.lanes || h.block_size != t.bs ||
+  if (h.dtype != t.wire || h.lanes != t.lanes || h.block_size != t.bs ||
       h.nblocks != t.nblocks || h.nslots != t.nslots) { c_.malformed++; return; }
   if (s.done || h.round != s.round) { c_.stale++; return; }  // duplicate or retransmitted result
   on_result(t, s, h, p, now);

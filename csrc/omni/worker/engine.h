@@ -68,12 +68,17 @@ struct TensorW {
   std::shared_ptr<void> hold;  // keeps the caller's buffers alive; released by the caller
   const uint8_t* in = nullptr;
   uint8_t* out = nullptr;      // the input itself, or zeros: only blocks some worker sends are written
-  uint8_t dtype = 0;
+  uint8_t dtype = 0;           // the tensor's own dtype (input and output)
   int64_t numel = 0;
   uint32_t bs = 0, meta = 0;
   double scale = 1.0;
+  // Fixed point (docs/PROTOCOL.md): values travel as int32 q = round(x * 2^exponent), results
+  // come back as q * 2^-exponent; the exponent must be the same on every rank.
+  bool fixed = false;
+  int exponent = 0;
 
-  int esize = 4;
+  uint8_t wire = 0;            // the dtype of DATA and RESULT: `dtype`, or kFixed32
+  int esize = 4, wsize = 4;    // bytes per element of the tensor, and on the wire
   uint32_t nblocks = 0, nslots = 0, lanes = 0;
   std::vector<uint32_t> start, pos;  // CSR: non-zero positions of each stream
   std::vector<SlotW> slots;
@@ -146,7 +151,7 @@ class Engine {
   void build_data(TensorW& t, SlotW& s);
   void send_slot(TensorW& t, SlotW& s, double now);
   void send_raw(int agg, const uint8_t* p, size_t n);
-  void send_control(int agg, uint8_t type, uint64_t tensor);
+  void send_control(int agg, uint8_t type, uint64_t tensor, uint32_t slot = 0);
   void write_block(TensorW& t, uint64_t b, const uint8_t* v);
   void on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, double now);
   void complete(TensorW& t);
@@ -165,6 +170,9 @@ class Engine {
   std::vector<uint8_t> acked_;
   std::string reg_error_;
   bool registering_ = false;
+  // A switch's REGACK carries how many slot groups the job owns (0 from software aggregators):
+  // a tensor never uses more slots than that, and releases each slot as it completes.
+  uint32_t groups_ = 0;
   double last_timers_ = 0, last_keepalive_ = 0;
   struct {
 #define HS_DECL(n) uint64_t n = 0;

@@ -3,14 +3,11 @@
 #include <sched.h>
 #include <time.h>
 
-#include <rte_arp.h>
 #include <rte_eal.h>
 #include <rte_ethdev.h>
-#include <rte_ether.h>
-#include <rte_ip.h>
 #include <rte_lcore.h>
-#include <rte_mbuf.h>
-#include <rte_udp.h>
+
+#include "frames.h"
 
 #include <cstring>
 #include <mutex>
@@ -23,7 +20,7 @@ namespace {
 
 constexpr uint16_t kRing = 1024;                 // descriptors per queue and direction
 constexpr uint16_t kDataRoom = 16384;            // bytes per mbuf: a whole jumbo frame
-constexpr size_t kHeaders = sizeof(rte_ether_hdr) + sizeof(rte_ipv4_hdr) + sizeof(rte_udp_hdr);
+using frames::kHeaders;
 constexpr double kArpRetry = 0.05;               // seconds between ARP requests for one peer
 constexpr uint32_t kSpins = 256;                 // empty polls before an idle queue sleeps
 
@@ -137,35 +134,16 @@ class DpdkQueue : public Transport {
   // A UDP datagram for us: fills `d` (pointing into the mbuf) and returns true. ARP is
   // answered here; everything else is counted as ignored.
   bool parse(rte_mbuf* m, Datagram* d) {
-    if (m->nb_segs != 1 || m->data_len < sizeof(rte_ether_hdr)) return ignore();
-    auto* eth = rte_pktmbuf_mtod(m, rte_ether_hdr*);
-    const uint16_t type = rte_be_to_cpu_16(eth->ether_type);
-    if (type == RTE_ETHER_TYPE_ARP) {
-      on_arp(m, eth);
+    if (rte_arp_hdr* arp = frames::arp_of(m)) {
+      on_arp(arp);
       return ignore();
     }
-    if (type != RTE_ETHER_TYPE_IPV4 || m->data_len < kHeaders) return ignore();
-    auto* ip = reinterpret_cast<rte_ipv4_hdr*>(eth + 1);
-    const size_t ihl = size_t(ip->version_ihl & 0x0f) * 4;
-    const size_t total = rte_be_to_cpu_16(ip->total_length);
-    if ((ip->version_ihl >> 4) != 4 || ihl < sizeof(rte_ipv4_hdr) ||
-        total < ihl + sizeof(rte_udp_hdr) || sizeof(rte_ether_hdr) + total > m->data_len ||
-        ip->next_proto_id != IPPROTO_UDP || ip->dst_addr != port_->self.ip)
-      return ignore();
-    if (rte_ipv4_cksum(ip) != 0xFFFF && rte_raw_cksum(ip, ihl) != 0xFFFF) return ignore();
-    // Fragments (more-fragments flag or an offset): never reassembled, see transport.h.
-    if (rte_be_to_cpu_16(ip->fragment_offset) & (RTE_IPV4_HDR_MF_FLAG | RTE_IPV4_HDR_OFFSET_MASK))
-      return ignore();
-    auto* udp = reinterpret_cast<rte_udp_hdr*>(reinterpret_cast<uint8_t*>(ip) + ihl);
-    const size_t ulen = rte_be_to_cpu_16(udp->dgram_len);
-    if (udp->dst_port != port_->self.port || ulen < sizeof(rte_udp_hdr) || ulen > total - ihl)
-      return ignore();
-    // The UDP checksum is not verified: senders on virtual links leave it to an offload that
-    // never happens (the kernel marks it partial), and the protocol validates every field.
-    port_->learn(ip->src_addr, eth->src_addr);
-    d->data = reinterpret_cast<const uint8_t*>(udp + 1);
-    d->len = ulen - sizeof(rte_udp_hdr);
-    d->peer = {ip->src_addr, udp->src_port};
+    frames::Udp u;
+    if (!frames::parse_udp(m, &u) || !(u.to == port_->self) || u.fragment) return ignore();
+    port_->learn(u.from.ip, u.eth->src_addr);
+    d->data = u.data;
+    d->len = u.len;
+    d->peer = u.from;
     return true;
   }
 
@@ -174,12 +152,7 @@ class DpdkQueue : public Transport {
     return false;
   }
 
-  void on_arp(rte_mbuf* m, rte_ether_hdr* eth) {
-    if (m->data_len < sizeof(rte_ether_hdr) + sizeof(rte_arp_hdr)) return;
-    auto* arp = reinterpret_cast<rte_arp_hdr*>(eth + 1);
-    if (rte_be_to_cpu_16(arp->arp_hardware) != RTE_ARP_HRD_ETHER ||
-        rte_be_to_cpu_16(arp->arp_protocol) != RTE_ETHER_TYPE_IPV4)
-      return;
+  void on_arp(const rte_arp_hdr* arp) {
     const rte_arp_ipv4& a = arp->arp_data;
     if (a.arp_sip) port_->learn(a.arp_sip, a.arp_sha);
     if (rte_be_to_cpu_16(arp->arp_opcode) != RTE_ARP_OP_REQUEST || a.arp_tip != port_->self.ip)
@@ -190,24 +163,8 @@ class DpdkQueue : public Transport {
 
   rte_mbuf* arp_frame(uint16_t op, const rte_ether_addr& to_mac, const rte_ether_addr& target,
                       uint32_t target_ip) {
-    rte_mbuf* r = rte_pktmbuf_alloc(port_->pool);
-    if (!r) return nullptr;
-    const uint16_t len = sizeof(rte_ether_hdr) + sizeof(rte_arp_hdr);
-    auto* eth = reinterpret_cast<rte_ether_hdr*>(rte_pktmbuf_append(r, len));
-    eth->dst_addr = to_mac;
-    eth->src_addr = port_->mac;
-    eth->ether_type = rte_cpu_to_be_16(RTE_ETHER_TYPE_ARP);
-    auto* arp = reinterpret_cast<rte_arp_hdr*>(eth + 1);
-    arp->arp_hardware = rte_cpu_to_be_16(RTE_ARP_HRD_ETHER);
-    arp->arp_protocol = rte_cpu_to_be_16(RTE_ETHER_TYPE_IPV4);
-    arp->arp_hlen = RTE_ETHER_ADDR_LEN;
-    arp->arp_plen = 4;
-    arp->arp_opcode = rte_cpu_to_be_16(op);
-    arp->arp_data.arp_sha = port_->mac;
-    arp->arp_data.arp_sip = port_->self.ip;
-    arp->arp_data.arp_tha = target;
-    arp->arp_data.arp_tip = target_ip;
-    return r;
+    return frames::arp_frame(port_->pool, op, port_->mac, port_->self.ip, to_mac, target,
+                             target_ip);
   }
 
   // The frame carrying `d`, or nullptr (dropped and counted) when the peer's MAC is not known
@@ -225,28 +182,9 @@ class DpdkQueue : public Transport {
     }
     rte_mbuf* m = rte_pktmbuf_alloc(port_->pool);
     if (!m) return drop();
-    auto* eth = reinterpret_cast<rte_ether_hdr*>(rte_pktmbuf_append(m, uint16_t(kHeaders + d.len)));
-    eth->dst_addr = dst;
-    eth->src_addr = port_->mac;
-    eth->ether_type = rte_cpu_to_be_16(RTE_ETHER_TYPE_IPV4);
-    auto* ip = reinterpret_cast<rte_ipv4_hdr*>(eth + 1);
-    ip->version_ihl = RTE_IPV4_VHL_DEF;
-    ip->type_of_service = 0;
-    ip->total_length = rte_cpu_to_be_16(uint16_t(sizeof(rte_ipv4_hdr) + sizeof(rte_udp_hdr) + d.len));
-    ip->packet_id = rte_cpu_to_be_16(ip_id_++);
-    ip->fragment_offset = rte_cpu_to_be_16(RTE_IPV4_HDR_DF_FLAG);
-    ip->time_to_live = 64;
-    ip->next_proto_id = IPPROTO_UDP;
-    ip->src_addr = port_->self.ip;
-    ip->dst_addr = d.peer.ip;
-    ip->hdr_checksum = 0;
-    auto* udp = reinterpret_cast<rte_udp_hdr*>(ip + 1);
-    udp->src_port = port_->self.port;
-    udp->dst_port = d.peer.port;
-    udp->dgram_len = rte_cpu_to_be_16(uint16_t(sizeof(rte_udp_hdr) + d.len));
-    udp->dgram_cksum = 0;
-    std::memcpy(udp + 1, d.data, d.len);
-    ip->hdr_checksum = rte_ipv4_cksum(ip);
+    rte_udp_hdr* udp = frames::write_udp(m, port_->mac, dst, port_->self, d.peer, d.data, d.len,
+                                         ip_id_++);
+    auto* ip = reinterpret_cast<const rte_ipv4_hdr*>(udp) - 1;
     udp->dgram_cksum = udp_checksum(ip, udp, d);  // receivers' kernels verify it
     AtomicCounters::add(c_.tx_packets, 1);
     AtomicCounters::add(c_.tx_bytes, d.len);

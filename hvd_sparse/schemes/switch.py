@@ -1,0 +1,94 @@
+"""Switch: the network sums the tensor. Workers stream non-zero blocks, in fixed point, to a
+switch that aggregates them in its registers and multicasts the sums (switch_emu/, and
+docs/PROTOCOL.md "In-network aggregation").
+
+Per tensor: one tiny max-allreduce agrees on the fixed-point exponent and on the tensor's turn
+(session.Turns: the switch takes one tensor at a time, in the same order on every rank); then
+the blocks go through the switch like an omnireduce submission. Whatever the switch cannot do
+(no switch joined, a process set, a block too large for a slot, NaN/Inf, any failure on any
+rank) goes elsewhere, never as a wrong sum: to the aggregators when there are, else dense,
+with the reason logged and in the tensor's metrics ("reason").
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import horovod.torch as hvd
+
+from .. import fixedpoint, protocol
+from ..engine import Job, Stage
+from ..segments import output
+from ..session import CELLS_PER_SLOT, VALUES_PER_PASS, Session
+from . import dense, omnireduce
+
+log = logging.getLogger("hvd_sparse")
+
+
+class _Turn:
+    """Ready when the tensor numbered ``number`` may stream through the switch."""
+
+    def __init__(self, session: Session, number: int) -> None:
+        self.session, self.number = session, number
+
+    def poll(self) -> bool:
+        assert self.session.turns is not None
+        return self.session.turns.mine(self.number)
+
+    def value(self) -> None:
+        return None
+
+
+def unsupported(job: Job, session: Session | None) -> str:
+    """Why the switch cannot take this tensor ("" when it can): decided alike on every rank."""
+    if session is None:
+        return "no switch"
+    if not omnireduce.covers(job.process_set):
+        return "process set"
+    t = job.tensor
+    if t.numel() * t.element_size() < job.ctx.config.small_bytes:
+        return "small"
+    # A packet's values (int32) must fit one slot's cells, a pass per VALUES_PER_PASS of a lane
+    lanes = protocol.layout(1, job.block_size, 4, session.payload, 1)[0]
+    if lanes * math.ceil(job.block_size / VALUES_PER_PASS) > CELLS_PER_SLOT:
+        return f"block size {job.block_size} (a switch slot holds {CELLS_PER_SLOT} passes)"
+    return ""
+
+
+def run(job: Job) -> Stage:
+    session = job.ctx.switch
+    why = unsupported(job, session)
+    if why:
+        return (yield from elsewhere(job, why))
+    assert session is not None and session.turns is not None
+    turns = session.turns
+    exponent, (number,) = yield from fixedpoint.agree(
+        job, float(turns.issue()) if hvd.rank() == 0 else -1.0)
+    number, t = int(number), job.tensor
+    try:
+        if exponent is None:  # fixed point cannot carry NaN/Inf
+            return (yield from elsewhere(job, "non-finite"))
+        yield "turn", _Turn(session, number)
+        backup = t.clone() if job.inplace else None  # results overwrite the input
+        out = output(job)
+        failure, stats = yield from omnireduce.stream(job, session, out, exponent, "switch")
+    finally:
+        turns.done(number)
+    failed = yield from omnireduce.failed_anywhere(job, failure)
+    if failed:
+        if backup is not None:
+            t.copy_(backup)
+        return (yield from elsewhere(job, f"failed on {failed} rank(s): "
+                                          f"{failure or 'on a peer'}"))
+    omnireduce.record(job, "switch", stats)
+    return out
+
+
+def elsewhere(job: Job, why: str) -> Stage:
+    """The tensor without the switch: the aggregators when the job has them, else dense."""
+    job.stats["reason"] = f"switch: {why}"
+    level = logging.DEBUG if why in ("small", "no switch") else logging.WARNING
+    log.log(level, "hvd_sparse: tensor %r: not through the switch (%s)", job.name, why)
+    if job.ctx.omni is not None and omnireduce.covers(job.process_set):
+        return (yield from omnireduce.run(job))
+    return (yield from dense.run(job))

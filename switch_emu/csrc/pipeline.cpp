@@ -1,0 +1,402 @@
+// The aggregation program's data plane: see pipeline.h. The state is laid out as a switch's
+// register arrays (flat, fixed at start, indexed by group, set and lane or cell); the comments
+// name the stage of switch_emu/program.py each step stands for.
+#include "pipeline.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "../../csrc/omni/protocol.h"
+
+namespace hvd_sparse::omni {
+namespace {
+
+uint64_t mix(uint64_t x) {  // splitmix64's finalizer: a tensor id spread over the groups
+  x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27; x *= 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Per group and register set (round & 1): the round's bookkeeping registers.
+struct SetRegs {
+  uint32_t round = 0, seen = 0, count = 0;
+  uint64_t present = 0;  // lanes some worker contributed to
+  bool overflow = false;
+};
+
+// Per group: the tag binding it to one (tensor, slot), and that slot's parameters.
+struct GroupRegs {
+  uint64_t tag = 0;  // 0: free
+  uint32_t round = 0;  // the round in progress (after the last one: its number + 1)
+  bool done = false;
+  uint32_t error = 0;  // a dead slot: every DATA gets this ERROR back
+  uint32_t released = 0;
+  double touched = 0;
+  Header params{};  // lanes, block_size, nblocks, nslots, meta of the round-0 packet that bound it
+  SetRegs set[2];
+};
+
+}  // namespace
+
+struct Pipeline::Impl {
+  explicit Impl(const PipelineOptions& o)
+      : o_(o), groups_(o.cells / std::max(1u, o.cells_per_slot)), g_(groups_),
+        lanes_(size_t(groups_) * 2 * kMaxLanes),
+        values_(size_t(groups_) * o.cells_per_slot * 2 * o.values_per_pass) {
+    if (o.values_per_pass == 0 || o.cells_per_slot == 0 || groups_ == 0)
+      throw std::invalid_argument("switch pipeline: empty register pool");
+    if (o.max_workers > 32)
+      throw std::invalid_argument("switch pipeline: the seen-bitmap has 32 bits");
+  }
+
+  struct {
+#define HS_DECL(n) uint64_t n = 0;
+    HS_PIPELINE_COUNTERS(HS_DECL)
+#undef HS_DECL
+  } c;
+
+  // ---- control plane ----------------------------------------------------------------------
+
+  uint32_t install(uint64_t token, uint16_t nworkers, uint32_t groups, double now, bool automatic) {
+    if (jobs_.count(token)) throw std::runtime_error("job already installed");
+    if (nworkers == 0 || nworkers > o_.max_workers)
+      throw std::runtime_error(std::to_string(nworkers) + " workers: a switch job has at most " +
+                               std::to_string(o_.max_workers) + " (a 32-bit seen-bitmap)");
+    if (groups == 0) throw std::runtime_error("a job needs at least one slot group");
+    uint32_t at = 0;  // first fit among the installed ranges, sorted by start
+    for (auto& [first, tok] : ranges_) {
+      if (first - at >= groups) break;
+      at = first + jobs_.at(tok).groups;
+    }
+    if (at + groups > groups_ || at + groups < at)
+      throw std::runtime_error("register pool exhausted: " + std::to_string(groups) +
+                               " slot groups asked, " + std::to_string(free_groups()) + " of " +
+                               std::to_string(groups_) + " free");
+    SwitchJob j;
+    j.token = token; j.nworkers = nworkers; j.first = at; j.groups = groups;
+    j.automatic = automatic; j.addr.resize(nworkers); j.touched = now;
+    for (uint32_t g = at; g < at + groups; ++g) g_[g] = GroupRegs{};
+    ranges_[at] = token;
+    jobs_.emplace(token, std::move(j));
+    c.jobs++;
+    return at;
+  }
+
+  bool remove(uint64_t token) {
+    auto it = jobs_.find(token);
+    if (it == jobs_.end()) return false;
+    for (uint32_t g = it->second.first; g < it->second.first + it->second.groups; ++g)
+      g_[g] = GroupRegs{};
+    ranges_.erase(it->second.first);
+    jobs_.erase(it);
+    return true;
+  }
+
+  uint32_t free_groups() const {
+    uint32_t used = 0;
+    for (auto& [t, j] : jobs_) used += j.groups;
+    return groups_ - used;
+  }
+
+  void expire(double now) {
+    std::vector<uint64_t> idle;
+    for (auto& [t, j] : jobs_)
+      if (j.automatic && now - j.touched > o_.idle) idle.push_back(t);
+    for (uint64_t t : idle) remove(t);
+  }
+
+  uint32_t occupied() const {
+    uint32_t n = 0;
+    for (const GroupRegs& g : g_) n += g.tag != 0;
+    return n;
+  }
+
+  // ---- data plane -------------------------------------------------------------------------
+
+  void handle(const uint8_t* p, size_t len, const Endpoint& from, double now,
+              std::vector<Out>& out) {
+    c.packets++;
+    c.passes++;  // the parser and the job table: every packet's first pass
+    if (len < kHeaderBytes) { c.malformed++; return; }
+    const Header h = load_header(p);
+    if (check_structure(h, len)) { c.malformed++; return; }
+    if (h.type == kRegister) return on_register(h, from, now, out);
+    auto jt = jobs_.find(h.token);
+    if (jt == jobs_.end()) { c.unknown_job++; return; }
+    SwitchJob& job = jt->second;
+    if (h.nworkers != job.nworkers) { c.malformed++; return; }
+    switch (h.type) {
+      case kData:
+        // Results go to the multicast group REGISTER programmed: a worker not in it is junk.
+        if (!job.addr[h.worker].port) { c.malformed++; return; }
+        job.touched = now;
+        return on_data(job, h, p, now, out);
+      case kRelease: job.touched = now; return on_release(job, h);
+      case kBye:
+        job.touched = now;
+        job.bye |= 1u << h.worker;
+        if (job.automatic && job.bye == full(job)) remove(h.token);
+        return;
+      default: c.malformed++; return;
+    }
+  }
+
+  static uint32_t full(const SwitchJob& j) {
+    return j.nworkers == 32 ? ~0u : (1u << j.nworkers) - 1;
+  }
+
+  void reply(const Endpoint& to, uint8_t type, const Header& h, uint16_t nworkers,
+             uint32_t code, std::vector<Out>& out, uint32_t nslots = 0) {
+    Header r = make_header(type, h.token, h.worker, nworkers);
+    r.tensor = h.tensor; r.slot = h.slot; r.round = code; r.nslots = nslots;
+    auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
+    store_header(b->data(), r);
+    out.push_back({to, b});
+  }
+
+  // REGISTER is the control plane's: it programs the job's multicast group (the worker's
+  // address), installing the job first when automatic installs are on.
+  void on_register(const Header& h, const Endpoint& from, double now, std::vector<Out>& out) {
+    auto it = jobs_.find(h.token);
+    uint32_t err = 0;
+    if (h.nworkers > o_.max_workers) {
+      err = kErrUnsupported;
+      c.refused++;
+    } else if (it == jobs_.end()) {
+      if (o_.auto_groups == 0) {
+        err = kErrJob;
+        c.refused++;
+      } else {
+        try {
+          install(h.token, h.nworkers, o_.auto_groups, now, true);
+          it = jobs_.find(h.token);
+        } catch (const std::runtime_error&) {
+          err = kErrCapacity;
+          c.refused++;
+        }
+      }
+    } else if (it->second.nworkers != h.nworkers) {
+      err = kErrJob;
+    }
+    if (!err) {
+      it->second.addr[h.worker] = from;
+      it->second.touched = now;
+    }
+    // REGACK tells the workers how many groups the job owns: no tensor uses more slots.
+    reply(from, err ? kError : kRegAck, h, h.nworkers, err, out, err ? 0 : it->second.groups);
+  }
+
+  void on_release(SwitchJob& job, const Header& h) {
+    GroupRegs& g = g_[group_of(job, h)];
+    if (g.tag != tag_of(h) || !g.done) return;
+    g.released |= 1u << h.worker;
+    if (g.released == full(job)) { g.tag = 0; c.released++; }
+  }
+
+  static uint64_t tag_of(const Header& h) {
+    return mix(h.tensor ^ (uint64_t(h.slot) << 40 | h.slot)) | 1;  // never 0 (free)
+  }
+  uint32_t group_of(const SwitchJob& job, const Header& h) const {
+    return job.first + uint32_t((mix(h.tensor) + h.slot) % job.groups);
+  }
+
+  uint32_t chunks(uint32_t bs) const { return (bs + o_.values_per_pass - 1) / o_.values_per_pass; }
+  uint32_t* offsets(uint32_t g, int set) { return &lanes_[(size_t(g) * 2 + set) * kMaxLanes]; }
+  int32_t* cell(uint32_t g, uint32_t c_in_group, int set) {
+    return &values_[((size_t(g) * o_.cells_per_slot + c_in_group) * 2 + set) * o_.values_per_pass];
+  }
+  // next_min lives beside the offsets: a second lane register array
+  uint32_t* next_min(uint32_t g, int set) { return &next_[(size_t(g) * 2 + set) * kMaxLanes]; }
+
+  // Error for every worker of the job: the slot is dead, its tensor falls back.
+  void fail_slot(SwitchJob& job, GroupRegs& g, const Header& h, uint32_t code,
+                 std::vector<Out>& out) {
+    g.error = code;
+    g.done = true;
+    for (uint16_t w = 0; w < job.nworkers; ++w)
+      if (job.addr[w].port) reply(job.addr[w], kError, h, job.nworkers, code, out);
+  }
+
+  void open_set(uint32_t gi, int set, uint32_t round, const uint32_t* cur, uint32_t lanes,
+                uint32_t bs) {
+    SetRegs& s = g_[gi].set[set];
+    s = SetRegs{};
+    s.round = round;
+    std::copy(cur, cur + lanes, offsets(gi, set));
+    std::fill(next_min(gi, set), next_min(gi, set) + kMaxLanes, kInf);
+    for (uint32_t k = 0; k < lanes * chunks(bs); ++k)
+      std::fill(cell(gi, k, set), cell(gi, k, set) + o_.values_per_pass, 0);
+  }
+
+  void on_data(SwitchJob& job, const Header& h, const uint8_t* p, double now,
+               std::vector<Out>& out) {
+    const uint32_t passes = h.lanes * chunks(h.block_size);
+    const uint32_t gi = group_of(job, h);
+    GroupRegs& g = g_[gi];
+    const uint64_t tag = tag_of(h);
+    if (h.dtype != kFixed32 || passes > o_.cells_per_slot) {
+      // What the switch cannot sum (floating point) or hold (a packet beyond the slot's
+      // cells): the tensor goes elsewhere. Only a well-formed first round says so (junk must
+      // not kill a tensor); no state is touched.
+      if (h.round != 0 || !lanes_valid(h, p, nullptr)) { c.malformed++; return; }
+      c.unsupported++;
+      for (uint16_t w = 0; w < job.nworkers; ++w)
+        if (job.addr[w].port) reply(job.addr[w], kError, h, job.nworkers, kErrUnsupported, out);
+      return;
+    }
+    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) { c.malformed++; return; }
+    c.passes += passes - 1;  // stage 0 ran in the first pass; the rest recirculate
+    c.recirculations += passes - 1;
+    if (g.tag != tag) {
+      // Stage 0: bind a free group (or one completed and unreleased for `hold` seconds) to
+      // this slot's round 0; anything else for an unbound slot is stale, or waits.
+      const bool reclaim = g.tag != 0 && g.done && now - g.touched > o_.hold;
+      if (h.round != 0) { c.stale++; return; }
+      if (g.tag != 0 && !reclaim) { c.busy++; return; }
+      if (!lanes_valid(h, p, nullptr)) { c.malformed++; return; }
+      if (reclaim) c.reclaimed++;
+      g = GroupRegs{};
+      g.tag = tag;
+      g.params = h;
+      uint32_t cur[kMaxLanes];
+      for (uint32_t l = 0; l < h.lanes; ++l)
+        cur[l] = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes) ? 0 : kInf;
+      open_set(gi, 0, 0, cur, h.lanes, h.block_size);
+    }
+    g.touched = now;
+    const Header& q = g.params;
+    if (h.lanes != q.lanes || h.block_size != q.block_size || h.nblocks != q.nblocks ||
+        h.nslots != q.nslots || h.meta != q.meta) {
+      if (h.round != 0 || !lanes_valid(h, p, nullptr)) { c.malformed++; return; }
+      c.mismatch++;
+      if (!g.error) return fail_slot(job, g, h, kErrMismatch, out);
+    }
+    if (g.error) return reply(job.addr[h.worker], kError, h, job.nworkers, g.error, out);
+    const int set = h.round & 1;
+    SetRegs& s = g.set[set];
+    if (h.round + 1 == g.round && s.round == h.round) {  // the sender lost this RESULT
+      if (!lanes_valid(h, p, offsets(gi, set))) { c.malformed++; return; }
+      c.retransmits++;
+      out.push_back({job.addr[h.worker], result(job, gi, h, set)});
+      return;
+    }
+    if (g.done || h.round != g.round) { c.stale++; return; }
+    // Stage 1: the seen-bitmap (a retransmission of a round this worker is in), the count
+    // and, per lane, the look-ahead minimum.
+    if (s.seen >> h.worker & 1) { c.duplicates++; return; }
+    if (!lanes_valid(h, p, offsets(gi, set))) { c.malformed++; return; }
+    const uint64_t bitmap = ld64(p + kHeaderBytes);
+    const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
+    const uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
+    uint32_t* nm = next_min(gi, set);
+    const uint32_t bs = h.block_size, vpp = o_.values_per_pass;
+    for (uint32_t l = 0; l < h.lanes; ++l) {
+      nm[l] = std::min(nm[l], ld32(lane + l * kLaneBytes + 4));
+      if (!(bitmap >> l & 1)) continue;
+      // Stages 2..: one pass per values_per_pass values, saturating adds.
+      for (uint32_t i = 0; i < bs; ++i) {
+        int32_t x;
+        std::memcpy(&x, v + 4 * size_t(i), 4);
+        int32_t& a = cell(gi, l * chunks(bs) + i / vpp, set)[i % vpp];
+        const int64_t sum = int64_t(a) + x;
+        if (sum > INT32_MAX || sum < INT32_MIN) s.overflow = true;
+        a = int32_t(std::clamp<int64_t>(sum, INT32_MIN, INT32_MAX));
+      }
+      v += 4 * size_t(bs);
+    }
+    s.present |= bitmap;
+    s.seen |= 1u << h.worker;
+    if (++s.count < job.nworkers) return;
+    // The last worker's pass: the round is complete. Multicast its RESULT (or, for a
+    // saturated sum, ERROR OVERFLOW) and open the other set for the next round.
+    c.results++;
+    if (s.overflow) {
+      c.overflow++;
+      return fail_slot(job, g, h, kErrOverflow, out);
+    }
+    auto r = result(job, gi, h, set);
+    for (uint16_t w = 0; w < job.nworkers; ++w) out.push_back({job.addr[w], r});
+    bool last = true;
+    for (uint32_t l = 0; l < h.lanes; ++l) last = last && nm[l] == kInf;
+    g.round = h.round + 1;
+    if (last) g.done = true;
+    else open_set(gi, set ^ 1, g.round, nm, h.lanes, bs);
+  }
+
+  // The RESULT of the round held in `set`: the deparser writes the registers into the packet.
+  std::shared_ptr<const std::vector<uint8_t>> result(const SwitchJob& job, uint32_t gi,
+                                                     const Header& h, int set) {
+    const SetRegs& s = g_[gi].set[set];
+    const uint32_t present = uint32_t(__builtin_popcountll(s.present));
+    const uint32_t* nm = next_min(gi, set);
+    bool last = true;
+    for (uint32_t l = 0; l < h.lanes; ++l) last = last && nm[l] == kInf;
+    Header r = make_header(kResult, h.token, 0, job.nworkers);
+    r.dtype = kFixed32; r.slot = h.slot; r.tensor = h.tensor; r.round = s.round;
+    r.flags = uint8_t((s.round & 1 ? kFlagShadow : 0) | (last ? kFlagLast : 0));
+    r.lanes = h.lanes; r.block_size = h.block_size; r.nblocks = h.nblocks; r.nslots = h.nslots;
+    r.meta = h.meta; r.present = present;
+    auto b = std::make_shared<std::vector<uint8_t>>(
+        data_bytes(h.lanes, present, h.block_size, kFixed32));
+    uint8_t* p = b->data();
+    store_header(p, r);
+    st64(p + kHeaderBytes, s.present);
+    uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
+    uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
+    const uint32_t* cur = offsets(gi, set);
+    const uint32_t bs = h.block_size, vpp = o_.values_per_pass;
+    for (uint32_t l = 0; l < h.lanes; ++l) {
+      st32(lane + l * kLaneBytes, cur[l]);
+      st32(lane + l * kLaneBytes + 4, nm[l]);
+      if (!(s.present >> l & 1)) continue;
+      for (uint32_t k = 0; k < chunks(bs); ++k) {
+        const uint32_t n = std::min(vpp, bs - k * vpp);
+        std::memcpy(v + 4 * size_t(k) * vpp, cell(gi, l * chunks(bs) + k, set), 4 * size_t(n));
+      }
+      v += 4 * size_t(bs);
+    }
+    return b;
+  }
+
+  const PipelineOptions o_;
+  const uint32_t groups_;
+  std::vector<GroupRegs> g_;
+  std::vector<uint32_t> lanes_, next_ = std::vector<uint32_t>(lanes_.size());
+  std::vector<int32_t> values_;
+  std::unordered_map<uint64_t, SwitchJob> jobs_;
+  std::map<uint32_t, uint64_t> ranges_;  // first group -> job token
+};
+
+Pipeline::Pipeline(const PipelineOptions& o) : impl_(std::make_unique<Impl>(o)) {}
+Pipeline::~Pipeline() = default;
+
+uint32_t Pipeline::install(uint64_t token, uint16_t nworkers, uint32_t groups, double now) {
+  return impl_->install(token, nworkers, groups, now, false);
+}
+bool Pipeline::remove(uint64_t token) { return impl_->remove(token); }
+std::vector<SwitchJob> Pipeline::jobs() const {
+  std::vector<SwitchJob> v;
+  for (auto& [t, j] : impl_->jobs_) v.push_back(j);
+  std::sort(v.begin(), v.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  return v;
+}
+void Pipeline::expire(double now) { impl_->expire(now); }
+void Pipeline::handle(const uint8_t* p, size_t len, const Endpoint& from, double now,
+                      std::vector<Out>& out) {
+  impl_->handle(p, len, from, now, out);
+}
+const PipelineOptions& Pipeline::options() const { return impl_->o_; }
+uint32_t Pipeline::occupied() const { return impl_->occupied(); }
+std::vector<std::pair<const char*, uint64_t>> Pipeline::counters() const {
+  std::vector<std::pair<const char*, uint64_t>> v;
+#define HS_PAIR(n) v.emplace_back(#n, impl_->c.n);
+  HS_PIPELINE_COUNTERS(HS_PAIR)
+#undef HS_PAIR
+  return v;
+}
+
+}  // namespace hvd_sparse::omni

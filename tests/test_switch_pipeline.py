@@ -1,0 +1,186 @@
+"""The emulated switch's aggregation data plane (switch_emu/csrc/pipeline.cpp) driven packet
+by packet with no port: ``_C.SwitchPipeline.handle(packet, sender)`` returns what the switch
+would send. Workers are test_aggregator_core's protocol simulation (independent of the C++
+worker engine), sending FIXED32 values; sums are compared with numpy's int64 sums."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_aggregator import KINDS, junk_packets
+from test_aggregator import Job as FuzzJob
+from test_aggregator_core import SimWorker, simulate
+
+from hvd_sparse import _C, protocol, wire
+
+T, ERR, FIX = protocol.TYPES, protocol.ERRORS, protocol.FIXED32
+
+
+def fixed_job(n: int, numel: int, bs: int, lanes: int, nslots: int, density: float, seed: int,
+              token: int = 0x77, tensor: int = 77, bound: int = 2**31 // 64):
+    """Workers holding random int32 values (|x| < bound) in blocks kept with ``density``, and
+    the int64 sum they must get."""
+    rng = np.random.default_rng(seed)
+    nb = -(-numel // bs)
+    xs = [(rng.integers(-bound, bound, numel) *
+           np.repeat(rng.random(nb) < density, bs)[:numel]).astype(np.int32) for _ in range(n)]
+    ws = [SimWorker(r, n, token, xs[r], bs, lanes, nslots, FIX, tensor) for r in range(n)]
+    return ws, np.sum([x.astype(np.int64) for x in xs], axis=0)
+
+
+def register(sw, ws) -> list:
+    return [wire.parse(b) for w in ws for _, b in sw.handle(wire.header(
+        type=T["REGISTER"], token=w.base["token"], worker=w.rank,
+        nworkers=w.base["nworkers"]), w.addr)]
+
+
+def release(sw, ws, now: float = 0.0) -> None:
+    """Every worker's per-slot RELEASE after its slots' last results."""
+    for w in ws:
+        for s in range(w.nslots):
+            sw.handle(wire.header(type=T["RELEASE"], token=w.base["token"], worker=w.rank,
+                                  nworkers=len(ws), tensor=w.tensor, slot=s,
+                                  nslots=w.nslots), w.addr, now)
+
+
+@pytest.mark.parametrize("density", [0.0, 1e-4, 0.01, 0.3, 1.0])
+@pytest.mark.parametrize("bs,lanes", [(64, 8), (256, 2), (100, 3)])
+def test_sums_are_exact(density, bs, lanes):
+    """4 workers, blocks in any order, some lost or duplicated: every worker gets the exact
+    int64 sum; the passes counted are lanes x ceil(block_size / 64) per DATA."""
+    sw = _C.SwitchPipeline(auto_groups=16)
+    ws, ref = fixed_job(4, 20_000, bs, lanes, 6, density, seed=int(density * 1e4) + bs)
+    # REGACK carries the job's group count: no tensor lays out more slots than that
+    assert [(p["type"], p["nslots"]) for p in register(sw, ws)] == [(T["REGACK"], 16)] * 4
+    simulate(sw, ws, np.random.default_rng(bs), drop=0.05, dup=0.05)
+    for w in ws:
+        assert np.array_equal(w.result()[:ref.size].astype(np.int64), ref), f"rank {w.rank}"
+    c = sw.counters()
+    passes = lanes * -(-bs // 64)
+    data = c["packets"] - 8  # all but the REGISTERs (ours and simulate's) are DATA here
+    assert c["recirculations"] == data * (passes - 1)
+    assert c["passes"] == c["packets"] + c["recirculations"]
+    assert c["overflow"] == c["malformed"] == 0
+
+
+def test_retransmission_gets_the_stored_result():
+    """A DATA of the previous round (its sender lost the RESULT) gets the same bytes back,
+    from the shadow set, without touching the round in progress."""
+    sw = _C.SwitchPipeline(auto_groups=4)
+    ws, _ = fixed_job(2, 64 * 8, 64, 2, 1, 1.0, seed=1)
+    register(sw, ws)
+    first = [w.data(0) for w in ws]
+    assert sw.handle(first[0], ws[0].addr) == []
+    results = sw.handle(first[1], ws[1].addr)
+    assert [a for a, _ in results] == [w.addr for w in ws]
+    assert len({b for _, b in results}) == 1  # one multicast packet
+    ws[0].on_result(wire.parse(results[0][1]))  # worker 0 moves on to round 1
+    sw.handle(ws[0].data(0), ws[0].addr)
+    again = sw.handle(first[1], ws[1].addr)  # worker 1 lost RESULT 0
+    assert again == [(ws[1].addr, results[0][1])]
+    assert sw.counters()["retransmits"] == 1
+
+
+def test_overflow_is_reported_never_wrapped():
+    """Sums beyond int32 saturate and the round answers ERROR OVERFLOW to every worker, also
+    to retransmissions: no RESULT (wrapped or saturated) ever leaves the switch."""
+    sw = _C.SwitchPipeline(auto_groups=4)
+    x = np.full(64, 2**30 + 5, np.int32)
+    ws = [SimWorker(r, 2, 0x77, x, 64, 1, 1, FIX) for r in range(2)]
+    register(sw, ws)
+    sent = sw.handle(ws[0].data(0), ws[0].addr) + sw.handle(ws[1].data(0), ws[1].addr)
+    got = [(a, wire.parse(b)) for a, b in sent]
+    assert [(a, p["type"], p["round"]) for a, p in got] == \
+        [(w.addr, T["ERROR"], ERR["OVERFLOW"]) for w in ws]
+    assert all(p["tensor"] == 77 for _, p in got)
+    again = [wire.parse(b) for _, b in sw.handle(ws[0].data(0), ws[0].addr)]
+    assert [(p["type"], p["round"]) for p in again] == [(T["ERROR"], ERR["OVERFLOW"])]
+    assert sw.counters()["overflow"] == 1
+
+
+def test_what_a_switch_cannot_sum_is_refused():
+    """33 workers (a 32-bit seen-bitmap), floating-point values and packets beyond a slot's
+    cells are refused with ERROR UNSUPPORTED, which sends the job elsewhere."""
+    sw = _C.SwitchPipeline(auto_groups=4, cells_per_slot=4)
+    p = register(sw, [SimWorker(32, 33, 5, np.zeros(4, np.int32), 4, 1, 1, FIX)])
+    assert [(x["type"], x["round"]) for x in p] == [(T["ERROR"], ERR["UNSUPPORTED"])]
+    assert sw.jobs() == []
+    with pytest.raises(RuntimeError, match="at most 32"):
+        sw.install(token=6, nworkers=33, groups=1)
+    floats = [SimWorker(r, 2, 7, np.ones(64, np.float32), 64, 1, 1, 0) for r in range(2)]
+    register(sw, floats)
+    out = [wire.parse(b) for _, b in sw.handle(floats[0].data(0), floats[0].addr)]
+    assert [(x["type"], x["round"]) for x in out] == [(T["ERROR"], ERR["UNSUPPORTED"])] * 2
+    big = [SimWorker(r, 2, 8, np.ones(64 * 5, np.int32), 64, 5, 1, FIX) for r in range(2)]
+    register(sw, big)  # 5 lanes of 64 values: 5 passes, 4 cells per slot
+    out = [wire.parse(b) for _, b in sw.handle(big[0].data(0), big[0].addr)]
+    assert [(x["type"], x["round"]) for x in out] == [(T["ERROR"], ERR["UNSUPPORTED"])] * 2
+    assert sw.counters()["unsupported"] == 2 and sw.counters()["refused"] == 1
+
+
+def test_jobs_get_disjoint_ranges_and_run_together():
+    """Installed jobs own disjoint group ranges (first fit, refused when the pool is full) and
+    two jobs interleaved on the switch both get exact sums."""
+    sw = _C.SwitchPipeline(cells=64 * 32)  # 64 groups
+    assert sw.install(token=1, nworkers=3, groups=20) == 0
+    assert sw.install(token=2, nworkers=3, groups=20) == 20
+    with pytest.raises(RuntimeError, match="exhausted: 30 slot groups asked, 24 of 64 free"):
+        sw.install(token=3, nworkers=3, groups=30)
+    assert sw.remove(1) and sw.install(token=3, nworkers=2, groups=10) == 0
+    assert [(j["token"], j["first"], j["groups"]) for j in sw.jobs()] == \
+        [(3, 0, 10), (2, 20, 20)]
+    a, ref_a = fixed_job(3, 5000, 64, 4, 5, 0.3, seed=3, token=2, tensor=11)
+    b, ref_b = fixed_job(2, 7000, 64, 4, 5, 0.3, seed=4, token=3, tensor=11)
+    for w in b:
+        w.addr = (f"10.0.1.{w.rank + 1}", 7000 + w.rank)
+    register(sw, a)
+    register(sw, b)
+    simulate(sw, a + b, np.random.default_rng(5), drop=0.02)
+    for ws, ref in ((a, ref_a), (b, ref_b)):
+        for w in ws:
+            assert np.array_equal(w.result()[:ref.size].astype(np.int64), ref)
+    # REGISTER of an uninstalled job, with automatic installs off, is refused.
+    p = register(sw, [SimWorker(0, 2, 99, np.zeros(4, np.int32), 4, 1, 1, FIX)])
+    assert [(x["type"], x["round"]) for x in p] == [(T["ERROR"], ERR["JOB"])]
+
+
+def test_a_bound_group_makes_others_wait_until_released():
+    """With one group, tensor B's round 0 is dropped ("busy") while tensor A's slot holds it;
+    the workers' per-slot RELEASEs free it; without them it is reclaimed after `hold`."""
+    sw = _C.SwitchPipeline(cells=32, hold=2.0)
+    sw.install(token=0x77, nworkers=2, groups=1)
+    a, ref_a = fixed_job(2, 640, 64, 4, 1, 1.0, seed=6, tensor=1)
+    b, ref_b = fixed_job(2, 640, 64, 4, 1, 1.0, seed=7, tensor=2)
+    register(sw, a)
+    simulate(sw, a, np.random.default_rng(1))
+    assert sw.occupied() == 1
+    assert sw.handle(b[0].data(0), b[0].addr, 1.0) == []
+    assert sw.counters()["busy"] == 1
+    release(sw, a)
+    assert sw.occupied() == 0 and sw.counters()["released"] == 1
+    simulate(sw, b, np.random.default_rng(2))
+    for ws, ref in ((a, ref_a), (b, ref_b)):
+        assert all(np.array_equal(w.result()[:ref.size].astype(np.int64), ref) for w in ws)
+    c, ref_c = fixed_job(2, 640, 64, 4, 1, 1.0, seed=8, tensor=3)
+    assert sw.handle(c[0].data(0), c[0].addr, 1.0) == []  # b never released: busy...
+    assert sw.handle(c[0].data(0), c[0].addr, 3.0) == []  # ... until `hold` has passed
+    assert sw.counters()["reclaimed"] == 1 and sw.counters()["busy"] == 2
+    out = sw.handle(c[1].data(0), c[1].addr, 3.0)
+    assert [wire.parse(x)["type"] for _, x in out] == [T["RESULT"]] * 2
+
+
+def test_junk_never_changes_a_sum():
+    """test_aggregator's fuzz cases (malformed, truncated, foreign-job packets, float values
+    for the running tensor) among a live job's packets: exact sums, foreign packets counted."""
+    sw = _C.SwitchPipeline(auto_groups=8)
+    ws, ref = fixed_job(FuzzJob.n, FuzzJob.numel, FuzzJob.bs, FuzzJob.lanes, FuzzJob.nslots,
+                        0.2, seed=9, token=FuzzJob.token)
+    register(sw, ws)
+    rng = np.random.default_rng(9)
+    built = [junk_packets(kind, 2000 + i, ws[0].tensor, rng.bytes(int(rng.integers(0, 300))))
+             for i, kind in enumerate(KINDS * 4)]
+    simulate(sw, ws, rng, drop=0.02, junk=[p for _, p in built])
+    for w in ws:
+        assert np.array_equal(w.result()[:ref.size].astype(np.int64), ref)
+    c = sw.counters()
+    assert c["unknown_job"] == sum(1 for e, _ in built if e == "unknown"), c
+    assert c["malformed"] >= sum(1 for e, _ in built if e == "malformed"), c
