@@ -65,9 +65,10 @@ def run(job: Job) -> Stage:
     exponent, (number,) = yield from fixedpoint.agree(
         job, float(turns.issue()) if hvd.rank() == 0 else -1.0)
     number, t = int(number), job.tensor
+    if exponent is None:  # fixed point cannot carry NaN/Inf
+        turns.done(number)
+        return (yield from elsewhere(job, "non-finite"))
     try:
-        if exponent is None:  # fixed point cannot carry NaN/Inf
-            return (yield from elsewhere(job, "non-finite"))
         yield "turn", _Turn(session, number)
         backup = t.clone() if job.inplace else None  # results overwrite the input
         out = output(job)
