@@ -11,7 +11,8 @@ namespace py = pybind11;
 namespace hvd_sparse::omni {
 
 void register_switch_pipeline(py::module_& m) {
-  py::class_<Pipeline>(m, "SwitchPipeline")
+  py::class_<Pipeline> c(m, "SwitchPipeline");
+  def_core(c)
       .def(py::init([](uint32_t cells, uint32_t values_per_pass, uint32_t cells_per_slot,
                        uint32_t max_workers, uint32_t auto_groups, double hold, double idle) {
              return std::make_unique<Pipeline>(PipelineOptions{
@@ -31,24 +32,8 @@ void register_switch_pipeline(py::module_& m) {
                             py::arg("automatic") = j.automatic));
         return v;
       })
-      .def("handle",
-           [](Pipeline& p, py::bytes packet, const std::pair<std::string, int>& from,
-              double now) {
-             std::string_view b = packet;
-             std::vector<Out> out;
-             p.handle(reinterpret_cast<const uint8_t*>(b.data()), b.size(), endpoint(from), now,
-                      out);
-             return sent(out);
-           },
-           py::arg("packet"), py::arg("sender"), py::arg("now") = 0.0,
-           "Handles one datagram from sender (host, port); returns [((host, port), bytes)] to send.")
       .def("expire", &Pipeline::expire, py::arg("now"))
-      .def("occupied", &Pipeline::occupied)
-      .def("counters", [](const Pipeline& p) {
-        py::dict d;
-        for (auto& [name, v] : p.counters()) d[name] = v;
-        return d;
-      });
+      .def("occupied", &Pipeline::occupied);
 }
 
 }  // namespace hvd_sparse::omni

@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -35,6 +36,29 @@ inline pybind11::list sent(const std::vector<Out>& out) {
         address(o.to),
         pybind11::bytes(reinterpret_cast<const char*>(o.bytes->data()), o.bytes->size())));
   return v;
+}
+
+// The methods every socket-free core has: handle (one datagram in, what it sends out) and
+// counters.
+template <class Core>
+pybind11::class_<Core>& def_core(pybind11::class_<Core>& c) {
+  namespace py = pybind11;
+  return c
+      .def("handle",
+           [](Core& core, py::bytes packet, const std::pair<std::string, int>& from, double now) {
+             std::string_view p = packet;
+             std::vector<Out> out;
+             core.handle(reinterpret_cast<const uint8_t*>(p.data()), p.size(), endpoint(from),
+                         now, out);
+             return sent(out);
+           },
+           py::arg("packet"), py::arg("sender"), py::arg("now") = 0.0,
+           "Handles one datagram from sender (host, port); returns [((host, port), bytes)] to send.")
+      .def("counters", [](const Core& core) {
+        py::dict d;
+        for (auto& [name, v] : core.counters()) d[name] = v;
+        return d;
+      });
 }
 
 }  // namespace hvd_sparse::omni
