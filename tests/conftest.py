@@ -44,4 +44,18 @@ def launch(script: str, np: int, tmp: Path, *, launcher: str = "horovodrun",
             pytest.fail(f"{script}: rank {r} wrote no report (exit {proc.returncode}):\n"
                         f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
         out.append(json.loads(path.read_text()))
+    # Horovod's and Gloo's own errors, shown with a failing test's captured output
+    print(f"{script} on {np} ranks, exit {proc.returncode}:\n{proc.stdout[-6000:]}\n"
+          f"{proc.stderr[-6000:]}")
     return out
+
+
+SHUT_DOWN = "Horovod has been shut down"
+
+
+def passed(reports: list[dict], key: str) -> None:
+    """Asserts that every rank recorded '' for ``key``. A failure lists each failing rank, root
+    causes first: a rank whose peer failed sees only Horovod shut down."""
+    failing = sorted(((r, str(rep[key])) for r, rep in enumerate(reports) if rep[key] != ""),
+                     key=lambda f: SHUT_DOWN in f[1])
+    assert not failing, f"{key}:\n" + "\n".join(f"rank {r}: {why}" for r, why in failing)

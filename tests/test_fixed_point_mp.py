@@ -3,7 +3,7 @@ the cases in tests/mp/fixed_point.py."""
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import launch, passed
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +28,9 @@ def test_bit_identical_on_every_rank(reports):
 
 @pytest.mark.parametrize("name", ["nonfinite/nan", "nonfinite/inf"])
 def test_non_finite_goes_dense_like_hvd_allreduce(reports, name):
-    for rank, rep in enumerate(reports):
-        assert rep[name] == "", f"rank {rank}: {rep[name]}"
+    passed(reports, name)
 
 
 @pytest.mark.parametrize("name", ["overflow/error", "overflow/fallback"])
 def test_overflow_is_an_error_naming_the_tensor_or_goes_dense(reports, name):
-    for rank, rep in enumerate(reports):
-        assert rep[name] == "", f"rank {rank}: {rep[name]}"
+    passed(reports, name)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import launch, passed
 
 SCHEMES = ["allgather", "zen", "omnireduce", "auto"]
 BOTH = ["train", "force", "clip", "step-warning", "unnamed", "bad-names", "requires-grad",
@@ -22,5 +22,4 @@ def reports(tmp_path_factory):
 
 @pytest.mark.parametrize("name", CASES)
 def test_horovod_behaviour(reports, name):
-    for rank, rep in enumerate(reports):
-        assert rep[name] == "", f"rank {rank}: {rep[name]}"
+    passed(reports, name)

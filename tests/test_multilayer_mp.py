@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import launch, passed
 
 VARIANTS = ["dense", "topk", "threshold", "dgc", "exdyna"]
 
@@ -15,8 +15,8 @@ def reports(tmp_path_factory):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_trains_to_the_same_model_on_every_rank(reports, variant):
+    passed(reports, f"{variant}.error")
     for rank, rep in enumerate(reports):
-        assert rep[f"{variant}.error"] == "", f"rank {rank}: {rep[f'{variant}.error']}"
         assert rep[f"{variant}.params"] == reports[0][f"{variant}.params"], f"rank {rank}"
     # Chance is 0.1; dense reaches ~0.9 in these 240 steps. The sparsifiers send 1-4% of the
     # values (ExDyna's partitions let each rank select in a quarter of a tensor per step), so

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import launch, passed
 
 CASES = ["compression-auto-30-steps", "compression-zen", "compression-grouped",
          "compression-omnireduce", "optimizer-omnireduce-predivide-and-passes",
@@ -19,5 +19,4 @@ def reports(tmp_path_factory):
 
 @pytest.mark.parametrize("name", CASES)
 def test_parity(reports, name):
-    for rank, rep in enumerate(reports):
-        assert rep[name] == "", f"rank {rank}: {rep[name]}"
+    passed(reports, name)

@@ -25,13 +25,18 @@
 #include <rte_ether.h>
 #include <rte_lcore.h>
 #include <rte_mbuf.h>
+#include <rte_ring.h>
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <memory>
 #include <random>
@@ -47,6 +52,7 @@ namespace omni = hvd_sparse::omni;
 namespace frames = hvd_sparse::omni::frames;
 
 constexpr uint16_t kRing = 512;
+constexpr unsigned kEgress = 512;  // frames an egress port buffers beyond its driver's ring
 constexpr uint16_t kDataRoom = 16384;  // a whole jumbo frame per mbuf
 constexpr uint16_t kBurst = 32;
 constexpr uint32_t kSpins = 256;  // empty polls of every port before sleeping a little
@@ -59,11 +65,87 @@ double now_s() {
       .count();
 }
 
+// A port's output queue, drained by a thread of its own. The af_packet driver's transmit
+// blocks (poll() without a timeout) while the port's ring is full, and it is full whenever
+// more arrives for the port than its link carries (incast, a rate-capped veth): done in the
+// polling loop, that would stall every port, the control socket with them, for as long as
+// the slowest link takes. Here it stalls only this queue, which drops at its tail when full,
+// as a switch's output buffer does.
+class Egress {
+ public:
+  Egress(uint16_t port, const std::string& name) : port_(port) {
+    ring_ = rte_ring_create(("egress-" + name).substr(0, RTE_RING_NAMESIZE - 1).c_str(),
+                            kEgress, SOCKET_ID_ANY, RING_F_SP_ENQ | RING_F_SC_DEQ);
+    if (!ring_)
+      throw std::runtime_error("egress ring for " + name + ": " + rte_strerror(rte_errno));
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Egress() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    wake_.notify_one();
+    thread_.join();
+    for (rte_mbuf* m; rte_ring_sc_dequeue(ring_, reinterpret_cast<void**>(&m)) == 0;)
+      rte_pktmbuf_free(m);
+    rte_ring_free(ring_);
+  }
+
+  // Queues n frames (the polling loop's only call); returns how many did not fit, freed.
+  unsigned push(rte_mbuf** m, unsigned n) {
+    const unsigned in = rte_ring_sp_enqueue_burst(ring_, reinterpret_cast<void**>(m), n, nullptr);
+    for (unsigned i = in; i < n; ++i) rte_pktmbuf_free(m[i]);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // the enqueue before reading idle_
+    if (idle_.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> l(mu_);
+      wake_.notify_one();
+    }
+    return n - in;
+  }
+
+  uint64_t sent() const { return sent_.load(std::memory_order_relaxed); }
+  uint64_t failed() const { return failed_.load(std::memory_order_relaxed); }
+
+ private:
+  void run() {
+    rte_mbuf* m[kBurst];
+    for (;;) {
+      const unsigned n = rte_ring_sc_dequeue_burst(ring_, reinterpret_cast<void**>(m), kBurst,
+                                                   nullptr);
+      if (n == 0) {
+        std::unique_lock<std::mutex> l(mu_);
+        idle_.store(true, std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_seq_cst);  // idle_ before reading the ring
+        wake_.wait_for(l, std::chrono::milliseconds(10),
+                       [this] { return stop_ || !rte_ring_empty(ring_); });
+        idle_.store(false, std::memory_order_relaxed);
+        if (stop_) return;
+        continue;
+      }
+      const uint16_t sent = rte_eth_tx_burst(port_, 0, m, uint16_t(n));
+      for (unsigned i = sent; i < n; ++i) rte_pktmbuf_free(m[i]);
+      sent_.fetch_add(sent, std::memory_order_relaxed);
+      failed_.fetch_add(n - sent, std::memory_order_relaxed);
+    }
+  }
+
+  uint16_t port_;
+  rte_ring* ring_ = nullptr;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::atomic<bool> idle_{false};
+  std::atomic<uint64_t> sent_{0}, failed_{0};
+  std::thread thread_;
+};
+
 struct Port {
   uint16_t id = 0;
   std::string name;
-  uint64_t rx = 0, tx = 0, flooded = 0, dropped = 0, lost = 0;
+  uint64_t rx = 0, flooded = 0, dropped = 0, lost = 0;
   double loss = 0;  // drop rate of frames entering or leaving this port
+  std::unique_ptr<Egress> egress;
 };
 
 uint64_t mac_key(const rte_ether_addr& a) {
@@ -112,10 +194,14 @@ class Switch {
     std::string s = "{\"ports\": [";
     for (size_t p = 0; p < ports_.size(); ++p) {
       const Port& q = ports_[p];
+      rte_eth_stats e{};
+      rte_eth_stats_get(q.id, &e);  // imissed: frames the kernel dropped, the port's ring full
       s += (p ? ", " : "") + std::string("{\"name\": \"") + q.name + "\", \"rx\": " +
-           std::to_string(q.rx) + ", \"tx\": " + std::to_string(q.tx) + ", \"flooded\": " +
-           std::to_string(q.flooded) + ", \"dropped\": " + std::to_string(q.dropped) +
-           ", \"lost\": " + std::to_string(q.lost) + "}";
+           std::to_string(q.rx) + ", \"tx\": " + std::to_string(q.egress->sent()) +
+           ", \"flooded\": " + std::to_string(q.flooded) + ", \"dropped\": " +
+           std::to_string(q.dropped + q.egress->failed()) +
+           ", \"lost\": " + std::to_string(q.lost) + ", \"missed\": " +
+           std::to_string(e.imissed) + "}";
     }
     s += "], \"macs\": " + std::to_string(macs_.size());
     if (agg_) {
@@ -129,6 +215,10 @@ class Switch {
       s += "}";
     }
     return s + "}";
+  }
+
+  void stop() {
+    for (Port& p : ports_) p.egress.reset();
   }
 
   omni::Pipeline* pipeline() { return agg_ ? agg_->pipeline.get() : nullptr; }
@@ -244,10 +334,7 @@ class Switch {
   void flush_port(size_t p) {
     auto& q = out_[p];
     if (q.empty()) return;
-    const uint16_t sent = rte_eth_tx_burst(ports_[p].id, 0, q.data(), uint16_t(q.size()));
-    ports_[p].tx += sent;
-    for (size_t i = sent; i < q.size(); ++i) rte_pktmbuf_free(q[i]);  // a full ring: lost
-    ports_[p].dropped += q.size() - sent;
+    ports_[p].dropped += ports_[p].egress->push(q.data(), unsigned(q.size()));  // full: lost
     q.clear();
   }
 
@@ -415,7 +502,7 @@ int main(int argc, char** argv) {
 
   const uint16_t nports = rte_eth_dev_count_avail();
   if (nports < 2) fail("a switch needs at least 2 ports (one --vdev each)");
-  rte_mempool* pool = rte_pktmbuf_pool_create("switch", nports * 2u * kRing + 4095, 256, 0,
+  rte_mempool* pool = rte_pktmbuf_pool_create("switch", nports * (2u * kRing + kEgress) + 4095, 256, 0,
                                               uint16_t(kDataRoom + RTE_PKTMBUF_HEADROOM),
                                               int(rte_socket_id()));
   if (!pool) fail(std::string("mbuf pool: ") + rte_strerror(rte_errno));
@@ -434,7 +521,14 @@ int main(int argc, char** argv) {
     rte_eth_promiscuous_enable(pid);
     char name[RTE_ETH_NAME_MAX_LEN] = "";
     rte_eth_dev_get_name_by_port(pid, name);
-    ports.push_back({pid, ports.size() < names.size() ? names[ports.size()] : name});
+    Port& port = ports.emplace_back();
+    port.id = pid;
+    port.name = ports.size() <= names.size() ? names[ports.size() - 1] : name;
+    try {
+      port.egress = std::make_unique<Egress>(pid, port.name);
+    } catch (const std::exception& e) {
+      fail(e.what());
+    }
   }
   Switch sw(std::move(ports), pool, std::move(agg));
   std::unique_ptr<Control> ctl;
@@ -470,6 +564,7 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("hvd-sparse switch stats %s\n", sw.stats_json().c_str());
+  sw.stop();  // the egress threads, before their ports
   RTE_ETH_FOREACH_DEV(pid) {
     rte_eth_dev_stop(pid);
     rte_eth_dev_close(pid);

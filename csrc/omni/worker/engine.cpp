@@ -451,10 +451,13 @@ void Engine::check_timers(double now) {
     for (auto& s : t->slots) {
       if (s.done) continue;
       if (now - s.progress_at > o_.timeout) {
-        failed.emplace_back(t, "no result from aggregator " + aggs_[s.agg].name + " for " +
+        const AggregatorPath& a = aggs_[s.agg];
+        failed.emplace_back(t, "no result from aggregator " + a.name + " for " +
             std::to_string(int(o_.timeout)) + " s (slot " + std::to_string(s.g) + ", round " +
-            std::to_string(s.round) + "): the aggregator is down or a peer rank has not "
-            "submitted this tensor");
+            std::to_string(s.round) + (s.inflight ? ", sent" : s.queued ? ", waiting for the "
+            "window" : ", not sent") + ", " + std::to_string(a.inflight) + " in flight of a " +
+            "window of " + std::to_string(int(a.cwnd)) + "): the aggregator is down or a peer "
+            "rank has not submitted this tensor");
         break;
       }
       if (s.inflight && now - s.sent_at > s.rto) {
