@@ -91,8 +91,8 @@ def drive(args: argparse.Namespace) -> int:
                 out = Path(tmp) / "rows.json"
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-side", str(out),
                        "--densities", args.densities, "--numel", str(args.numel), "--reps",
-                       str(args.reps), "--warmup", str(args.warmup), "--methods",
-                       ",".join(args.methods)]
+                       str(args.reps), "--warmup", str(args.warmup), "--switch", args.switch,
+                       "--methods", ",".join(args.methods)]
                 # A fresh cache: auto probes this rate, not a cached model of another one.
                 proc = launch.run(tb, cmd, env={"HVD_SPARSE_CACHE_DIR": tmp,
                                                 "OMP_NUM_THREADS": "1"}, timeout=3600)
