@@ -94,3 +94,15 @@ def save_png(fig: Figure, path: str | Path) -> Path:
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def testbed_main(name: str, args: Any, rank_side: Any, drive: Any) -> int:
+    """A testbed script's entry: ``rank_side(args)`` when launched as one of its ranks, else
+    ``drive(args)``, which needs root (network namespaces)."""
+    if args.rank_side:
+        rank_side(args)
+        return 0
+    if os.geteuid() != 0:
+        console.print(f"[red]{name} needs root (network namespaces)[/]")
+        return 1
+    return drive(args)

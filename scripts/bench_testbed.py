@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make build)
 
-from _report import console, print_table, save_png, write_json  # noqa: E402
+from _report import console, print_table, save_png, testbed_main, write_json  # noqa: E402
 
 METHODS = ["hvd dense", "hvd sparse", "hvd sparse e2e", "allgather", "zen", "omnireduce x1",
            "omnireduce x4", "switch", "auto"]
@@ -337,14 +337,7 @@ def rank_side(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    args = parse_args()
-    if args.rank_side:
-        rank_side(args)
-        return 0
-    if os.geteuid() != 0:
-        console.print("[red]bench_testbed needs root (network namespaces)[/]")
-        return 1
-    return drive(args)
+    return testbed_main("bench_testbed", parse_args(), rank_side, drive)
 
 
 if __name__ == "__main__":

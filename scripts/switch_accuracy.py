@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts")]
 
-from _report import console, print_table, save_png, write_json  # noqa: E402
+from _report import console, print_table, save_png, testbed_main, write_json  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -133,14 +132,7 @@ def rank_side(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    args = parse_args()
-    if args.rank_side:
-        rank_side(args)
-        return 0
-    if os.geteuid() != 0:
-        console.print("[red]switch_accuracy needs root (network namespaces)[/]")
-        return 1
-    return drive(args)
+    return testbed_main("switch_accuracy", parse_args(), rank_side, drive)
 
 
 if __name__ == "__main__":
