@@ -30,6 +30,8 @@ def launch(script: str, np: int, tmp: Path, *, launcher: str = "horovodrun",
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "HVD_SPARSE_TEST_OUT": str(tmp),
                 "HVD_SPARSE_CACHE_DIR": str(tmp / "cache"), "OMP_NUM_THREADS": "1",
                 "HOROVOD_CPU_OPERATIONS": "mpi" if launcher == "mpirun" else "gloo",
+                # Gloo's 30 s default ends a job whose 4 ranks share 2 busy cores in CI
+                "HOROVOD_GLOO_TIMEOUT_SECONDS": "120",
                 **(env or {})}
     try:
         proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -42,7 +44,7 @@ def launch(script: str, np: int, tmp: Path, *, launcher: str = "horovodrun",
         path = tmp / f"rank{r}.json"
         if not path.exists():
             pytest.fail(f"{script}: rank {r} wrote no report (exit {proc.returncode}):\n"
-                        f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+                        f"{by_rank(proc.stdout, np)}\n{proc.stderr[-3000:]}")
         out.append(json.loads(path.read_text()))
     # Horovod's and Gloo's own errors, shown with a failing test's captured output
     print(f"{script} on {np} ranks, exit {proc.returncode}:\n{proc.stdout[-6000:]}\n"
@@ -51,6 +53,15 @@ def launch(script: str, np: int, tmp: Path, *, launcher: str = "horovodrun",
 
 
 SHUT_DOWN = "Horovod has been shut down"
+
+
+def by_rank(output: str, np: int, lines: int = 40) -> str:
+    """The last lines of each rank's output (horovodrun prefixes them "[r]<std...>"), root
+    causes first: a rank that only saw Horovod shut down by a peer comes last."""
+    ranks = {r: [ln for ln in output.splitlines() if ln.startswith(f"[{r}]<")] for r in range(np)}
+    order = sorted(ranks, key=lambda r: SHUT_DOWN in "\n".join(ranks[r]))
+    parts = [f"--- rank {r} ---\n" + "\n".join(ranks[r][-lines:]) for r in order if ranks[r]]
+    return "\n".join(parts) if parts else output[-4000:]
 
 
 def passed(reports: list[dict], key: str) -> None:
