@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import passed
 from pyroute2 import NetNS
 from test_testbed import run_job, running
 
@@ -53,6 +54,38 @@ def test_jobs_cross_and_aggregate_in_the_emulated_switch(testbed: topology.Testb
     # oversized blocks were kept from the switch by the scheme, not refused by it
     assert agg["unsupported"] == was["unsupported"] and agg["overflow"] == 0, agg
     assert agg["malformed"] == was["malformed"], agg
+
+
+def test_scheme_switch_under_loss(testbed: topology.Testbed, tmp_path: Path) -> None:
+    """1% of the frames lost on every port of the switch: scheme "switch" still gives sums
+    within the fixed-point bound, bit-identical on every rank (the switch answers a
+    retransmission to a completed round from its shadow set)."""
+    tb = lifecycle.update(topology.Testbed.load(NAME), loss_rate=0.01)
+    lost, was = loss.dropped(tb), launch.counters(tb, "switch")["aggregation"]
+    try:
+        reps = run_job(tb, "switch_cases.py aggregate", tmp_path)
+        lost = loss.dropped(tb) - lost
+    finally:
+        lifecycle.update(topology.Testbed.load(NAME), loss_rate=0.0)
+    passed(reps, "aggregate")
+    now = launch.counters(tb, "switch")["aggregation"]
+    assert lost > 0 and now["retransmits"] > was["retransmits"], (lost, now)
+    assert now["malformed"] == was["malformed"] and now["overflow"] == 0, now
+
+
+def test_a_refused_job_falls_back(testbed: topology.Testbed, tmp_path: Path) -> None:
+    """The switch's pool is full, so it refuses a Horovod job's REGISTER: the job's switch
+    tensors go to the aggregator host, with the reason, and sum right."""
+    c = control.Client(testbed.switch_control)
+    free = c.limits()["groups"] - sum(j["groups"] for j in c.jobs())
+    c.install(0x7E57, 2, free)
+    try:
+        reps = run_job(testbed, "switch_cases.py refused", tmp_path)
+        refused = launch.counters(testbed, "switch")["aggregation"]["refused"]
+    finally:
+        assert c.remove(0x7E57)
+    passed(reps, "refused")
+    assert refused > 0
 
 
 def test_two_jobs_share_the_switch(testbed: topology.Testbed, tmp_path: Path) -> None:

@@ -4,6 +4,8 @@
     switch_cases.py            MPI (Horovod's dense allreduce), allgather and omnireduce through
                                the aggregator host cross the switch; scheme "switch" sums in it
     switch_cases.py aggregate  only scheme "switch"
+    switch_cases.py refused    the switch refuses the job (its pool is full): scheme "switch"
+                               goes to the aggregator host, with its reason
 
 Scheme "switch": float32, float16 and bfloat16 at element densities 0 .. 1 equal the float64
 sum of Horovod's allreduce within the fixed-point bound (hvd_sparse.fixedpoint.error_bound)
@@ -128,15 +130,28 @@ def falls_back() -> str:
     return "; ".join(bad)
 
 
+def refused() -> str:
+    """The switch refused the job at init: every switch tensor goes to the aggregator host, with
+    the reason, and sums as Horovod's allreduce does."""
+    t = data(50, torch.float32)
+    ref = hvd.allreduce(t.double(), name="ref.refused", op=hvd.Sum)
+    out = hvd_sparse.allreduce(t, name="sw.refused", scheme="switch", op=hvd.Sum)
+    bad = [w for w in [close_to(out, ref, torch.float32)] if w]
+    m = hvd_sparse.metrics()["sw.refused"]
+    if (m.get("scheme"), m.get("reason")) != ("omnireduce", "switch: no switch"):
+        bad.append(f"{m}")
+    return "; ".join(bad)
+
+
+MODES = {"all": (schemes, aggregate, in_flight_together, falls_back), "aggregate": (aggregate,),
+         "refused": (refused,)}
+
+
 def main() -> None:
     start(probe="off", timeout=20.0)
     results: dict[str, object] = {}
-    if sys.argv[1:] != ["aggregate"]:
-        case(results, "schemes", schemes)
-    case(results, "aggregate", aggregate)
-    if sys.argv[1:] != ["aggregate"]:
-        case(results, "in_flight_together", in_flight_together)
-        case(results, "falls_back", falls_back)
+    for fn in MODES[sys.argv[1] if len(sys.argv) > 1 else "all"]:
+        case(results, fn.__name__, fn)
     report(results)
     hvd_sparse.shutdown()
 
