@@ -7,10 +7,11 @@ For each float32 tensor size and block density (whole blocks of --block-size ele
 non-zero at random) it times, median of --reps after a warm-up:
 
 * ours pack:    ``blocks.pack(t, B)`` with mask=None, i.e. bitmap + pack in one call;
-* torch pack:   view as [nblocks, B], ``(x != 0).any(1)``, ``nonzero``, ``index_select``;
+* torch pack:   ``hvd_sparse.device.torch_pack``: view as [nblocks, B], ``(x != 0).any(1)``,
+                ``nonzero``, ``index_select`` (what a device without our kernels runs);
 * copy:         ``buf.copy_(t)`` into a preallocated buffer (no allocation in the timed region);
 * ours unpack:  ``blocks.unpack(out, idx, vals, B)`` into a preallocated buffer;
-* torch unpack: ``out.view(nblocks, B).index_add_(0, idx, vals)`` (int64 idx, as torch made it).
+* torch unpack: ``hvd_sparse.device.torch_unpack``: ``index_add_`` on the whole blocks.
 
 Unpack timings exclude zero-filling the output (a real caller reuses its buffer), which is
 why sparse unpacks can beat the copy bandwidth by far.
@@ -36,10 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make build)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from _report import console, print_table, save_png, write_json  # noqa: E402
 
 from hvd_sparse import blocks  # noqa: E402
+from hvd_sparse.device import torch_blocks, torch_pack, torch_unpack  # noqa: E402
 
 MI = 2**20
 TARGET_DENSITY = 0.01
@@ -69,25 +70,8 @@ def make_tensor(numel: int, block: int, density: float, gen: torch.Generator) ->
     return flat if flat.numel() == numel else flat[:numel].clone()
 
 
-def torch_blocks(t: torch.Tensor, block: int) -> torch.Tensor:
-    """[nblocks, B] view of t; zero-pads the tail block (a copy) only when numel % B != 0."""
-    flat = t.reshape(-1)
-    pad = -flat.numel() % block
-    return (F.pad(flat, (0, pad)) if pad else flat).view(-1, block)
-
-
 def torch_mask(t: torch.Tensor, block: int) -> torch.Tensor:
     return (torch_blocks(t, block) != 0).any(1)
-
-
-def torch_pack(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch_blocks(t, block)
-    idx = (x != 0).any(1).nonzero().squeeze(1)
-    return idx, x.index_select(0, idx)
-
-
-def torch_unpack(out2d: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
-    out2d.index_add_(0, idx, vals)
 
 
 def check_codec(t: torch.Tensor, block: int) -> None:
@@ -101,7 +85,7 @@ def check_codec(t: torch.Tensor, block: int) -> None:
         idx, vals = blocks.pack(t, block, mask=m)
         what = "pack(mask=None)" if m is None else "pack(mask=block_mask(...))"
         assert idx.dtype == torch.int32, f"{what}: idx dtype {idx.dtype}"
-        assert torch.equal(idx.long(), ref_idx), f"{what}: indices differ from torch"
+        assert torch.equal(idx, ref_idx), f"{what}: indices differ from torch"
         assert vals.dtype == t.dtype and vals.shape == ref_vals.shape, f"{what}: {vals.shape}"
         # NaN != NaN, so compare with equal_nan semantics.
         assert torch.allclose(vals, ref_vals, rtol=0, atol=0, equal_nan=True), f"{what}: values"
@@ -153,13 +137,13 @@ def bench_one(numel: int, density: float, block: int, reps: int, seed: int) -> d
     idx, vals = blocks.pack(t, block)
     out = torch.zeros_like(t)
     tidx, tvals = torch_pack(t, block)
-    out2d = torch.zeros(-(-numel // block), block)
+    out2 = torch.zeros_like(t)
     s = median_times({
         "copy": lambda: buf.copy_(t),
         "ours pack": lambda: blocks.pack(t, block),
         "torch pack": lambda: torch_pack(t, block),
         "ours unpack": lambda: blocks.unpack(out, idx, vals, block),
-        "torch unpack": lambda: torch_unpack(out2d, tidx, tvals),
+        "torch unpack": lambda: torch_unpack(out2, tidx, tvals, block),
     }, reps)
 
     return {

@@ -1,0 +1,53 @@
+"""hvd_sparse.device, the block codec on a tensor's own device, against the CPU codec
+(blocks.py). Here its torch operations run on the CPU: no GPU is lent to this project, and the
+CUDA kernels' per-block logic has its own host test (test_cuda_host.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hvd_sparse import blocks, device
+
+
+@st.composite
+def tensors(draw):
+    numel = draw(st.integers(0, 2000))
+    bs = draw(st.sampled_from([1, 3, 16, 256]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+    density = draw(st.sampled_from([0.0, 0.01, 0.2, 1.0]))
+    g = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    x = g.standard_normal(numel) * (g.random(numel) < density)
+    for v in draw(st.lists(st.sampled_from([np.nan, np.inf, -np.inf, -0.0, 1e-45]), max_size=3)):
+        if numel:
+            x[g.integers(numel)] = v
+    return torch.from_numpy(x).to(dtype), bs
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors())
+def test_pack_and_unpack_match_the_cpu_codec(case):
+    t, bs = case
+    idx, vals = device.pack(t, bs)
+    ref_idx, ref_vals = blocks.pack(t, bs)
+    assert idx.dtype == torch.int32 and torch.equal(idx, ref_idx)
+    assert vals.dtype == t.dtype and torch.equal(bits(vals), bits(ref_vals))  # -0, NaN too
+    out, ref = torch.ones_like(t), torch.ones_like(t)
+    device.unpack(out, idx, vals, bs)
+    blocks.unpack(ref, ref_idx, ref_vals, bs)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="block_size"):
+        device.pack(torch.ones(4), 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        device.unpack(torch.ones(4, 4).t(), torch.zeros(1, dtype=torch.int32),
+                      torch.ones(1, 4), 4)
