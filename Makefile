@@ -39,7 +39,7 @@ lint: build
 	@$(VENV)/bin/ruff check hvd_sparse switch_emu tests scripts
 
 test: build lint $(if $(NVCC),cuda-check)
-	@$(PY) -m pytest -q tests
+	@$(PY) -m pytest -q -rs tests
 
 # Compiles every CUDA source for sm_80 and sm_90 (no GPU needed; nothing here runs them).
 cuda-check:

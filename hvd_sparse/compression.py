@@ -21,7 +21,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
-from . import basics, blocks
+from . import basics, blocks, staging
 from .config import SCHEMES
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
@@ -84,14 +84,16 @@ class SparseCompressor:
         process_set = getattr(opt, "process_set", hvd.global_process_set)
         if self.sparsifier is not None:  # the sparsified gradient is what gets reduced
             self.sparsifier(name, tensor, self._codec_block_size())
-        if not blocks.supported(tensor):  # integer or GPU: Horovod's allreduce, op and scaling
+        if not (blocks.supported(tensor) or staging.staged(tensor)):  # integer: Horovod's own
             return tensor, None
         # Horovod's optimizer replaces the gradient with the result: reduce it in place. Other
         # callers (hvd.allreduce(t, compression=...)) get a new tensor and keep theirs.
         start = allreduce_async_ if opt is not None else allreduce_async
         handle = start(tensor, name=name, op=hvd.Sum, scheme=self.scheme,
                        block_size=self.block_size, process_set=process_set)
-        return tensor.new_ones(1), (handle, name, process_set.size())
+        # A host placeholder for a GPU tensor: a CPU-only Horovod can reduce it
+        placeholder = tensor.new_ones(1) if tensor.device.type == "cpu" else torch.ones(1)
+        return placeholder, (handle, name, process_set.size())
 
     def _codec_block_size(self) -> int:
         return self.block_size or basics.state().config.block_size

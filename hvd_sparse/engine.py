@@ -74,6 +74,7 @@ class Job:
     process_set: hvd.ProcessSet = hvd.global_process_set
     inplace: bool = False  # the schemes may write the result into ``tensor``
     output: torch.Tensor | None = None  # the caller's tensor, for allreduce_
+    home: torch.Tensor | None = None  # staged (a GPU tensor): its flat self on the device
     mask: torch.Tensor | None = None  # block mask, when already computed (auto)
     stats: dict[str, Any] = field(default_factory=dict)
 

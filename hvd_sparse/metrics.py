@@ -15,10 +15,11 @@ def record(name: str, scheme: str, seconds: float, stats: dict[str, Any]) -> Non
         r["calls"] += 1
         r.update(scheme=stats.get("scheme", scheme), seconds=seconds,
                  bytes_sent=stats.get("bytes_sent", 0))
-        for key in ("bytes_received", "block_density", "union", "predicted_ms", "reason"):
+        for key in ("bytes_received", "block_density", "union", "predicted_ms", "reason",
+                    "staged"):
             if key in stats:
                 r[key] = stats[key]
-            elif key == "reason":  # this call went where its scheme meant
+            elif key in ("reason", "staged"):  # this call went where its scheme meant, from host
                 r.pop(key, None)
 
 
@@ -34,7 +35,8 @@ def metrics() -> dict[str, dict[str, Any]]:
     ``scheme`` is what ran (for "auto", what it chose); ``bytes_sent`` is what this rank put on
     the wire, modelling Horovod's ring collectives, ``bytes_received`` what it received (the
     other ranks' segments; dense: the ring model); ``block_density`` is the mean fraction of
-    non-zero blocks over ranks (absent for dense, which never looks).
+    non-zero blocks over ranks (absent for dense, which never looks); ``staged`` is the device
+    of a GPU tensor, reduced through host memory.
 
     With a sparsifier, also: ``sparsifier``, ``requested_density``, ``achieved_density`` (this
     rank's selected elements / numel), ``selected``, ``selection_ms``, ``nonfinite`` (elements

@@ -8,7 +8,7 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from . import basics, blocks, engine, runfile, schemes
+from . import basics, blocks, engine, runfile, schemes, staging
 from .config import SCHEMES
 from .engine import Handle, Job
 from .errors import HvdSparseError
@@ -35,8 +35,10 @@ def allreduce_async(
     Ranks match tensors by ``name`` and may submit them in any order; unnamed tensors are
     matched by call order, as in Horovod. ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``.
     A sparse COO tensor (an embedding's gradient) is reduced from its rows and the result is a
-    coalesced sparse tensor (``scheme="dense"``: densified, reduced by Horovod, returned dense).
-    Tensors the sparse codec does not handle (integer, GPU, empty) use Horovod's dense allreduce.
+    coalesced sparse tensor (``scheme="dense"``, or on a GPU: densified, reduced, returned dense).
+    A tensor on a GPU is reduced on the host, only its non-zero blocks crossing the bus both
+    ways (staging.py), and its result is on its device. Tensors the codec does not handle
+    (integer, empty) use Horovod's dense allreduce.
     With ``process_set`` only its ranks take part (every Horovod collective runs in it); the
     omnireduce scheme refuses one that is not the global set.
     """
@@ -52,6 +54,8 @@ def allreduce_async(
         raise HvdSparseError(f"hvd_sparse: tensor {name!r}: rank {hvd.rank()} is not in "
                              f"process set {process_set.ranks}")
     t = tensor.detach()
+    block_size = block_size or st.config.block_size
+    home = None  # a staged tensor's flat self on its device, where the result goes
     if t.is_sparse and scheme != "dense" and rows.supported(t):
         scheme, inplace, copied = "rows", False, False
     else:
@@ -59,22 +63,28 @@ def allreduce_async(
         # place, rather than in a second fresh tensor.
         copied = t.is_sparse or not t.is_contiguous()
         t = (_dense(t) if t.is_sparse else t.contiguous()).view(-1)
+        if t.numel() and staging.staged(t):
+            home, t, copied = t, staging.to_host(t, block_size), True
         if not blocks.supported(t) or t.numel() == 0:
             scheme = "dense"
     job = Job(name=name, tensor=t, shape=tensor.shape, op=op,
               prescale=prescale_factor, postscale=postscale_factor,
-              block_size=block_size or st.config.block_size, size=process_set.size(),
+              block_size=block_size, size=process_set.size(),
               rank=process_set.rank(), process_set=process_set,
               meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
               ctx=engine.Context(st.config, st.net, st.omni, st.switch),
               inplace=t.numel() > 0 and (inplace or copied),
-              output=tensor if inplace else None)
+              output=tensor if inplace else None, home=home)
+    if home is not None:
+        job.stats["staged"] = str(home.device)
     return engine.submit(job, schemes.run(job), _record)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t.to_dense()`` (the same bits: values added into zeros) built in ``blocks.zeros``, so
-    that only the pages the values land in are touched."""
+    that only the pages the values land in are touched (on a GPU: ``to_dense``, on it)."""
+    if t.device.type != "cpu":
+        return t.to_dense()
     t = t.coalesce()
     out = blocks.zeros(t.numel(), t.dtype).view(t.shape)
     return out.index_put_(tuple(t.indices()), t.values(), accumulate=True)
@@ -90,6 +100,9 @@ def synchronize(handle: Handle) -> torch.Tensor:
     """Waits for ``handle``; returns the result with the input's shape and dtype."""
     job = handle.job
     out = engine.synchronize(handle, basics.state().config.timeout)
+    if job.home is not None:  # back to the tensor's device; in place when it is the caller's
+        target = job.home if job.output is not None else torch.empty_like(job.home)
+        out = staging.to_device(out, target, job.block_size)
     if not out.is_sparse:
         out = out.view(job.shape)
     if job.output is not None:

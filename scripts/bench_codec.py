@@ -22,6 +22,11 @@ compare directly. A copy reads and writes each byte, so its memory traffic is tw
 so that load from other processes falls on all of them alike. Results are checked against the
 torch codec (and on edge cases: ragged tail, NaN/Inf, empty) before any timing. Writes
 <out-dir>/codec.json and <out-dir>/codec.png.
+
+``--device cuda`` times the same on a GPU: ours is ``hvd_sparse.device`` (the CUDA kernels),
+copy is a device-to-device copy, and two more columns time the path a GPU gradient takes to
+the host and back: ``staged`` (``staging.to_host`` then ``staging.to_device``: packed blocks
+cross the bus) against ``d2h`` (the dense tensor copied to pinned host memory).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make
 import torch  # noqa: E402
 from _report import console, print_table, save_png, write_json  # noqa: E402
 
-from hvd_sparse import blocks  # noqa: E402
+from hvd_sparse import blocks, device, staging  # noqa: E402
 from hvd_sparse.device import torch_blocks, torch_pack, torch_unpack  # noqa: E402
 
 MI = 2**20
@@ -110,43 +115,68 @@ def check_edge_cases(block: int) -> None:
     check_codec(torch.ones(block - 1), block)  # a single, partial block
 
 
-def median_times(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1
-                 ) -> dict[str, float]:
+def check_device_codec(t: torch.Tensor, block: int) -> None:
+    """On a GPU: hvd_sparse.device must agree exactly with the CPU codec."""
+    idx, vals = device.pack(t, block)
+    ref_idx, ref_vals = blocks.pack(t.cpu(), block)
+    assert torch.equal(idx.cpu(), ref_idx), "device.pack: indices differ from the CPU codec"
+    assert torch.allclose(vals.cpu(), ref_vals, rtol=0, atol=0, equal_nan=True), "values"
+    out = torch.zeros_like(t)
+    device.unpack(out, idx, vals, block)
+    assert torch.allclose(out, t, rtol=0, atol=0, equal_nan=True), "unpack(pack(t)) != t"
+
+
+def median_times(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1,
+                 sync: Callable[[], object] = lambda: None) -> dict[str, float]:
     """Median seconds per function. Reps interleave the functions (order rotated each rep) so
-    that load from other processes on a shared machine falls on all of them alike."""
+    that load from other processes on a shared machine falls on all of them alike. ``sync``
+    waits for a GPU's queued work before and after each timed call."""
     names = list(fns)
     times: dict[str, list[float]] = {k: [] for k in names}
     for i in range(warmup + reps):
         r = i % len(names)
         for k in names[r:] + names[:r]:
+            sync()
             t0 = time.perf_counter()
             fns[k]()
+            sync()
             if i >= warmup:
                 times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def bench_one(numel: int, density: float, block: int, reps: int, seed: int) -> dict:
+def bench_one(numel: int, density: float, block: int, reps: int, seed: int,
+              dev: torch.device) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    t = make_tensor(numel, block, density, gen)
-    check_codec(t, block)
+    t = make_tensor(numel, block, density, gen).to(dev)
+    cuda = dev.type == "cuda"
+    (check_device_codec if cuda else check_codec)(t, block)
+    ours = device if cuda else blocks
     gb = t.numel() * t.element_size() / 1e9
 
     # Preallocated outputs, packed inputs for the unpacks: only the operation itself is timed.
     buf = torch.empty_like(t)
-    idx, vals = blocks.pack(t, block)
+    idx, vals = ours.pack(t, block)
     out = torch.zeros_like(t)
     tidx, tvals = torch_pack(t, block)
     out2 = torch.zeros_like(t)
-    s = median_times({
+    fns = {
         "copy": lambda: buf.copy_(t),
-        "ours pack": lambda: blocks.pack(t, block),
+        "ours pack": lambda: ours.pack(t, block),
         "torch pack": lambda: torch_pack(t, block),
-        "ours unpack": lambda: blocks.unpack(out, idx, vals, block),
+        "ours unpack": lambda: ours.unpack(out, idx, vals, block),
         "torch unpack": lambda: torch_unpack(out2, tidx, tvals, block),
-    }, reps)
+    }
+    if cuda:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        back = torch.empty_like(t)
+        fns["staged"] = lambda: staging.to_device(staging.to_host(t, block), back, block)
+        fns["d2h"] = lambda: host.copy_(t, non_blocking=True)
+    s = median_times(fns, reps, sync=torch.cuda.synchronize if cuda else lambda: None)
+    extra = {"staged ms": 1e3 * s["staged"], "d2h ms": 1e3 * s["d2h"],
+             "d2h/staged": s["d2h"] / s["staged"]} if cuda else {}
 
-    return {
+    return extra | {
         "size": size_label(numel),
         "numel": numel,
         "density": density,
@@ -199,6 +229,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller defaults, for a smoke run")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the codec on a GPU")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
     args = ap.parse_args()
     # Explicit flags win over --quick.
@@ -209,17 +240,22 @@ def main() -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     densities = [float(d) for d in args.densities.split(",")]
 
-    check_edge_cases(args.block_size)
+    dev = torch.device(args.device)
+    if dev.type == "cpu":
+        check_edge_cases(args.block_size)
     rows = []
     with console.status("") as status:
         for numel in sizes:
             for d in densities:
                 status.update(f"size {size_label(numel)} density {d}")
-                rows.append(bench_one(numel, d, args.block_size, args.reps, args.seed))
+                rows.append(bench_one(numel, d, args.block_size, args.reps, args.seed, dev))
 
     cols = ["size", "density", "ours pack GB/s", "torch pack GB/s", "copy GB/s", "pack/copy",
             "ours/torch", "ours unpack GB/s", "torch unpack GB/s", "copy r+w GB/s"]
-    print_table(rows, f"block codec, float32, B={args.block_size}, median of {args.reps}", cols,
+    if dev.type == "cuda":
+        cols += ["staged ms", "d2h ms", "d2h/staged"]
+    print_table(rows, f"block codec on {dev}, float32, B={args.block_size}, median of "
+                f"{args.reps}", cols,
                 caption="GB/s = input tensor bytes / time. copy = buf.copy_(t) into a "
                 "preallocated buffer; its read+write traffic is 2x ('copy r+w').")
 

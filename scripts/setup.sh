@@ -35,17 +35,7 @@ if [ ! -f "$STAMP" ]; then
     log "building Horovod $HOROVOD_VERSION from its sdist (C++17 fix; ~4 min)"
     tmp=$(mktemp -d)
     "$PY" -m pip download -q --no-deps --no-binary :all: -d "$tmp" "horovod==$HOROVOD_VERSION"
-    tar -xzf "$tmp"/horovod-*.tar.gz -C "$tmp"
-    src=$(echo "$tmp"/horovod-$HOROVOD_VERSION)
-    # torch >= 2.1 headers need C++17; Horovod 0.28.1 pins C++14 in two places.
-    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
-        "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
-    # Debian's cmake: pip's cmake 4.x rejects Gloo's CMakeLists.
-    "$PY" -m pip uninstall -q -y cmake 2>/dev/null || true
-    PATH=/usr/bin:$PATH HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-      HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS=-j"$(nproc)" \
-      "$PY" -m pip install -q --no-build-isolation --no-deps "$src"
+    HOROVOD_WITH_MPI=1 scripts/build_horovod.sh "$PY" "$tmp"/horovod-*.tar.gz
     "$PY" -m pip install -q pyyaml psutil cloudpickle
     rm -rf "$tmp"
   fi

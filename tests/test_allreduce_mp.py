@@ -1,17 +1,26 @@
-"""Every scheme against Horovod's dense allreduce under horovodrun (2 and 4 ranks) and mpirun."""
+"""Every scheme against Horovod's dense allreduce under horovodrun (2 and 4 ranks) and mpirun,
+and staged through host memory as a GPU tensor is (HVD_SPARSE_STAGE_CPU: the same path for CPU
+tensors, no GPU here)."""
 from __future__ import annotations
 
 import pytest
 from conftest import launch
 
 
-@pytest.fixture(scope="module", params=[("horovodrun", 2), ("horovodrun", 4), ("mpirun", 2)],
-                ids=["gloo-np2", "gloo-np4", "mpi-np2"])
+@pytest.fixture(scope="module", params=[("horovodrun", 2, ""), ("horovodrun", 4, ""),
+                                        ("mpirun", 2, ""), ("horovodrun", 2, "staged")],
+                ids=["gloo-np2", "gloo-np4", "mpi-np2", "staged-gloo-np2"])
 def reports(request, tmp_path_factory):
-    launcher, np = request.param
-    env = {"HVD_SPARSE_TEST_QUICK": "1"} if launcher == "mpirun" else {}
-    return launch("allreduce_cases.py", np, tmp_path_factory.mktemp(f"{launcher}{np}"),
+    launcher, np, staged = request.param
+    env = {"HVD_SPARSE_TEST_QUICK": "1"} if launcher == "mpirun" or staged else {}
+    if staged:
+        env["HVD_SPARSE_STAGE_CPU"] = "1"
+    reps = launch("allreduce_cases.py", np, tmp_path_factory.mktemp(f"{launcher}{np}{staged}"),
                   launcher=launcher, env=env, timeout=480)
+    for rep in reps:  # every tensor went the path this run is for
+        counts = rep["_staged"], rep["_unstaged"]
+        assert (counts[1] == 0 < counts[0]) if staged else counts[0] == 0, counts
+    return reps
 
 
 def test_every_case_matches_dense_on_every_rank(reports):

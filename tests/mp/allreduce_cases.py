@@ -2,6 +2,7 @@
 
 Also: bit-identical results on every rank, async reductions submitted in different orders on
 different ranks, op=Sum with scaling factors. Writes one JSON report per rank.
+HVD_SPARSE_TEST_DEVICE=cuda: the tensors are on the GPU, the references on the CPU.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 DENSITIES = [0.0, 1e-4, 0.01, 0.3, 1.0]
 # 1,048,577 float32 or float64: over 4 MiB, so out of place lands in fresh zeros (blocks.zeros)
 SHAPES = [(1,), (255,), (256,), (257,), (1_048_577,), (3, 5, 7), (1000, 33)]
+DEVICE = os.environ.get("HVD_SPARSE_TEST_DEVICE", "cpu")
 if os.environ.get("HVD_SPARSE_TEST_QUICK"):
     DTYPES, SHAPES = [torch.float32, torch.float16], [(1,), (257,), (3, 5, 7), (100_003,)]
 
@@ -35,7 +37,17 @@ def sample(shape: tuple[int, ...], density: float, dtype: torch.dtype, seed: int
         values[0] = 1.5  # index 0 must never be dropped
     if density >= 1.0:
         values = torch.randn(numel, generator=g)
-    return values.reshape(shape).to(dtype)
+    return values.reshape(shape).to(dtype).to(DEVICE)
+
+
+def f64(t: torch.Tensor) -> torch.Tensor:
+    """The reference's input: float64 on the CPU, which Horovod's CPU operations reduce."""
+    return t.double().cpu()
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(-1).view(torch.uint8).cpu().numpy()
+                        .tobytes()).hexdigest()
 
 
 def main() -> None:
@@ -52,10 +64,9 @@ def main() -> None:
                     op = hvd.Sum if k % 3 == 0 else hvd.Average
 
                     def check(t=t, name=name, op=op, dtype=dtype, scheme=scheme) -> str:
-                        ref = hvd.allreduce(t.double(), name=f"ref.{name}", op=op)
+                        ref = hvd.allreduce(f64(t), name=f"ref.{name}", op=op)
                         out = hvd_sparse.allreduce(t, name=name, op=op, scheme=scheme)
-                        digests[name] = hashlib.sha1(out.contiguous().view(-1).view(
-                            torch.uint8).numpy().tobytes()).hexdigest()
+                        digests[name] = digest(out)
                         return close_to(out, ref, dtype)
 
                     case(results, name, check)
@@ -67,7 +78,7 @@ def main() -> None:
                    for i, n in enumerate(names)}
         # References first, in one order: a blocking Horovod call mixed into the waits below
         # could itself deadlock against a peer that waits on a different tensor.
-        refs = {n: hvd.allreduce(tensors[n].double(), name=f"ref.{n}", op=hvd.Sum) for n in names}
+        refs = {n: hvd.allreduce(f64(tensors[n]), name=f"ref.{n}", op=hvd.Sum) for n in names}
         order = names if rank % 2 == 0 else names[::-1]
         handles = {n: hvd_sparse.allreduce_async(
             tensors[n], name=n, op=hvd.Sum, scheme=SCHEMES[names.index(n) % len(SCHEMES)])
@@ -83,7 +94,7 @@ def main() -> None:
 
     def scaled() -> str:
         t = sample((20000,), 0.05, torch.float32, seed=rank)
-        ref = hvd.allreduce(t.double(), name="ref.scaled", op=hvd.Average,
+        ref = hvd.allreduce(f64(t), name="ref.scaled", op=hvd.Average,
                             prescale_factor=0.5, postscale_factor=3.0)
         errs = []
         for s in SCHEMES:
@@ -99,7 +110,7 @@ def main() -> None:
         promises, and leaves t alone (Horovod's optimizer alone gets an in-place reduction)."""
         t = sample((20000,), 0.05, torch.float32, seed=rank + 3)
         orig = t.clone()
-        ref = hvd.allreduce(t.double(), name="ref.compression", op=hvd.Sum, postscale_factor=3.0)
+        ref = hvd.allreduce(f64(t), name="ref.compression", op=hvd.Sum, postscale_factor=3.0)
         errs = []
         for s in SCHEMES:
             out = hvd.allreduce(t, name=f"compression.{s}", op=hvd.Sum, postscale_factor=3.0,
@@ -117,7 +128,7 @@ def main() -> None:
         for s in SCHEMES:
             for dtype in (torch.float32, torch.float16):
                 base = sample((300, 90), 0.05, dtype, seed=rank + 5)
-                ref = hvd.allreduce(base.double(), name=f"ref.inplace.{s}.{dtype}")
+                ref = hvd.allreduce(f64(base), name=f"ref.inplace.{s}.{dtype}")
                 for layout, t in (("contiguous", base.clone()), ("transposed", base.clone().t())):
                     want = ref if layout == "contiguous" else ref.t()
                     out = hvd_sparse.allreduce_(t, name=f"inplace.{s}.{dtype}.{layout}", scheme=s)
@@ -144,8 +155,7 @@ def main() -> None:
                 if not (torch.equal(t, out) if s == "auto"
                         else torch.equal(t.view(ints), out.view(ints))):
                     errs.append(f"{s}/{dtype}: in place differs from out of place")
-                digests[f"inplace-bits/{s}/{dtype}"] = hashlib.sha1(
-                    t.view(torch.uint8).numpy().tobytes()).hexdigest()
+                digests[f"inplace-bits/{s}/{dtype}"] = digest(t)
                 results[f"inplace-bits/{s}/{dtype}"] = ""
         return "; ".join(errs)
 
@@ -156,6 +166,8 @@ def main() -> None:
     for name in digests:
         if results.get(name) == "" and any(d.get(name) != digests[name] for d in all_digests):
             results[name] = "result differs across ranks"
+    staged = ["staged" in m for m in hvd_sparse.metrics().values()]
+    results["_staged"], results["_unstaged"] = sum(staged), len(staged) - sum(staged)
     results["_metrics_auto_choice"] = {n: m["scheme"] for n, m in hvd_sparse.metrics().items()
                                        if n.startswith("auto/float32/0.01")}
     report(results)

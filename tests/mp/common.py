@@ -23,7 +23,9 @@ def start(**kwargs: object) -> None:
 
 
 def close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str:
-    """'' when out matches the float64 reference within dtype rounding, else why not."""
+    """'' when out (on any device) matches the float64 reference within dtype rounding, else
+    why not."""
+    out = out.cpu()
     if out.dtype != dtype:
         return f"dtype {out.dtype} != {dtype}"
     if out.shape != ref.shape:

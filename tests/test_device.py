@@ -1,6 +1,7 @@
 """hvd_sparse.device, the block codec on a tensor's own device, against the CPU codec
-(blocks.py). Here its torch operations run on the CPU: no GPU is lent to this project, and the
-CUDA kernels' per-block logic has its own host test (test_cuda_host.py)."""
+(blocks.py), and staging through host memory built on it. Here the torch operations run on the
+CPU: no GPU is lent to this project, and the CUDA kernels' per-block logic has its own host
+test (test_cuda_host.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvd_sparse import blocks, device
+from hvd_sparse import blocks, device, staging
 
 
 @st.composite
@@ -51,3 +52,17 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="contiguous"):
         device.unpack(torch.ones(4, 4).t(), torch.zeros(1, dtype=torch.int32),
                       torch.ones(1, 4), 4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tensors())
+def test_staging_round_trip_keeps_every_value(case):
+    """to_host, then to_device: the same values (a -0 comes back +0), written into the given
+    output; a staged tensor's host copy holds only what its non-zero blocks held."""
+    t, bs = case
+    host = staging.to_host(t, bs)
+    assert host.dtype == t.dtype and host.shape == (t.numel(),)
+    assert torch.equal(host.isnan(), t.isnan()) and torch.equal(host.nan_to_num(), t.nan_to_num())
+    out = torch.full_like(t, 7.0)
+    assert staging.to_device(host, out, bs) is out
+    assert torch.equal(out.isnan(), t.isnan()) and torch.equal(out.nan_to_num(), t.nan_to_num())

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds and installs Horovod from its sdist into the Python environment of PY, with the fix it
+# needs for torch >= 2.1 (C++17), PyTorch only, Gloo and CPU operations; HOROVOD_* variables in
+# the environment add to that (scripts/setup.sh adds HOROVOD_WITH_MPI=1).
+#   scripts/build_horovod.sh PY horovod-X.Y.Z.tar.gz
+set -euo pipefail
+PY=${1:?usage: scripts/build_horovod.sh PY SDIST}
+SDIST=${2:?usage: scripts/build_horovod.sh PY SDIST}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+tar -xzf "$SDIST" -C "$tmp"
+src=$(echo "$tmp"/horovod-*)
+# torch >= 2.1 headers need C++17; Horovod 0.28.1 pins C++14 in two places.
+sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+    "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
+# The system's cmake: pip's cmake 4.x rejects Gloo's CMakeLists.
+"$PY" -m pip uninstall -q -y cmake 2>/dev/null || true
+PATH=/usr/bin:$PATH HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+  HOROVOD_WITH_GLOO=1 MAKEFLAGS=-j"$(nproc)" \
+  "$PY" -m pip install -q --no-build-isolation --no-deps "$src"

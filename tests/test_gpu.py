@@ -1,0 +1,71 @@
+"""GPU workers (marked ``gpu``): the codec and staging on a CUDA device against the CPU codec,
+and every scheme on CUDA tensors under horovodrun against Horovod's CPU allreduce of the same
+tensors. Where torch sees no CUDA device (this project's machine) they are skipped, with the
+reason; scripts/gpu_check.sh runs them on a GPU host."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import launch
+
+from hvd_sparse import blocks, device, staging
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device here (torch.cuda.is_available() is False): run scripts/gpu_check.sh "
+           "on a GPU host")]
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def sample(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(numel)
+    t = torch.randn(numel, generator=g) * (torch.rand(numel, generator=g) < 0.02)
+    specials = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])[:numel]
+    t[torch.arange(len(specials)) * max(1, numel // 4)] = specials
+    return t.to(dtype)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel,bs", [(1, 256), (1000, 3), (1 << 20, 256), ((1 << 22) + 17, 256)])
+def test_the_codec_on_cuda_matches_the_cpu_codec(dtype, numel, bs):
+    """The CUDA kernels (float32, float64) or torch operations (float16, bfloat16)."""
+    t = sample(numel, dtype)
+    idx, vals = device.pack(t.cuda(), bs)
+    ref_idx, ref_vals = blocks.pack(t, bs)
+    assert idx.is_cuda and torch.equal(idx.cpu(), ref_idx)
+    assert torch.equal(bits(vals.cpu()), bits(ref_vals))
+    out, ref = torch.ones_like(t).cuda(), torch.ones_like(t)
+    device.unpack(out, idx, vals, bs)
+    blocks.unpack(ref, ref_idx, ref_vals, bs)
+    assert torch.equal(out.cpu().nan_to_num(), ref.nan_to_num())
+    assert torch.equal(out.cpu().isnan(), ref.isnan())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_staging_round_trip_on_cuda(dtype):
+    t = sample((1 << 20) + 5, dtype).cuda()
+    assert staging.staged(t)
+    host = staging.to_host(t, 256)
+    assert host.device.type == "cpu"
+    assert torch.equal(host.nan_to_num(), t.cpu().nan_to_num())
+    out = torch.full_like(t, 7.0)
+    assert staging.to_device(host, out, 256) is out
+    assert torch.equal(out.nan_to_num(), t.nan_to_num())
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_every_scheme_on_cuda_tensors(np, tmp_path):
+    """tests/mp/allreduce_cases.py with its tensors on the GPU: every scheme, dtype and density,
+    in place and out of place, async, scaled, through Compression.sparse."""
+    reports = launch("allreduce_cases.py", np, tmp_path, timeout=600,
+                     env={"HVD_SPARSE_TEST_QUICK": "1", "HVD_SPARSE_TEST_DEVICE": "cuda"})
+    for rank, rep in enumerate(reports):
+        failures = {k: v for k, v in rep.items() if v and not k.startswith("_")}
+        assert not failures, f"rank {rank}: " + "\n".join(
+            f"{k}: {v}" for k, v in list(failures.items())[:8])
+        assert rep["_staged"] > 0 and rep["_unstaged"] == 0, rep
