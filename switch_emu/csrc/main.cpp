@@ -178,11 +178,12 @@ class Switch {
   Switch(std::vector<Port> ports, rte_mempool* pool, std::unique_ptr<Aggregation> agg)
       : ports_(std::move(ports)), pool_(pool), agg_(std::move(agg)) {}
 
-  // One pass over every port: receive a burst, learn, forward. Returns the frames received.
-  unsigned poll() {
+  // One pass over every port at time `now`: receive a burst, learn, forward. Returns the frames
+  // received.
+  unsigned poll(double now) {
     unsigned got = 0;
     rte_mbuf* m[kBurst];
-    now_ = now_s();
+    now_ = now;
     for (size_t p = 0; p < ports_.size(); ++p) {
       const uint16_t n = rte_eth_rx_burst(ports_[p].id, 0, m, kBurst);
       ports_[p].rx += n;
@@ -519,9 +520,9 @@ int main(int argc, char** argv) {
 
   const uint16_t nports = rte_eth_dev_count_avail();
   if (nports < 2) fail("a switch needs at least 2 ports (one --vdev each)");
-  rte_mempool* pool = rte_pktmbuf_pool_create("switch", nports * (2u * kRing + kEgress) + 4095, 256, 0,
-                                              uint16_t(kDataRoom + RTE_PKTMBUF_HEADROOM),
-                                              int(rte_socket_id()));
+  rte_mempool* pool = rte_pktmbuf_pool_create(
+      "switch", nports * (2u * kRing + kEgress) + 4095, 256, 0,
+      uint16_t(kDataRoom + RTE_PKTMBUF_HEADROOM), int(rte_socket_id()));
   if (!pool) fail(std::string("mbuf pool: ") + rte_strerror(rte_errno));
   std::vector<std::string> names;
   std::stringstream list(names_arg);
@@ -568,7 +569,7 @@ int main(int argc, char** argv) {
     if (t - last_pass > 0.5)  // the loop did not run: starved of CPU, or blocked in a driver
       std::fprintf(stderr, "hvd-sparse switch: no pass over the ports for %.2f s\n", t - last_pass);
     last_pass = t;
-    if (sw.poll()) {
+    if (sw.poll(t)) {  // one clock read per pass
       idle = 0;
     } else if (++idle >= kSpins) {
       // Idle: leave the CPU to the hosts sharing it. The nap doubles every 64 naps, from 20 us
