@@ -41,11 +41,26 @@ lint: build
 test: build lint $(if $(NVCC),cuda-check)
 	@$(PY) -m pytest -q -rs tests
 
-# Compiles every CUDA source for sm_80 and sm_90 (no GPU needed; nothing here runs them).
-cuda-check:
+# Compiles every CUDA source for sm_80 and sm_90 and links the kernels into one library, then
+# compiles the torch binding (syntax only: a CPU torch has the CUDA headers but not the
+# libraries, nor the one generated header, stubbed here). No GPU needed; nothing here runs them.
+CUDA_SRC := $(wildcard csrc/cuda/*) csrc/omni/halfconv.h csrc/host_device.h
+CUDA_CHECK := build/cuda-check
+cuda-check: $(CUDA_CHECK)/ok
+$(CUDA_CHECK)/ok: $(CUDA_SRC) | setup
 	@test -n "$(NVCC)" || { echo "cuda-check: nvcc not found"; exit 1; }
+	@mkdir -p $(CUDA_CHECK)/c10/cuda/impl
 	@for f in csrc/cuda/*.cu; do echo "[nvcc] $$f"; $(NVCC) -std=c++17 -gencode arch=compute_80,code=sm_80 \
-	  -gencode arch=compute_90,code=sm_90 -Icsrc/cuda -c $$f -o /dev/null || exit 1; done
+	  -gencode arch=compute_90,code=sm_90 -Xcompiler -fPIC -Icsrc/cuda -c $$f \
+	  -o $(CUDA_CHECK)/$$(basename $$f).o || exit 1; done
+	@echo "[nvcc] link the kernels"; $(NVCC) -shared -o $(CUDA_CHECK)/kernels.so $(CUDA_CHECK)/*.cu.o
+	@echo "[c++] csrc/cuda/binding.cpp (syntax)"
+	@printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > $(CUDA_CHECK)/c10/cuda/impl/cuda_cmake_macros.h
+	@TI=$$($(PY) -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))"); \
+	  PI=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
+	  $${CXX:-c++} -std=c++17 -fsyntax-only -w $$TI -I$$PI -I$(dir $(realpath $(NVCC)))../include \
+	  -I$(CUDA_CHECK) -DTORCH_EXTENSION_NAME=_cuda csrc/cuda/binding.cpp
+	@touch $@
 
 # On a 4-host netns testbed at 1 Gbit/s when run as root, else on loopback (scripts/demo.py).
 demo: build

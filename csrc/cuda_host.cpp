@@ -4,6 +4,7 @@
 // No GPU is lent to this project; the tests compare these against the CPU codec instead.
 #include <torch/extension.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "cuda/block_ops.h"
@@ -13,15 +14,18 @@ namespace {
 
 namespace cu = hvd_sparse::cuda;
 
+// Calls f with a pointer to t's data as the kernels' element type (float16/bfloat16 as their
+// bits, block_ops.h's F16/BF16, exactly as binding.cpp hands them to the kernels).
 template <typename F>
 void dispatch(const at::Tensor& t, F&& f) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "cuda_host: contiguous CPU tensor");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
-              "cuda_host: float32 or float64");
-  if (t.scalar_type() == at::kFloat)
-    f(t.data_ptr<float>());
-  else
-    f(t.data_ptr<double>());
+  switch (t.scalar_type()) {
+    case at::kFloat: return f(static_cast<float*>(t.data_ptr()));
+    case at::kDouble: return f(static_cast<double*>(t.data_ptr()));
+    case at::kHalf: return f(static_cast<cu::F16*>(t.data_ptr()));
+    case at::kBFloat16: return f(static_cast<cu::BF16*>(t.data_ptr()));
+    default: TORCH_CHECK(false, "cuda_host: float32, float64, float16 or bfloat16");
+  }
 }
 
 // Kernel 1 (bitmap): one flag per block.
@@ -49,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor> host_pack(const at::Tensor& x, int64_t bs) {
   int32_t* ix = idx.data_ptr<int32_t>();
   dispatch(x, [&](auto* p) {
     using T = std::remove_pointer_t<decltype(p)>;
-    T* v = vals.data_ptr<T>();
+    T* v = static_cast<T*>(vals.data_ptr());
     for (int64_t b = 0; b < nb; ++b) {
       if (!m[b]) continue;
       ix[offset[b]] = static_cast<int32_t>(b);
@@ -71,7 +75,7 @@ void host_unpack(at::Tensor& out, const at::Tensor& idx, const at::Tensor& vals,
                 "cuda_host unpack: block indices must be ascending and in range");
   dispatch(out, [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
-    const T* v = vals.data_ptr<T>();
+    const T* v = static_cast<T*>(vals.data_ptr());
     for (int64_t k = 0; k < idx.numel(); ++k)
       for (int64_t j = 0; j < bs; ++j) cu::unpack_add_element(o, n, bs, ix[k], k, j, v);
   });
@@ -79,16 +83,20 @@ void host_unpack(at::Tensor& out, const at::Tensor& idx, const at::Tensor& vals,
 
 // Kernels 5-6 (threshold selection): flag |x| >= thr, exclusive scan, scatter indices to slots.
 at::Tensor host_select_ge(const at::Tensor& x, double thr) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
+              "cuda_host select_ge: float32 or float64");
   const int64_t n = x.numel();
   std::vector<int64_t> offset(static_cast<size_t>(n) + 1, 0);
   at::Tensor out;
   dispatch(x, [&](auto* p) {
     using T = std::remove_pointer_t<decltype(p)>;
-    for (int64_t i = 0; i < n; ++i) offset[i + 1] = offset[i] + cu::passes(p[i], static_cast<T>(thr));
-    out = at::empty({offset[n]}, at::kLong);
-    int64_t* o = out.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i)
-      if (offset[i + 1] != offset[i]) o[offset[i]] = i;
+    if constexpr (std::is_floating_point_v<T>) {
+      for (int64_t i = 0; i < n; ++i) offset[i + 1] = offset[i] + cu::passes(p[i], static_cast<T>(thr));
+      out = at::empty({offset[n]}, at::kLong);
+      int64_t* o = out.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n; ++i)
+        if (offset[i + 1] != offset[i]) o[offset[i]] = i;
+    }
   });
   return out;
 }

@@ -183,7 +183,8 @@ at::Tensor topk_abs(const at::Tensor& x, int64_t k, int64_t seed) {
   return out;
 }
 
-// ExDyna's block scores: mean |x| over each block. Returns (ascending block indices in [b0, b1)
+// ExDyna's block scores: mean |x| over each block, summed in float64 (as the sampled scores are,
+// and the device version in sparsifiers/ops.py). Returns (ascending block indices in [b0, b1)
 // whose score >= thr, the largest finite score seen, the number of blocks whose score is not
 // finite).
 std::tuple<at::Tensor, double, int64_t> select_blocks(const at::Tensor& x, int64_t bs, int64_t b0,
@@ -195,26 +196,25 @@ std::tuple<at::Tensor, double, int64_t> select_blocks(const at::Tensor& x, int64
   double best = 0;
   int64_t bad = 0;
   dispatch(x, "select_blocks", [&](auto* p) {
-    using T = std::remove_pointer_t<decltype(p)>;
     const int64_t nb = b1 - b0, chunks = chunk_count(nb * bs, kGrain);
     std::vector<std::vector<int64_t>> parts(chunks);
     std::vector<double> bests(chunks, 0);
     std::vector<int64_t> bads(chunks, 0);
     for_chunks(nb, chunks, [&](int64_t c, int64_t lo, int64_t hi) {
-      T top = 0;
+      double top = 0;
       for (int64_t b = b0 + lo; b < b0 + hi; ++b) {
         const int64_t s = b * bs, e = std::min(n, s + bs);
-        T sum = 0;
-        for (int64_t i = s; i < e; ++i) sum += std::abs(p[i]);
-        const T score = sum / static_cast<T>(e - s);
+        double sum = 0;
+        for (int64_t i = s; i < e; ++i) sum += std::abs(static_cast<double>(p[i]));
+        const double score = sum / static_cast<double>(e - s);
         if (!std::isfinite(score)) {
           ++bads[c];
           continue;
         }
         top = std::max(top, score);
-        if (score >= static_cast<T>(thr)) parts[c].push_back(b);
+        if (score >= thr) parts[c].push_back(b);
       }
-      bests[c] = static_cast<double>(top);
+      bests[c] = top;
     });
     out = concat(parts);
     for (int64_t c = 0; c < chunks; ++c) best = std::max(best, bests[c]), bad += bads[c];

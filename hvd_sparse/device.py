@@ -1,12 +1,15 @@
 """The block codec on a tensor's own device, so that a gradient on an accelerator reaches the host
 as its packed non-zero blocks only (blocks.py is the same codec for CPU tensors, in C++).
 
-The CUDA kernels of ``hvd_sparse._cuda`` (csrc/cuda/, float32 and float64) where they are built;
+The CUDA kernels of ``hvd_sparse._cuda`` (csrc/cuda/) where they are built;
 torch operations elsewhere, for every dtype and device. Same layout and meaning as blocks.py:
 int32 ascending indices of the blocks holding a non-zero element (NaN and Inf count, -0 does
 not), their values as [k, block_size] with the tail block zero-padded.
 """
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import torch
 
@@ -15,10 +18,20 @@ try:
 except ImportError:  # built only where torch has CUDA and nvcc exists (setup.py)
     _cuda = None
 
-_KERNEL_DTYPES = (torch.float32, torch.float64)
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+# CPU tensors take the path of accelerator tensors (staged through host memory, sparsified with
+# torch operations): how the tests run that path on a machine without a GPU.
+CPU_AS_DEVICE = os.environ.get("HVD_SPARSE_CPU_AS_DEVICE") == "1"
 
 
-def _kernels(t: torch.Tensor) -> bool:
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` takes the accelerator path (not the C++ CPU kernels)."""
+    return t.device.type != "cpu" or CPU_AS_DEVICE
+
+
+def kernels(t: torch.Tensor) -> bool:
+    """Whether the CUDA kernels of ``_cuda`` handle ``t``."""
     return _cuda is not None and t.is_cuda and t.dtype in _KERNEL_DTYPES
 
 
@@ -36,16 +49,42 @@ def pack(t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     [k, block_size])."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if _kernels(t):
+    if kernels(t):
         return _cuda.pack(t.contiguous(), block_size)
     return torch_pack(t, block_size)
 
 
+def pack_begin(t: torch.Tensor, block_size: int) -> tuple[Any, torch.Tensor]:
+    """pack()'s first half, reading nothing back: (state for ``pack_end``, the number of
+    non-zero blocks as a one-element int64 tensor on t's device)."""
+    if kernels(t):
+        flags, offsets = _cuda.mask_scan(t.contiguous(), block_size)
+        return (flags, offsets), offsets[-1:]
+    mask = _torch_mask(t, block_size)
+    return mask, mask.sum().view(1)
+
+
+def pack_end(t: torch.Tensor, block_size: int, state: Any,
+             count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack()'s second half, once ``count`` (of ``pack_begin``) is known on the host."""
+    if kernels(t):
+        return _cuda.pack_counted(t.contiguous(), block_size, *state, count)
+    return _torch_select(t, block_size, state)
+
+
 def torch_pack(t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pack() in torch operations: a mask, ``nonzero`` and ``index_select``."""
-    blocks = torch_blocks(t, block_size)
-    idx = (blocks != 0).any(dim=1).nonzero().reshape(-1)
-    return idx.to(torch.int32), blocks.index_select(0, idx)
+    return _torch_select(t, block_size, _torch_mask(t, block_size))
+
+
+def _torch_mask(t: torch.Tensor, block_size: int) -> torch.Tensor:
+    return (torch_blocks(t, block_size) != 0).any(dim=1)
+
+
+def _torch_select(t: torch.Tensor, block_size: int,
+                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = mask.nonzero().view(-1)
+    return idx.to(torch.int32), torch_blocks(t, block_size).index_select(0, idx)
 
 
 def unpack(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, block_size: int) -> None:
@@ -53,7 +92,7 @@ def unpack(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, block_size:
     its device."""
     if not out.is_contiguous():
         raise ValueError("unpack: the output must be contiguous")
-    if _kernels(out):
+    if kernels(out):
         return _cuda.unpack(out, idx, vals, block_size)
     torch_unpack(out, idx, vals, block_size)
 
@@ -69,3 +108,12 @@ def torch_unpack(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor,
     tail = flat.numel() - whole * block_size
     if tail and not bool(full.all()):
         flat[whole * block_size:] += vals[~full][0, :tail]
+
+
+def select_ge(x: torch.Tensor, thr: float) -> torch.Tensor:
+    """Ascending int64 indices of the elements of flat ``x`` with |x| >= thr (thr rounded to
+    x's dtype; NaN never passes), on its device."""
+    if kernels(x) and x.dtype in (torch.float32, torch.float64):
+        return _cuda.select_ge(x.contiguous(), thr)
+    bar = torch.tensor(thr, dtype=x.dtype, device=x.device)
+    return (x.reshape(-1).abs() >= bar).nonzero().view(-1)

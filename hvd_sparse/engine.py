@@ -138,7 +138,10 @@ def submit(job: Job, gen: Stage, on_done: Callable[[Handle], None]) -> Handle:
         h = Handle(job, gen, on_done)
         _inflight[job.name] = h
         h._step(None)
-        _reap(h)
+        # Every submission (each gradient's hook) also moves the others on: a stage that
+        # finished during the backward pass (a staged tensor reaching the host, a collective)
+        # starts the next one now rather than at synchronize.
+        progress()
         return h
 
 

@@ -55,7 +55,7 @@ def allreduce_async(
                              f"process set {process_set.ranks}")
     t = tensor.detach()
     block_size = block_size or st.config.block_size
-    home = None  # a staged tensor's flat self on its device, where the result goes
+    home = to_host = None  # a staged tensor: its flat self on the device, its way to the host
     if t.is_sparse and scheme != "dense" and rows.supported(t):
         scheme, inplace, copied = "rows", False, False
     else:
@@ -64,8 +64,8 @@ def allreduce_async(
         copied = t.is_sparse or not t.is_contiguous()
         t = (_dense(t) if t.is_sparse else t.contiguous()).view(-1)
         if t.numel() and staging.staged(t):
-            home, t, copied = t, staging.to_host(t, block_size), True
-        if not blocks.supported(t) or t.numel() == 0:
+            home, to_host, copied = t, staging.ToHost(t, block_size), True
+        elif not blocks.supported(t) or t.numel() == 0:
             scheme = "dense"
     job = Job(name=name, tensor=t, shape=tensor.shape, op=op,
               prescale=prescale_factor, postscale=postscale_factor,
@@ -75,9 +75,17 @@ def allreduce_async(
               ctx=engine.Context(st.config, st.net, st.omni, st.switch),
               inplace=t.numel() > 0 and (inplace or copied),
               output=tensor if inplace else None, home=home)
-    if home is not None:
-        job.stats["staged"] = str(home.device)
-    return engine.submit(job, schemes.run(job), _record)
+    if to_host is None:
+        return engine.submit(job, schemes.run(job), _record)
+    job.stats["staged"] = str(home.device)
+    return engine.submit(job, _staged(job, to_host), _record)
+
+
+def _staged(job: Job, to_host: staging.ToHost) -> engine.Stage:
+    """A staged tensor's reduction: its non-zero blocks reach host memory, the scheme runs on
+    the host tensor built from them (``synchronize`` takes the result back to the device)."""
+    job.tensor = yield "to host", to_host
+    return (yield from schemes.run(job))
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

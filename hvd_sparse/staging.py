@@ -1,52 +1,117 @@
 """Gradients on an accelerator, reduced on the host: only their non-zero blocks cross the bus.
 
 The reduction itself (Horovod's CPU operations, the aggregators, the switch) runs on host memory,
-so a device tensor is staged: packed on its device (``device.pack``), its packed blocks copied
-once to pinned host memory and scattered into fresh host zeros, which any scheme then reduces;
-the result goes back the same way (packed on the host, one copy, scattered into zeros on the
-device). A dense tensor crosses the bus whole, a 1% sparse one at about 1% of its bytes.
+so a device tensor is staged: packed on its device (``device.pack_begin``/``pack_end``), its
+packed blocks copied once to pinned host memory and scattered into fresh host zeros, which any
+scheme then reduces; the result goes back the same way (packed on the host, one copy, scattered
+into zeros on the device, on the caller's stream). A dense tensor crosses the bus whole, a 1%
+sparse one at about 1% of its bytes.
 
-``HVD_SPARSE_STAGE_CPU=1`` stages CPU tensors too: how the tests run this path without a GPU.
+Going to the host is asynchronous (``ToHost``, a stage the engine polls): on a side stream that
+waits for the gradient's stream, then by CUDA events polled from the host, never a device or
+stream synchronization. The optimizer's hook that submits a gradient returns at once, and the
+copies overlap the rest of the backward pass.
+
+``HVD_SPARSE_CPU_AS_DEVICE=1`` stages CPU tensors too: how the tests run this path without a GPU.
 """
 from __future__ import annotations
 
-import os
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
 from . import blocks, device
 
-_STAGE_CPU = os.environ.get("HVD_SPARSE_STAGE_CPU") == "1"
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def staged(t: torch.Tensor) -> bool:
     """Whether ``t`` (dense, of a dtype the codec handles) is reduced through host memory."""
-    return t.dtype in blocks.DTYPE_CODES and (t.device.type != "cpu" or _STAGE_CPU)
+    return t.dtype in blocks.DTYPE_CODES and device.on_device(t)
 
 
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu":
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None, after_current: bool = False) -> Iterator[None]:
+    if stream is None:
+        yield
+        return
+    if after_current:  # the gradient was produced on the current stream
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _pinned(x: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of ``x``, started on the current stream (``x`` itself on the CPU)."""
+    if not x.is_cuda:
         return x
-    pinned = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
-    pinned.copy_(x, non_blocking=True)
-    if x.is_cuda:  # this stream's copy, not the whole device
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-    return pinned
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return host.copy_(x, non_blocking=True)
+
+
+def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+class ToHost:
+    """A flat host tensor equal to ``t``, built from its non-zero blocks; a ``Waitable`` for the
+    engine. Three steps, each started when the previous one's event is reached: the block mask,
+    its prefix sum and a copy of the count; the pack of that many blocks and their copy; the
+    scatter into host zeros (``value``)."""
+
+    def __init__(self, t: torch.Tensor, block_size: int) -> None:
+        self.t, self.block_size = t, block_size
+        self.stream = None
+        if t.is_cuda:
+            self.stream = _side_streams.get(t.device)
+            if self.stream is None:
+                self.stream = _side_streams[t.device] = torch.cuda.Stream(t.device)
+            t.record_stream(self.stream)  # its memory is not reused before the side stream is done
+        with _on(self.stream, after_current=True):
+            self._state, count = device.pack_begin(t, block_size)
+            self._count = _pinned(count)
+            self.event = _record(self.stream)
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def poll(self) -> bool:
+        if self.event is not None and not self.event.query():
+            return False
+        if self._packed is None:  # the count is here: pack that many blocks, copy them
+            with _on(self.stream):
+                idx, vals = device.pack_end(self.t, self.block_size, self._state,
+                                            int(self._count))
+                self._packed = _pinned(idx), _pinned(vals)
+                self.event = _record(self.stream)
+            self._state = None
+            return self.event is None or self.event.query()
+        return True
+
+    def value(self) -> torch.Tensor:
+        assert self._packed is not None
+        host = blocks.zeros(self.t.numel(), self.t.dtype)
+        blocks.unpack(host, *self._packed, self.block_size)
+        return host
+
+    def wait(self) -> torch.Tensor:
+        """``value()`` once every step is done, waiting on this stream's events only."""
+        while not self.poll():
+            self.event.synchronize()
+        return self.value()
 
 
 def to_host(t: torch.Tensor, block_size: int) -> torch.Tensor:
     """A flat host tensor equal to ``t`` (contiguous), built from its non-zero blocks."""
-    idx, vals = device.pack(t, block_size)
-    host = blocks.zeros(t.numel(), t.dtype)
-    blocks.unpack(host, _to_host(idx), _to_host(vals), block_size)
-    return host
+    return ToHost(t, block_size).wait()
 
 
 def to_device(host: torch.Tensor, out: torch.Tensor, block_size: int) -> torch.Tensor:
     """Writes the flat host tensor ``host`` into ``out`` (contiguous, on its device), sending
-    only its non-zero blocks; returns ``out``."""
+    only its non-zero blocks, on the current stream; returns ``out``."""
     idx, vals = blocks.pack(host, block_size)
     if out.is_cuda:
         idx, vals = idx.pin_memory(), vals.pin_memory()

@@ -25,9 +25,13 @@ def tensors(draw, dtypes=(torch.float32, torch.float64)):
     return torch.from_numpy(x).to(dtype), bs
 
 
+ALL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 @settings(max_examples=200, deadline=None)
-@given(tensors())
+@given(tensors(ALL_DTYPES))
 def test_bitmap_pack_unpack_match_the_cpu_codec(case):
+    """float16/bfloat16 as their bits; unpack adds them in float, rounded once (c10::Half's +=)."""
     t, bs = case
     assert torch.equal(_C.cuda_host_block_mask(t, bs), blocks.block_mask(t, bs))
     idx, vals = _C.cuda_host_pack(t, bs)

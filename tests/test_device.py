@@ -7,11 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from test_cuda_host import tensors
+from test_cuda_host import ALL_DTYPES, tensors
 
 from hvd_sparse import blocks, device, staging
-
-ALL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -26,6 +24,9 @@ def test_pack_and_unpack_match_the_cpu_codec(case):
     ref_idx, ref_vals = blocks.pack(t, bs)
     assert idx.dtype == torch.int32 and torch.equal(idx, ref_idx)
     assert vals.dtype == t.dtype and torch.equal(bits(vals), bits(ref_vals))  # -0, NaN too
+    state, count = device.pack_begin(t, bs)  # the asynchronous form staging uses
+    idx2, vals2 = device.pack_end(t, bs, state, int(count))
+    assert torch.equal(idx2, ref_idx) and torch.equal(bits(vals2), bits(ref_vals))
     out, ref = torch.ones_like(t), torch.ones_like(t)
     device.unpack(out, idx, vals, bs)
     blocks.unpack(ref, ref_idx, ref_vals, bs)

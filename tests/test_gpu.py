@@ -1,14 +1,15 @@
-"""GPU workers (marked ``gpu``): the codec and staging on a CUDA device against the CPU codec,
-and every scheme on CUDA tensors under horovodrun against Horovod's CPU allreduce of the same
-tensors. Where torch sees no CUDA device (this project's machine) they are skipped, with the
-reason; scripts/gpu_check.sh runs them on a GPU host."""
+"""GPU workers (marked ``gpu``): the codec, staging and the sparsifiers on a CUDA device against
+the CPU codec and kernels; every scheme, the sparsifiers and training on CUDA tensors under
+horovodrun against Horovod's CPU allreduce of the same tensors. Where torch sees no CUDA device
+(this project's machine) they are skipped, with the reason; scripts/gpu_check.sh runs them on a
+GPU host."""
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import launch
 
-from hvd_sparse import blocks, device, staging
+from hvd_sparse import DGC, ExDyna, Threshold, TopK, blocks, device, staging
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -64,8 +65,39 @@ def test_every_scheme_on_cuda_tensors(np, tmp_path):
     in place and out of place, async, scaled, through Compression.sparse."""
     reports = launch("allreduce_cases.py", np, tmp_path, timeout=600,
                      env={"HVD_SPARSE_TEST_QUICK": "1", "HVD_SPARSE_TEST_DEVICE": "cuda"})
-    for rank, rep in enumerate(reports):
-        failures = {k: v for k, v in rep.items() if v and not k.startswith("_")}
-        assert not failures, f"rank {rank}: " + "\n".join(
-            f"{k}: {v}" for k, v in list(failures.items())[:8])
+    assert not failures(reports), failures(reports)
+    for rep in reports:
         assert rep["_staged"] > 0 and rep["_unstaged"] == 0, rep
+
+
+def failures(reports: list[dict]) -> str:
+    return "\n".join(f"rank {r}: {k}: {v}" for r, rep in enumerate(reports)
+                     for k, v in rep.items() if v and not k.startswith("_"))
+
+
+SPARSIFIERS = [lambda: TopK(0.01, rank=0, size=1), lambda: Threshold(1.5, rank=0, size=1),
+               lambda: DGC(0.02, rank=0, size=1), lambda: ExDyna(0.01, rank=1, size=4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("make", SPARSIFIERS, ids=["topk", "threshold", "dgc", "exdyna"])
+def test_sparsifiers_on_cuda_select_what_the_cpu_kernels_select(make, dtype):
+    """Five error-feedback steps on CUDA (torch operations, memory on the GPU) against the same
+    sparsifier on the CPU (hvd_sparse._C): the same gradients, bit for bit."""
+    gpu, cpu = make(), make()
+    g = torch.Generator().manual_seed(3)
+    for step in range(5):
+        x = (torch.randn(1_000_003, generator=g) * (torch.rand(1_000_003, generator=g) < 0.5))
+        x = x.to(dtype)
+        got, want = gpu("w", x.cuda(), 4), cpu("w", x.clone(), 4)
+        assert got.is_cuda and torch.equal(got.cpu(), want), f"step {step}"
+        gpu.observe("w", want.cuda() * 2, 4)
+        cpu.observe("w", want * 2, 4)
+
+
+@pytest.mark.parametrize("script", ["sparsify_schemes.py", "training.py"])
+def test_sparsifiers_and_training_on_cuda(script, tmp_path):
+    """Every sparsifier under every scheme and API, and training parity (the hvd_sparse model on
+    the GPU, the dense Horovod one on the CPU), at 4 ranks sharing the GPU."""
+    reports = launch(script, 4, tmp_path, timeout=600, env={"HVD_SPARSE_TEST_DEVICE": "cuda"})
+    assert not failures(reports), failures(reports)

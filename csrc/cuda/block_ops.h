@@ -4,14 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#ifndef __CUDACC__
-#ifndef __host__
-#define __host__
-#endif
-#ifndef __device__
-#define __device__
-#endif
-#endif
+#include "../omni/halfconv.h"
 
 namespace hvd_sparse {
 namespace cuda {
@@ -35,6 +28,25 @@ __host__ __device__ inline uint64_t magnitude_bits(double v) {
   return c.u & 0x7fffffffffffffffull;
 }
 
+// float16 and bfloat16 as their bits: the kernels test and copy them, and only the unpack's add
+// widens them to float (correctly rounded: float carries more than twice their precision, so
+// rounding twice is rounding once), as c10::Half's += does in the CPU codec.
+struct F16 { uint16_t bits; };
+struct BF16 { uint16_t bits; };
+__host__ __device__ inline uint32_t magnitude_bits(F16 v) { return v.bits & 0x7fffu; }
+__host__ __device__ inline uint32_t magnitude_bits(BF16 v) { return v.bits & 0x7fffu; }
+
+template <typename T>
+__host__ __device__ inline T add(T a, T b) { return a + b; }
+template <>
+__host__ __device__ inline F16 add(F16 a, F16 b) {
+  return {omni::float_to_f16(omni::f16_to_float(a.bits) + omni::f16_to_float(b.bits))};
+}
+template <>
+__host__ __device__ inline BF16 add(BF16 a, BF16 b) {
+  return {omni::float_to_bf16(omni::bf16_to_float(a.bits) + omni::bf16_to_float(b.bits))};
+}
+
 // Elements [lo, hi) of block b have a non-zero (one thread's share of a block when hi-lo < bs).
 template <typename T>
 __host__ __device__ inline bool range_nonzero(const T* x, int64_t lo, int64_t hi) {
@@ -54,7 +66,7 @@ template <typename T>
 __host__ __device__ inline void pack_element(const T* x, int64_t numel, int64_t bs, int64_t b,
                                              int64_t slot, int64_t j, T* vals) {
   const int64_t i = b * bs + j;
-  vals[slot * bs + j] = i < numel ? x[i] : T(0);
+  vals[slot * bs + j] = i < numel ? x[i] : T{};
 }
 
 // Adds element j of packed block k (block index b) into out. Block indices of one segment are
@@ -63,7 +75,7 @@ template <typename T>
 __host__ __device__ inline void unpack_add_element(T* out, int64_t numel, int64_t bs, int64_t b,
                                                    int64_t k, int64_t j, const T* vals) {
   const int64_t i = b * bs + j;
-  if (i < numel) out[i] += vals[k * bs + j];
+  if (i < numel) out[i] = add(out[i], vals[k * bs + j]);
 }
 
 // Threshold selection: |v| >= thr (NaN never passes: callers check finiteness separately).

@@ -1,5 +1,6 @@
 // Block bitmap and compaction of non-zero blocks: one warp per block for the bitmap, a prefix
-// sum for the output slots, one thread per packed element for the copy. The per-block logic is
+// sum for the output slots, one thread per packed element for the copy (float16 and bfloat16
+// as their bits: nothing here computes with them). The per-block logic is
 // block_ops.h, which the host build (csrc/cuda_host.cpp) tests against the CPU codec.
 #include "block_ops.h"
 #include "launch.h"
@@ -52,6 +53,11 @@ size_t scan_temp_bytes(int64_t n) {
   return bytes;
 }
 
+cudaError_t scan_flags(const int32_t* flags, int64_t n, int64_t* offsets, void* temp,
+                       size_t temp_bytes, cudaStream_t s) {
+  return exclusive_scan(flags, offsets, n, temp, temp_bytes, s);
+}
+
 template <typename T>
 cudaError_t block_bitmap(const T* x, int64_t numel, int64_t bs, int32_t* flags, cudaStream_t s) {
   const int64_t nblocks = (numel + bs - 1) / bs;
@@ -62,22 +68,22 @@ cudaError_t block_bitmap(const T* x, int64_t numel, int64_t bs, int32_t* flags, 
 
 template <typename T>
 cudaError_t pack_blocks(const T* x, int64_t numel, int64_t bs, const int32_t* flags,
-                        int64_t* offsets, int32_t* idx, T* vals, void* temp, size_t temp_bytes,
-                        cudaStream_t s) {
+                        const int64_t* offsets, int32_t* idx, T* vals, cudaStream_t s) {
   const int64_t nblocks = (numel + bs - 1) / bs;
-  cudaError_t e = exclusive_scan(flags, offsets, nblocks, temp, temp_bytes, s);
-  if (e != cudaSuccess || nblocks == 0) return e;
+  if (nblocks == 0) return cudaSuccess;
   pack_kernel<<<grid_for(nblocks * bs, kThreads), kThreads, 0, s>>>(x, numel, bs, nblocks, flags,
                                                                     offsets, idx, vals);
   return cudaGetLastError();
 }
 
-template cudaError_t block_bitmap<float>(const float*, int64_t, int64_t, int32_t*, cudaStream_t);
-template cudaError_t block_bitmap<double>(const double*, int64_t, int64_t, int32_t*, cudaStream_t);
-template cudaError_t pack_blocks<float>(const float*, int64_t, int64_t, const int32_t*, int64_t*,
-                                        int32_t*, float*, void*, size_t, cudaStream_t);
-template cudaError_t pack_blocks<double>(const double*, int64_t, int64_t, const int32_t*, int64_t*,
-                                         int32_t*, double*, void*, size_t, cudaStream_t);
+#define INSTANTIATE(T)                                                                          \
+  template cudaError_t block_bitmap<T>(const T*, int64_t, int64_t, int32_t*, cudaStream_t);     \
+  template cudaError_t pack_blocks<T>(const T*, int64_t, int64_t, const int32_t*, const int64_t*, \
+                                      int32_t*, T*, cudaStream_t);
+INSTANTIATE(float)
+INSTANTIATE(double)
+INSTANTIATE(F16)
+INSTANTIATE(BF16)
 
 }  // namespace cuda
 }  // namespace hvd_sparse

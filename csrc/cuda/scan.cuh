@@ -9,7 +9,7 @@ namespace cuda {
 
 // flags has n entries; offsets n + 1. Scanning n + 1 items of a zero-extended view would need
 // a copy, so the total is written by one extra thread instead.
-__global__ void write_total(const int32_t* flags, int64_t* offsets, int64_t n) {
+static __global__ void write_total(const int32_t* flags, int64_t* offsets, int64_t n) {
   offsets[n] = n ? offsets[n - 1] + flags[n - 1] : 0;
 }
 

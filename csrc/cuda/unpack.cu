@@ -30,10 +30,13 @@ cudaError_t unpack_add(T* out, int64_t numel, int64_t bs, const int32_t* idx, co
   return cudaGetLastError();
 }
 
-template cudaError_t unpack_add<float>(float*, int64_t, int64_t, const int32_t*, const float*,
-                                       int64_t, cudaStream_t);
-template cudaError_t unpack_add<double>(double*, int64_t, int64_t, const int32_t*, const double*,
-                                        int64_t, cudaStream_t);
+#define INSTANTIATE(T)                                                                         \
+  template cudaError_t unpack_add<T>(T*, int64_t, int64_t, const int32_t*, const T*, int64_t,   \
+                                     cudaStream_t);
+INSTANTIATE(float)
+INSTANTIATE(double)
+INSTANTIATE(F16)
+INSTANTIATE(BF16)
 
 }  // namespace cuda
 }  // namespace hvd_sparse

@@ -1,25 +1,28 @@
 // float16 / bfloat16 <-> float32 bit conversions (round to nearest even), torch-free so the
-// aggregator binary can sum 16-bit wire values in wider precision.
+// aggregator binary can sum 16-bit wire values in wider precision; the CUDA unpack kernel adds
+// 16-bit values with the same functions.
 #pragma once
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "../host_device.h"
+
 namespace hvd_sparse::omni {
 
-inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+__host__ __device__ inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+__host__ __device__ inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 
-inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+__host__ __device__ inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
-inline uint16_t float_to_bf16(float f) {
+__host__ __device__ inline uint16_t float_to_bf16(float f) {
   uint32_t u = float_to_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1);
   return uint16_t(u >> 16);
 }
 
-inline float f16_to_float(uint16_t h) {
+__host__ __device__ inline float f16_to_float(uint16_t h) {
   uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
   if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));
   if (exp == 0) {
@@ -30,7 +33,7 @@ inline float f16_to_float(uint16_t h) {
   return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
 }
 
-inline uint16_t float_to_f16(float f) {
+__host__ __device__ inline uint16_t float_to_f16(float f) {
   uint32_t u = float_to_bits(f), sign = (u >> 16) & 0x8000, a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return uint16_t(sign | 0x7e00);     // NaN
   if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00);    // rounds to Inf

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from .. import _C
 from ..metrics import record_sparsify
+from . import ops
 from .memory import NoMemory, ResidualMemory
 
 _FLOATS = (torch.float32, torch.float64)
@@ -84,9 +84,6 @@ class Sparsifier:
         if not grad.is_floating_point():
             raise ValueError(f"{type(self).__name__}: tensor {name!r} is {grad.dtype}; "
                              "sparsifiers take floating-point gradients")
-        if grad.device.type != "cpu":
-            raise ValueError(f"{type(self).__name__}: tensor {name!r} is on {grad.device}; "
-                             "sparsifiers run on CPU tensors")
         if grad.numel() == 0:
             return grad
         flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1).clone()
@@ -123,7 +120,7 @@ class Sparsifier:
         if flat.dtype not in _FLOATS:
             flat = flat.float()
         bounds = torch.tensor([0, flat.numel()], dtype=torch.int64)
-        _, union, _ = _C.partition_counts(flat, 1, bounds)
+        _, union, _ = ops.partition_counts(flat, 1, bounds)
         self.record_union(name, union, flat.numel())
 
     @staticmethod

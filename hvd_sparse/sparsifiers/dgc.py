@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .. import _C
+from . import ops
 from .base import Sparsifier, check_density
 from .memory import MomentumMemory, NoMemory
 
@@ -36,9 +36,9 @@ class DGC(Sparsifier):
         density = self.density_now(name)
         k = max(1, round(density * n))
         m = min(n, max(1000, math.ceil(self.sample * n)))
-        s = _C.sample_abs(x, m, self._calls) if m < n else x.abs().float()
+        s = ops.sample_abs(x, m, self._calls) if m < n else x.abs().float()
         thr = float(torch.topk(s, max(1, round(density * m))).values[-1])
-        idx = _C.select_abs_ge(x, thr)
+        idx = ops.select_abs_ge(x, thr)
         if idx.numel() > 1.3 * k:
-            idx = idx[_C.topk_abs(x[idx], k, self._calls)]
+            idx = idx[ops.topk_abs(x[idx], k, self._calls)]
         return idx, 1

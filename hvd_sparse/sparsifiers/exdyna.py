@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _C
+from . import ops
 from .base import Sparsifier, check_density
 
 BALANCE_TOLERANCE = 0.05  # neighbours whose counts differ more than this trade blocks
@@ -82,15 +82,15 @@ class ExDyna(Sparsifier):
         st.step += 1
         if b0 == b1:
             st.local = None
-            return torch.empty(0, dtype=torch.int64), st.block_size
+            return torch.empty(0, dtype=torch.int64, device=x.device), st.block_size
         # Global threshold: the (1 - density) quantile of a sample of all block scores, times
         # the online factor that the observed counts steer.
         nblocks = int(st.bounds[-1])
         st.density = self.density_now(name)
         m = min(nblocks, max(SAMPLE_MIN, round(SAMPLE_HITS / st.density)))
-        s = _C.sample_block_scores(x, st.block_size, 0, nblocks, m, st.step * 7919 + self.rank)
+        s = ops.sample_block_scores(x, st.block_size, 0, nblocks, m, st.step * 7919 + self.rank)
         st.threshold = st.scale * float(torch.topk(s, max(1, round(st.density * m))).values[-1])
-        idx, best, _ = _C.select_blocks(x, st.block_size, b0, b1, st.threshold)
+        idx, best, _ = ops.select_blocks(x, st.block_size, b0, b1, st.threshold)
         st.local = (idx.numel(), best)
         return idx, st.block_size
 
@@ -106,7 +106,7 @@ class ExDyna(Sparsifier):
             return super().observe(name, reduced, block_size)
         flat = reduced.detach().reshape(-1)
         flat = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
-        counts, union, nonfinite = _C.partition_counts(flat, st.block_size, st.bounds)
+        counts, union, nonfinite = ops.partition_counts(flat, st.block_size, st.bounds)
         self.record_union(name, union, flat.numel())
         local, st.local = st.local, None
         if nonfinite:  # a rank sent a NaN/Inf gradient whole: these counts say nothing

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C
+from . import ops
 
 
 class NoMemory:
@@ -16,12 +16,12 @@ class NoMemory:
 
     def compensate(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(tensor to select from, number of non-finite elements in it)."""
-        return grad, _C.count_nonfinite(grad)
+        return grad, ops.count_nonfinite(grad)
 
     def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
                unit: int) -> None:
         """Leaves only the selected units (``idx``, ascending, of ``unit`` elements) in ``out``."""
-        _C.extract_(out, out, idx, unit, False)
+        ops.extract_(out, out, idx, unit, False)
 
     def reset(self, name: str) -> None:
         pass
@@ -37,11 +37,11 @@ class ResidualMemory(NoMemory):
         e = self.residuals.get(name)
         if e is None or e.shape != grad.shape or e.dtype != grad.dtype:
             e = self.residuals[name] = torch.zeros_like(grad)
-        return e, _C.accumulate_(e, grad)
+        return e, ops.accumulate_(e, grad)
 
     def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
                unit: int) -> None:
-        _C.extract_(x, out, idx, unit, True)
+        ops.extract_(x, out, idx, unit, True)
 
     def reset(self, name: str) -> None:
         # A non-finite value went out dense; keeping it would poison every later step.
@@ -67,12 +67,12 @@ class MomentumMemory(ResidualMemory):
         if v is None or v.shape != grad.shape or v.dtype != grad.dtype:
             v = self.residuals[name] = torch.zeros_like(grad)
             self.velocities[name] = torch.zeros_like(grad)
-        return v, _C.momentum_accumulate_(self.velocities[name], v, grad, self.momentum)
+        return v, ops.momentum_accumulate_(self.velocities[name], v, grad, self.momentum)
 
     def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
                unit: int) -> None:
-        _C.extract_(x, out, idx, unit, True)
-        _C.zero_units_(self.velocities[name], idx, unit)
+        ops.extract_(x, out, idx, unit, True)
+        ops.zero_units_(self.velocities[name], idx, unit)
 
     def reset(self, name: str) -> None:
         super().reset(name)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C
+from . import ops
 from .base import Sparsifier
 
 
@@ -17,4 +17,4 @@ class Threshold(Sparsifier):
         self.threshold = float(threshold)
 
     def select(self, name: str, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
-        return _C.select_abs_ge(x, self.threshold), 1
+        return ops.select_abs_ge(x, self.threshold), 1

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C
+from . import ops
 from .base import Sparsifier, check_density
 
 
@@ -19,4 +19,4 @@ class TopK(Sparsifier):
     def select(self, name: str, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
         self._calls += 1  # varies the sampling seed; the result is exact whatever the seed
         k = max(1, round(self.density_now(name) * x.numel()))
-        return _C.topk_abs(x, k, self._calls), 1
+        return ops.topk_abs(x, k, self._calls), 1

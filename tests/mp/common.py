@@ -22,6 +22,11 @@ def start(**kwargs: object) -> None:
     hvd_sparse.init(**kwargs)
 
 
+def barrier(name: str) -> None:
+    """Every rank has reached ``name`` (a Horovod collective of that name)."""
+    hvd.allreduce(torch.zeros(1), name=f"barrier.{name}")
+
+
 def close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str:
     """'' when out (on any device) matches the float64 reference within dtype rounding, else
     why not."""

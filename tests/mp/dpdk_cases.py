@@ -17,7 +17,7 @@ import threading
 
 import horovod.torch as hvd
 import torch
-from common import case, close_to, report, start
+from common import barrier, case, close_to, report, start
 
 import hvd_sparse
 from hvd_sparse import protocol
@@ -34,10 +34,6 @@ def data(seed: int, density: float, dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * seed + hvd.rank())
     keep = torch.rand(NUMEL // 256, generator=g) < density
     return (torch.randn(NUMEL // 256, 256, generator=g) * keep[:, None]).view(-1).to(dtype)
-
-
-def barrier(name: str) -> None:
-    hvd.allreduce(torch.zeros(1), name=f"barrier.{name}")
 
 
 def reduce_all(tag: str) -> dict[str, torch.Tensor]:
@@ -91,6 +87,7 @@ def main() -> None:
             barrier("lossy done")
             dropped = loss.dropped(tb)
         finally:
+            barrier("loss counted")  # rank 0's update below resets the drop counters
             if hvd.rank() == 0:
                 lifecycle.update(tb, loss_rate=0.0)
             barrier("loss off")

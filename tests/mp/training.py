@@ -4,10 +4,12 @@ Two copies of one model (100k x 32 embedding + MLP) from one seed see the same b
 syncs with hvd.Compression.none, the other with hvd_sparse. Parameters must agree after every
 step. Variants cover hvd_sparse.DistributedOptimizer, op=Sum, predivide factor, several
 backward passes per step, nn.Embedding(sparse=True), and Adasum's clear error.
+HVD_SPARSE_TEST_DEVICE=cuda: the hvd_sparse copy trains on the GPU, the reference on the CPU.
 """
 from __future__ import annotations
 
 import copy
+import os
 
 import horovod.torch as hvd
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 import hvd_sparse
 
 ROWS, DIM, FIELDS, BATCH = 100_000, 32, 4, 64
+DEVICE = os.environ.get("HVD_SPARSE_TEST_DEVICE", "cpu")
 
 
 class Model(nn.Module):
@@ -39,19 +42,19 @@ def batch(step: int, sub: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def compare(make_ref, make_test, steps: int, passes: int = 1, sparse: bool = False) -> str:
     torch.manual_seed(0)
     ref_model = Model(sparse)
-    test_model = copy.deepcopy(ref_model)
+    test_model = copy.deepcopy(ref_model).to(DEVICE)
     ref_opt, test_opt = make_ref(ref_model), make_test(test_model)
     loss_fn = nn.BCEWithLogitsLoss()
     for step in range(steps):
-        for model, opt in ((ref_model, ref_opt), (test_model, test_opt)):
+        for model, opt, dev in ((ref_model, ref_opt, "cpu"), (test_model, test_opt, DEVICE)):
             opt.zero_grad()
             for sub in range(passes):
                 ids, y = batch(step, sub)
-                loss_fn(model(ids), y).backward()
+                loss_fn(model(ids.to(dev)), y.to(dev)).backward()
             opt.step()
         for (n, a), b in zip(ref_model.named_parameters(), test_model.parameters(), strict=True):
-            if not torch.allclose(a, b, rtol=1e-4, atol=1e-6):
-                return f"step {step}: {n} differs by {(a - b).abs().max().item():g}"
+            if not torch.allclose(a, b.cpu(), rtol=1e-4, atol=1e-6):
+                return f"step {step}: {n} differs by {(a - b.cpu()).abs().max().item():g}"
     return ""
 
 
