@@ -154,8 +154,10 @@ def progress() -> None:
     """Moves every in-flight reduction whose current Horovod op has finished to its next stage."""
     with _lock:
         for h in list(_inflight.values()):
-            while h.pending is not None and _ready(h.pending):
+            while h.pending is not None:
                 try:
+                    if not _ready(h.pending):
+                        break
                     value = _value(h.pending)
                 except Exception as e:  # noqa: BLE001 - Horovod reports peer errors this way
                     h._fail(HvdSparseError(f"hvd_sparse: tensor {h.job.name!r}: {e}"))

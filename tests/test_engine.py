@@ -1,0 +1,61 @@
+"""The progress engine alone (one process, no Horovod collective): a stage that fails or never
+finishes ends in an error naming the tensor and the stage, also when it fails while polled."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvd_sparse import engine
+from hvd_sparse.errors import HvdSparseError
+
+
+class Pending:
+    """A Waitable that is ready after ``polls`` polls, or raises while polled."""
+
+    def __init__(self, polls: int = 0, fail: str = "") -> None:
+        self.polls, self.fail = polls, fail
+
+    def poll(self) -> bool:
+        if self.fail:
+            raise RuntimeError(self.fail)
+        self.polls -= 1
+        return self.polls < 0
+
+    def value(self) -> torch.Tensor:
+        return torch.ones(3)
+
+
+def job(name: str) -> engine.Job:
+    return engine.Job(name=name, tensor=torch.zeros(3), shape=torch.Size([3]), op=None,
+                      prescale=1.0, postscale=1.0, block_size=256, size=1, rank=0, meta=0,
+                      scheme="test", ctx=None)
+
+
+def stages(*pending: Pending):
+    out = None
+    for i, p in enumerate(pending):
+        out = yield f"stage{i}", p
+    return out * 2
+
+
+def test_stages_run_in_order_and_return_the_result():
+    h = engine.submit(job("ok"), stages(Pending(2), Pending(5)), lambda h: None)
+    assert torch.equal(engine.synchronize(h, timeout=5), torch.full((3,), 2.0))
+    assert engine.inflight() == 0
+
+
+def test_a_stage_failing_while_polled_fails_its_tensor_by_name():
+    done = engine.submit(job("fine"), stages(Pending(1)), lambda h: None)
+    h = engine.submit(job("bad"), stages(Pending(0), Pending(fail="device lost")), lambda h: None)
+    with pytest.raises(HvdSparseError, match=r"tensor 'bad': device lost"):
+        engine.synchronize(h, timeout=5)
+    assert torch.equal(engine.synchronize(done, timeout=5), torch.full((3,), 2.0))
+    assert engine.inflight() == 0
+
+
+def test_a_stage_that_never_finishes_times_out_naming_it():
+    h = engine.submit(job("stuck"), stages(Pending(10**9)), lambda h: None)
+    with pytest.raises(HvdSparseError, match=r"tensor 'stuck': timed out after 0.2 s in stage "
+                                             r"'stage0'"):
+        engine.synchronize(h, timeout=0.2)
+    assert engine.inflight() == 0
