@@ -85,6 +85,7 @@ def _staged(job: Job, to_host: staging.ToHost) -> engine.Stage:
     """A staged tensor's reduction: its non-zero blocks reach host memory, the scheme runs on
     the host tensor built from them (``synchronize`` takes the result back to the device)."""
     job.tensor = yield "to host", to_host
+    job.mask = to_host.mask()
     return (yield from schemes.run(job))
 
 

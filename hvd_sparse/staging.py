@@ -97,6 +97,14 @@ class ToHost:
         blocks.unpack(host, *self._packed, self.block_size)
         return host
 
+    def mask(self) -> torch.Tensor:
+        """The host tensor's block mask (``blocks.block_mask``, uint8), from the packed indices:
+        the schemes need not scan the tensor for it. Its all-zero blocks are +0 already."""
+        assert self._packed is not None
+        mask = torch.zeros(blocks.num_blocks(self.t.numel(), self.block_size), dtype=torch.uint8)
+        mask[self._packed[0].long()] = 1
+        return mask
+
     def wait(self) -> torch.Tensor:
         """``value()`` once every step is done, waiting on this stream's events only."""
         while not self.poll():

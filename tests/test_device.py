@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from test_cuda_host import ALL_DTYPES, tensors
 
-from hvd_sparse import blocks, device, staging
+from hvd_sparse import _C, blocks, device, staging
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,12 @@ def test_staging_round_trip_keeps_every_value(case):
     """to_host, then to_device: the same values (a -0 comes back +0), written into the given
     output; a staged tensor's host copy holds only what its non-zero blocks held."""
     t, bs = case
-    host = staging.to_host(t, bs)
+    pending = staging.ToHost(t, bs)
+    host = pending.wait()
+    assert torch.equal(pending.mask(), blocks.block_mask(host, bs))  # what the schemes are given
+    cleared = host.clone()  # all-zero blocks are +0 already: the in-place mask pass changes nothing
+    _C.block_mask(cleared, bs, True)
+    assert torch.equal(bits(cleared), bits(host))
     assert host.dtype == t.dtype and host.shape == (t.numel(),)
     assert torch.equal(host.isnan(), t.isnan()) and torch.equal(host.nan_to_num(), t.nan_to_num())
     out = torch.full_like(t, 7.0)
