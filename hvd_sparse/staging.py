@@ -58,6 +58,10 @@ def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     return event
 
 
+def _reached(event: torch.cuda.Event | None) -> bool:
+    return event is None or event.query()
+
+
 class ToHost:
     """A flat host tensor equal to ``t``, built from its non-zero blocks; a ``Waitable`` for the
     engine. Three steps, each started when the previous one's event is reached: the block mask,
@@ -79,7 +83,7 @@ class ToHost:
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def poll(self) -> bool:
-        if self.event is not None and not self.event.query():
+        if not _reached(self.event):
             return False
         if self._packed is None:  # the count is here: pack that many blocks, copy them
             with _on(self.stream):
@@ -88,7 +92,7 @@ class ToHost:
                 self._packed = _pinned(idx), _pinned(vals)
                 self.event = _record(self.stream)
             self._state = None
-            return self.event is None or self.event.query()
+            return _reached(self.event)
         return True
 
     def value(self) -> torch.Tensor:
