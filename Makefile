@@ -28,7 +28,7 @@ INSTALLED_HERE := import importlib.util as u, sys; s = u.find_spec("hvd_sparse")
 install: $(EXT)
 	@$(PY) -I -c '$(INSTALLED_HERE)' "$(CURDIR)" && [ $(VENV)/bin/hvd-sparse -nt setup.py ] \
 	  && [ $(VENV)/bin/hvd-sparse -nt pyproject.toml ] \
-	  && grep -qs "hvd_sparse.cli import main" $(VENV)/bin/hvd-sparse || { \
+	  && grep -qs "hvd_sparse.tools.cli import main" $(VENV)/bin/hvd-sparse || { \
 	  echo "[build] pip install --no-build-isolation -e . (into $(VENV))"; \
 	  $(PY) -m pip install -q --no-build-isolation --no-deps -e . > build.log 2>&1 \
 	  || { tail -40 build.log; exit 1; }; }

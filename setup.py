@@ -154,6 +154,6 @@ setup(
     ],
     package_data={"hvd_sparse": [f"bin/{name}" for name in BINARIES],
                   "switch_emu": ["bin/hvd-sparse-switch"]},
-    entry_points={"console_scripts": ["hvd-sparse=hvd_sparse.cli:main"]},
+    entry_points={"console_scripts": ["hvd-sparse=hvd_sparse.tools.cli:main"]},
     cmdclass={"build_ext": Build},
 )

@@ -5,8 +5,8 @@
     out = hvd_sparse.allreduce(t, name="emb", op=hvd.Average, scheme="auto")
 
 The public names are imported on first use (PEP 562), so the torch-free parts (the
-``hvd-sparse aggregator`` command, ``hvd_sparse.protocol``, ``hvd_sparse.wire``) run on hosts
-without torch or Horovod.
+``hvd-sparse aggregator`` command, ``hvd_sparse.protocol``, ``hvd_sparse.tools.wire``) run on
+hosts without torch or Horovod.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
-from hvd_sparse.analyze import json_safe
+from hvd_sparse.tools.analyze import json_safe
 
 Row = Mapping[str, Any]
 # Under horovodrun stdout is a pipe; rich would fall back to 80 columns and squash the tables.

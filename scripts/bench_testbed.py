@@ -5,7 +5,7 @@ switch namespace, every link rate-capped (tbf) in both directions, MTU 9000. Nee
     .venv/bin/python scripts/bench_testbed.py --switch emu --rates 1gbit --densities 1,0.1,0.01
 
 
-For each rate the script brings a testbed up (hvd_sparse.testbed), runs itself on it as one
+For each rate the script brings a testbed up (hvd_sparse.tools.testbed), runs itself on it as one
 Horovod rank per worker host (Open MPI, Horovod's MPI operations), and takes it down. Each rank
 holds --numel float32 (default 26,214,400) with whole 256-blocks non-zero at random, a
 different pattern per rank, at each density. Methods, all op=Sum, in place as the optimizers
@@ -76,8 +76,8 @@ def parse_args() -> argparse.Namespace:
 # --- the driver: one testbed per rate ---------------------------------------------------------
 
 def drive(args: argparse.Namespace) -> int:
-    from hvd_sparse.testbed import launch, lifecycle
-    from hvd_sparse.testbed.topology import Testbed
+    from hvd_sparse.tools.testbed import launch, lifecycle
+    from hvd_sparse.tools.testbed.topology import Testbed
 
     rows: list[dict] = []
     failed = False
@@ -201,8 +201,8 @@ def rank_side(args: argparse.Namespace) -> None:
     import hvd_sparse
     from hvd_sparse import _C, basics, costmodel
     from hvd_sparse import session as omni
-    from hvd_sparse.testbed import links
-    from hvd_sparse.testbed.topology import Testbed
+    from hvd_sparse.tools.testbed import links
+    from hvd_sparse.tools.testbed.topology import Testbed
 
     hvd.init()
     torch.set_num_threads(1)

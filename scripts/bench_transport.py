@@ -64,7 +64,7 @@ def rank_side(a: argparse.Namespace) -> None:
 
 def measure(transport: str, a: argparse.Namespace, progress, task) -> list[dict]:
     from hvd_sparse.aggregator import BINARY
-    from hvd_sparse.testbed import launch, lifecycle, topology
+    from hvd_sparse.tools.testbed import launch, lifecycle, topology
 
     tb = lifecycle.up(topology.Testbed("hvbt", workers=4, aggregators=1, rate=a.rate, mtu=9000,
                                        transport=transport))

@@ -608,9 +608,9 @@ def launch(argv: list[str]) -> int:
            "HVD_SPARSE_METRICS_FILE": str(root / "bench_results" / "demo_run.json")}
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
     try:
-        from hvd_sparse.testbed import launch as testbed
-        from hvd_sparse.testbed import lifecycle
-        from hvd_sparse.testbed.topology import Testbed
+        from hvd_sparse.tools.testbed import launch as testbed
+        from hvd_sparse.tools.testbed import lifecycle
+        from hvd_sparse.tools.testbed.topology import Testbed
 
         lifecycle.down("hvdemo")  # what a killed demo may have left
         tb = lifecycle.up(Testbed("hvdemo", workers=4, aggregators=1, rate="1gbit", mtu=9000))

@@ -38,8 +38,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def drive(args: argparse.Namespace) -> int:
-    from hvd_sparse.testbed import launch, lifecycle
-    from hvd_sparse.testbed.topology import Testbed
+    from hvd_sparse.tools.testbed import launch, lifecycle
+    from hvd_sparse.tools.testbed.topology import Testbed
 
     console.rule("testbed: 4 workers behind switch_emu's switch, 1gbit, MTU 9000")
     tb = lifecycle.up(Testbed(args.name, workers=4, aggregators=0, rate="1gbit", mtu=9000,

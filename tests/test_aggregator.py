@@ -25,7 +25,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hvd_sparse import _C, blocks, fixedpoint, protocol, wire
+from hvd_sparse import _C, blocks, fixedpoint, protocol
+from hvd_sparse.tools import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 BINARY = ROOT / "hvd_sparse" / "bin" / "hvd-sparse-aggregator"
@@ -942,7 +943,8 @@ def test_cli_help():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, "-m", mod, *args, "--help"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for mod, args in (("hvd_sparse.cli", ["aggregator"]), ("hvd_sparse.aggregator", []))]
+             for mod, args in (("hvd_sparse.tools.cli", ["aggregator"]),
+                               ("hvd_sparse.aggregator", []))]
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
@@ -1016,7 +1018,7 @@ def process_alive(pid: int) -> bool:
 
 def test_protocol_doc_matches_the_code():
     """docs/PROTOCOL.md's header table, protocol.h's field list (through hvd_sparse._protocol)
-    and the bytes hvd_sparse.wire writes are one and the same."""
+    and the bytes hvd_sparse.tools.wire writes are one and the same."""
     doc = (ROOT / "docs" / "PROTOCOL.md").read_text()
     section = doc.split("### Packet format", 1)[1].split("\n### ", 1)[0]
     rows = re.findall(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\w+)\s*\|(.*)\|\s*$", section, re.M)

@@ -14,7 +14,8 @@ import pytest
 from test_aggregator import KINDS, junk_packets
 from test_aggregator import Job as FuzzJob
 
-from hvd_sparse import _C, fixedpoint, protocol, wire
+from hvd_sparse import _C, fixedpoint, protocol
+from hvd_sparse.tools import wire
 
 T, INF = protocol.TYPES, protocol.INF
 NP_DTYPE = {protocol.DTYPES[name][0]: np.dtype(name) for name in ("float32", "float64", "float16")}

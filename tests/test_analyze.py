@@ -14,7 +14,8 @@ import sys
 import pytest
 from conftest import ROOT, launch
 
-from hvd_sparse import analyze, costmodel, runfile
+from hvd_sparse import costmodel, runfile
+from hvd_sparse.tools import analyze
 
 BS, W = 256, 4  # block size, float32 bytes
 HEADER = 56  # segment header
@@ -204,7 +205,7 @@ def test_cli_end_to_end(job, capsys):
     tmp, _, _ = job
     png, out = tmp / "a.png", tmp / "a.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "hvd_sparse.cli", "analyze", str(tmp / "run.0.json"),
+        [sys.executable, "-m", "hvd_sparse.tools.cli", "analyze", str(tmp / "run.0.json"),
          "--png", str(png), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -1,6 +1,7 @@
-"""The scapy layers (hvd_sparse.scapy_layer) and ``hvd-sparse dissect`` (hvd_sparse.dissect):
+"""The scapy layers (hvd_sparse.tools.scapy_layer) and ``hvd-sparse dissect``
+(hvd_sparse.tools.dissect):
 
-1. the layers read and write the same bytes as hvd_sparse.wire, and are the protocol's fields;
+1. the layers read and write the same bytes as hvd_sparse.tools.wire, and are the protocol's fields;
 2. a real job on the netns testbed (2 worker hosts, 1 aggregator host), captured live on the
    aggregator host and dissected, reports what the workers' own stats and the geometry say;
 3. scapy-built malformed, truncated and foreign-job packets fired at a live aggregator during
@@ -39,9 +40,10 @@ from test_aggregator import (  # noqa: F401 - aggs, make_workers, fuzz_job are f
     sync,
 )
 
-from hvd_sparse import blocks, dissect, protocol, wire
-from hvd_sparse.scapy_layer import AGGREGATOR_PORT, Body, HvdSparse, Lane, bind_port
-from hvd_sparse.testbed import lifecycle, links, topology
+from hvd_sparse import blocks, protocol
+from hvd_sparse.tools import dissect, wire
+from hvd_sparse.tools.scapy_layer import AGGREGATOR_PORT, Body, HvdSparse, Lane, bind_port
+from hvd_sparse.tools.testbed import lifecycle, links, topology
 
 ROOT = Path(__file__).resolve().parents[1]
 T, INF = protocol.TYPES, protocol.INF
@@ -53,7 +55,7 @@ def header_values(p: HvdSparse) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------
-# 1. Layers vs hvd_sparse.wire
+# 1. Layers vs hvd_sparse.tools.wire
 # ------------------------------------------------------------------------------------------
 
 def test_header_layer_is_the_protocol_description() -> None:
@@ -204,7 +206,7 @@ def test_captured_testbed_job_is_dissected(tmp_path: Path) -> None:
     name = f"hvx{os.getpid() % 100000}"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cli = [sys.executable, "-m", "hvd_sparse.cli", "dissect"]
+    cli = [sys.executable, "-m", "hvd_sparse.tools.cli", "dissect"]
     pcap, sniff_err = tmp_path / "job.pcap", tmp_path / "sniff.err"
     procs: list[subprocess.Popen] = []
     tb = None

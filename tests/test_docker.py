@@ -294,7 +294,7 @@ def test_scripts_and_cli_subcommands_exist(compose: dict) -> None:
                    if w[0] == "hvd-sparse"}
     assert subcommands, "docker/ never runs the hvd-sparse CLI"
     for sub in subcommands:
-        proc = subprocess.run([sys.executable, "-m", "hvd_sparse.cli", sub, "--help"],
+        proc = subprocess.run([sys.executable, "-m", "hvd_sparse.tools.cli", sub, "--help"],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, f"hvd-sparse {sub} --help: {proc.stdout}{proc.stderr}"
 

@@ -11,7 +11,7 @@ import pytest
 from test_testbed import run_job, running
 
 from hvd_sparse.aggregator import binary
-from hvd_sparse.testbed import launch, links, topology
+from hvd_sparse.tools.testbed import launch, links, topology
 
 NAME = f"hvd{os.getpid() % 100000}"
 

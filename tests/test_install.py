@@ -53,7 +53,7 @@ def test_venv_imports_hvd_sparse_outside_the_checkout(tmp_path: Path) -> None:
         "(another checkout sharing this venv ran make build after this one?)"
 
     script = VENV_BIN / "hvd-sparse"
-    assert "from hvd_sparse.cli import main" in script.read_text(), \
+    assert "from hvd_sparse.tools.cli import main" in script.read_text(), \
         f"{script} is not pip's console script"
     help_text = run([script, "aggregator", "--help"], tmp_path, env)
     assert "--workers" in help_text.stdout + help_text.stderr

@@ -16,7 +16,7 @@ from conftest import passed
 from pyroute2 import NetNS
 from test_testbed import run_job, running
 
-from hvd_sparse.testbed import launch, lifecycle, loss, topology
+from hvd_sparse.tools.testbed import launch, lifecycle, loss, topology
 from switch_emu import control
 
 ROOT = Path(__file__).resolve().parents[1]

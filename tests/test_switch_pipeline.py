@@ -10,7 +10,8 @@ from test_aggregator import KINDS, junk_packets
 from test_aggregator import Job as FuzzJob
 from test_aggregator_core import SimWorker, simulate
 
-from hvd_sparse import _C, protocol, wire
+from hvd_sparse import _C, protocol
+from hvd_sparse.tools import wire
 
 T, ERR, FIX = protocol.TYPES, protocol.ERRORS, protocol.FIXED32
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from hvd_sparse.testbed import launch, lifecycle, links, topology
+from hvd_sparse.tools.testbed import launch, lifecycle, links, topology
 
 NAME = f"hvt{os.getpid() % 100000}"  # unique: never touches another run's namespaces
 
@@ -86,7 +86,7 @@ def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
 
 def test_cli_up_status_down(tmp_path: Path) -> None:
     name = f"hvc{os.getpid() % 100000}"
-    cli = [sys.executable, "-m", "hvd_sparse.cli", "testbed"]
+    cli = [sys.executable, "-m", "hvd_sparse.tools.cli", "testbed"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         up = subprocess.run([*cli, "up", "--name", name, "--workers", "2", "--aggregators", "1",
@@ -138,7 +138,7 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
 def test_needs_root() -> None:
     nobody = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-         "from hvd_sparse.testbed import lifecycle, topology\n"
+         "from hvd_sparse.tools.testbed import lifecycle, topology\n"
          "lifecycle.up(topology.Testbed('hvtroot'))"],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert nobody.returncode != 0 and "needs root" in nobody.stderr, nobody.stderr[-2000:]

@@ -1,5 +1,6 @@
 """The torch-free tools run on a host with neither torch nor Horovod: ``hvd-sparse aggregator``
-(hvd_sparse.cli -> hvd_sparse.aggregator), ``hvd_sparse.protocol`` and ``hvd_sparse.wire``.
+(hvd_sparse.tools.cli -> hvd_sparse.aggregator), ``hvd_sparse.protocol`` and
+``hvd_sparse.tools.wire``.
 
 A venv of the system Python (which has no torch: asserted first) sees only this checkout
 (PYTHONPATH). In it, the CLI starts a real aggregator for one worker, and a client script
@@ -26,7 +27,8 @@ SYSTEM_PYTHON = Path("/usr/bin/python3")
 CLIENT = r'''
 import json, socket, struct, sys
 import hvd_sparse
-from hvd_sparse import protocol, wire
+from hvd_sparse import protocol
+from hvd_sparse.tools import wire
 
 T, INF = protocol.TYPES, protocol.INF
 token, bs, values = 0x70C, 4, [1.5, -2.25, 0.0, 3.0, 0.125, 0.0, -7.0, 1e-3]
@@ -94,7 +96,7 @@ def test_aggregator_and_wire_without_torch(tmp_path: Path) -> None:
     port_file, log = tmp_path / "port", tmp_path / "aggregator.log"
     with open(log, "w") as out:
         agg = subprocess.Popen(
-            [str(py), "-m", "hvd_sparse.cli", "aggregator", "--bind", "127.0.0.1:0",
+            [str(py), "-m", "hvd_sparse.tools.cli", "aggregator", "--bind", "127.0.0.1:0",
              "--workers", "1", "--port-file", str(port_file)],
             env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:

@@ -1,6 +1,6 @@
 // hvd_sparse._protocol: the aggregation protocol's definition (protocol.h, blocks.h) as Python
 // values, for tools that must run without torch or Horovod (the aggregator's host, packet
-// dissectors, hvd_sparse.wire). Plain CPython API: no pybind11, no torch, nothing to link.
+// dissectors, hvd_sparse.tools.wire). Plain CPython API: no pybind11, no torch, nothing to link.
 // hvd_sparse/protocol.py is its typed face; nothing else should import this module.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -228,7 +228,7 @@ class Switch {
   omni::Pipeline* pipeline() { return agg_ ? agg_->pipeline.get() : nullptr; }
   double now() const { return now_; }
 
-  // Loss as the bridge's nftables rules make it (hvd_sparse/testbed/loss.py): the switch-wide
+  // Loss as the bridge's nftables rules make it (hvd_sparse/tools/testbed/loss.py): the switch-wide
   // rate once per frame, a port's rate on the frames entering and leaving it; with udp_only,
   // only IPv4/UDP frames are lost.
   void set_loss(const std::string& port, double rate, bool udp_only) {

@@ -21,7 +21,7 @@ from common import barrier, case, close_to, report, start
 
 import hvd_sparse
 from hvd_sparse import protocol
-from hvd_sparse.testbed import Testbed, lifecycle, loss
+from hvd_sparse.tools.testbed import Testbed, lifecycle, loss
 
 NUMEL = 1 << 19
 TIMEOUT = 20.0

@@ -18,7 +18,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_switch_pipeline import fixed_job  # noqa: E402
 
-from hvd_sparse import protocol, wire  # noqa: E402
+from hvd_sparse import protocol  # noqa: E402
+from hvd_sparse.tools import wire  # noqa: E402
 
 T = protocol.TYPES
 

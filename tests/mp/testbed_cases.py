@@ -8,7 +8,7 @@ tests/test_testbed.py through `hvd-sparse testbed run`'s launcher:
   rank within the timeout; with fallback="dense" the right answer;
 * rank 0's own local aggregator, with ranks in different namespaces sharing a hostname:
   reachable by every rank (it used to bind 127.0.0.1).
-Rank 0 changes the testbed itself (loss, link) through hvd_sparse.testbed, as root.
+Rank 0 changes the testbed itself (loss, link) through hvd_sparse.tools.testbed, as root.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from common import barrier, case, close_to, report, start
 
 import hvd_sparse
 from hvd_sparse import basics
-from hvd_sparse.testbed import Testbed, lifecycle, loss
+from hvd_sparse.tools.testbed import Testbed, lifecycle, loss
 
 NUMEL = 1 << 21
 TIMEOUT = 6.0

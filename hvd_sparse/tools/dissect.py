@@ -8,7 +8,7 @@ per tensor its geometry, slots, rounds, DATA and RESULT counts and retransmissio
 the same (worker, tensor, slot, round) seen again; a RESULT of the same (tensor, slot, round)
 to the same worker address seen again). Malformed datagrams are listed with the reason.
 
-Packets are read with the scapy layers of ``hvd_sparse.scapy_layer``. Torch-free.
+Packets are read with the scapy layers of ``hvd_sparse.tools.scapy_layer``. Torch-free.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 from scapy.layers.inet import IP, UDP, defragment
 from scapy.packet import Packet
 
-from . import protocol
+from .. import protocol
 from .scapy_layer import AGGREGATOR_PORT, Body, HvdSparse, bind_port, block_bytes
 
 _T = protocol.TYPES

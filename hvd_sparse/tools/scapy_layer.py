@@ -5,7 +5,7 @@ header's fields are ``protocol.FIELDS`` (name, offset, size), its enums ``TYPES`
 and ``FLAGS``; the DATA/RESULT body's lengths come from the header (lanes, present,
 block_size, the dtype's element size). No offset or constant is retyped here. Torch-free.
 
-    >>> from hvd_sparse.scapy_layer import HvdSparse, Body, Lane
+    >>> from hvd_sparse.tools.scapy_layer import HvdSparse, Body, Lane
     >>> p = HvdSparse(type="DATA", token=5, dtype="float32", block_size=2, nblocks=1,
     ...               nslots=1, nworkers=1) / Body(bitmap=1, lane_table=[Lane(offset=0)],
     ...                                             blocks=[bytes(8)])
@@ -34,7 +34,7 @@ from scapy.fields import (
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_layers
 
-from . import protocol
+from .. import protocol
 from .testbed.topology import AGGREGATOR_PORT  # torch-free
 
 _PLAIN = {1: ByteField, 2: ShortField, 4: IntField, 8: LongField}

@@ -8,7 +8,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import runfile
+from ... import runfile
 
 STATE_DIR = Path(os.environ.get("HVD_SPARSE_TESTBED_DIR", "/run/hvd-sparse"))
 SUBNET = "10.77.0"  # every testbed has its own switch, so testbeds never see each other's

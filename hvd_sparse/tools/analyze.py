@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import costmodel, runfile
+from .. import costmodel, runfile
 
 RATES = (1e9, 10e9, 100e9)
 WORKERS = (4, 16, 64, 256, 1024)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from pyroute2 import netns
 
-from ..aggregator import binary
+from ...aggregator import binary
 from . import links
 from .topology import AGGREGATOR_PORT, Testbed
 

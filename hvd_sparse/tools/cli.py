@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         sys.exit(0 if args else 2)
     if args[0] == "aggregator":
-        from . import aggregator
+        from .. import aggregator
         aggregator.main(args[1:])
     if args[0] == "testbed":
         from .testbed import cli

@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from .protocol import (
+from ..protocol import (
     BITMAP_BYTES,
     ELEM_SIZE,
     FIELDS,
