@@ -1,15 +1,20 @@
 """Process-wide state: ``init`` and ``shutdown``."""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 
 import horovod.torch as hvd
 
-from . import _C, costmodel, engine, runfile, session
 from . import config as _config
+from . import costmodel, engine, runfile, session
+from ._C import set_threads
 from .errors import HvdSparseError
+from .job import Context
 
 log = logging.getLogger("hvd_sparse")
 
@@ -21,6 +26,13 @@ class State:
     world: tuple[int, int]  # Horovod's (rank, size) at init: what the state was built for
     omni: session.Session | None = None  # aggregators joined, when any
     switch: session.Session | None = None  # the switch joined, when any
+    unnamed: Iterator[int] = field(default_factory=itertools.count)  # unnamed tensors' numbers
+    union_ratio: dict[str, float] = field(default_factory=dict)  # learnt by "auto"
+
+    @property
+    def context(self) -> Context:
+        """What a reduction's job carries: the state as it is when the reduction starts."""
+        return Context(self.config, self.net, self.omni, self.switch, self.union_ratio)
 
 
 _state: State | None = None
@@ -46,7 +58,7 @@ def init(**kwargs: object) -> None:
     logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s")
     log.setLevel(cfg.log_level.upper())
     # Ranks sharing a host share its cores; more threads than that make every loop crawl.
-    _C.set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // hvd.local_size()))
     omni = session.start(cfg)
     switch = session.join_switch(cfg)
     net = costmodel.load_or_probe(
@@ -100,12 +112,27 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Forgets the state; reductions still in flight are reported as errors."""
+    """Forgets the state (what ``init`` built and what it learnt since); reductions still in
+    flight fail, and their ``synchronize`` raises."""
     global _state
-    if engine.inflight():
-        log.warning("hvd_sparse.shutdown(): %d reduction(s) still in flight", engine.inflight())
+    abandoned = engine.abandon("hvd_sparse was shut down while it was being reduced")
+    if abandoned:
+        log.warning("hvd_sparse.shutdown(): %d reduction(s) were still in flight", abandoned)
     for joined in (_state.omni, _state.switch) if _state is not None else ():
         if joined is not None:
             joined.close()
     _state = None
     runfile.flush()
+
+
+@contextmanager
+def joined(omni: session.Session | None) -> Iterator[None]:
+    """Reductions started inside use the aggregation session ``omni`` instead of the one joined
+    at init (benchmarks comparing aggregator sets); every rank must do the same."""
+    global _state
+    own = state()
+    _state = replace(own, omni=omni)
+    try:
+        yield
+    finally:
+        _state = own

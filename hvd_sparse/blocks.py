@@ -9,7 +9,10 @@ import hashlib
 
 import torch
 
-from . import _C
+from ._C import block_mask as _block_mask
+from ._C import fresh_zeros
+from ._C import pack as _pack
+from ._C import unpack as _unpack
 from .protocol import DTYPES
 
 # torch dtype -> the codec's and the wire's dtype code (csrc/blocks.h names them as torch does)
@@ -27,19 +30,19 @@ def num_blocks(numel: int, block_size: int) -> int:
 
 def block_mask(t: torch.Tensor, block_size: int) -> torch.Tensor:
     """uint8 tensor with one entry per block: 1 where the block has a non-zero element."""
-    return _C.block_mask(t.contiguous(), block_size)
+    return _block_mask(t.contiguous(), block_size)
 
 
 def pack(
     t: torch.Tensor, block_size: int, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-zero blocks of ``t``: (int32 ascending block indices [k], values [k, block_size])."""
-    return _C.pack(t.contiguous(), block_size, mask)
+    return _pack(t.contiguous(), block_size, mask)
 
 
 def unpack(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, block_size: int) -> None:
     """Adds ``vals`` into the blocks ``idx`` of ``out`` (viewed flat), in place."""
-    _C.unpack(out, idx, vals, block_size)
+    _unpack(out, idx, vals, block_size)
 
 
 def meta_hash(shape: torch.Size, dtype: torch.dtype) -> int:
@@ -51,4 +54,4 @@ def meta_hash(shape: torch.Size, dtype: torch.dtype) -> int:
 def zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Flat zeros. Large ones are fresh mappings, whose pages are faulted in only where written,
     or freed ones of the same size, re-zeroed (csrc/fresh_zeros.cpp)."""
-    return _C.fresh_zeros(numel, dtype)
+    return fresh_zeros(numel, dtype)

@@ -21,8 +21,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
-from . import basics, blocks, staging
-from .config import SCHEMES
+from . import basics, blocks, schemes, staging
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
 from .sparsifiers import Sparsifier
@@ -63,8 +62,7 @@ class SparseCompressor:
 
     def __init__(self, scheme: str | None = None, block_size: int | None = None,
                  sparsifier: Sparsifier | None = None) -> None:
-        if scheme is not None and scheme not in SCHEMES:
-            raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        schemes.check(scheme)
         if sparsifier is not None and not isinstance(sparsifier, Sparsifier):
             raise ValueError(f"sparsifier must be an hvd_sparse Sparsifier, got {sparsifier!r}")
         self.scheme = scheme
@@ -83,7 +81,7 @@ class SparseCompressor:
                 "groups=None or hvd_sparse.DistributedOptimizer")
         process_set = getattr(opt, "process_set", hvd.global_process_set)
         if self.sparsifier is not None:  # the sparsified gradient is what gets reduced
-            self.sparsifier(name, tensor, self._codec_block_size())
+            self.sparsifier(name, tensor, self.block_size or basics.state().config.block_size)
         if not (blocks.supported(tensor) or staging.staged(tensor)):  # integer: Horovod's own
             return tensor, None
         # Horovod's optimizer replaces the gradient with the result: reduce it in place. Other
@@ -95,9 +93,6 @@ class SparseCompressor:
         placeholder = tensor.new_ones(1) if tensor.device.type == "cpu" else torch.ones(1)
         return placeholder, (handle, name, process_set.size())
 
-    def _codec_block_size(self) -> int:
-        return self.block_size or basics.state().config.block_size
-
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         if ctx is None:  # Horovod reduced it itself: a tensor handed back by compress, or a
             # sparse gradient (sparse_as_dense=False), which Horovod's optimizer sends to its own
@@ -108,7 +103,7 @@ class SparseCompressor:
         handle, name, size = ctx
         total = synchronize(handle)
         if self.sparsifier is not None:
-            self.sparsifier.observe(name, total, self._codec_block_size())
+            self.sparsifier.observe(name, total, handle.job.block_size)
         # The placeholder reduced to 1 (Average) or the process set's size (Sum), up to rounding.
         scale = round(float(tensor.reshape(-1)[0]))
         return total.mul_(scale / size)

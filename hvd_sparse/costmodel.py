@@ -22,12 +22,15 @@ from pathlib import Path
 import horovod.torch as hvd
 import torch
 
-from . import _C, blocks, protocol
+from . import blocks, protocol
+from ._C import SEGMENT_HEADER_BYTES, block_mask, decode_sum, encode
+from .config import Config
 
 log = logging.getLogger("hvd_sparse")
 
-HEADER = 64  # segment header plus alignment, bytes
-OMNI_LANE = 12  # aggregation packet bytes per block besides its values (header share, lane)
+# A software aggregator's layout by default: (payload bytes per packet, slots per aggregator)
+OMNI_LAYOUT = (Config.payload_bytes, Config.slots)
+SEGMENT = SEGMENT_HEADER_BYTES + 8  # a segment's header, and its index list's alignment
 MARGIN = 0.8  # a sparse scheme must be predicted this much faster than dense
 # ... and receive at most this share of dense's bytes. The probe's small collectives miss the
 # host work that grows with volume (fresh receive buffers, copies, decode): in bench_sync at
@@ -50,7 +53,7 @@ class NetModel:
     # aggregators (all ranks' blocks in, the sum out to each); and the layout (payload bytes
     # per packet, slots over all aggregators) that sets the rounds. None: no aggregators.
     omnireduce: tuple[float, float, float] | None = None
-    omni_layout: tuple[int, int] = (64512, 64)
+    omni_layout: tuple[int, int] = OMNI_LAYOUT
     # The same terms for aggregation in the switch (scheme "switch"), whose per-byte term is
     # per byte on the busiest worker link (no aggregator link carries n copies), and its
     # layout. Values are FIXED32 on the wire. None: no switch.
@@ -63,13 +66,13 @@ class NetModel:
         # Conservative guess (about 1 GB/s links) used when probing is off.
         return NetModel((2e-4, 2e-9), (2e-4, 1e-9), (3e-4, 1e-9), 2e9, 4e9,
                         omnireduce=(5e-4, 2e-5, 1e-9) if layout else None,
-                        omni_layout=layout or (64512, 64),
+                        omni_layout=layout or OMNI_LAYOUT,
                         switch=(5e-4, 2e-5, 1e-9) if switch_layout else None,
                         switch_layout=switch_layout or (8192, 64))
 
     @staticmethod
     def for_link(rate_bps: float, n: int, base: NetModel, aggregators: int | None = None,
-                 slots: int = 64) -> NetModel:
+                 slots: int = Config.slots) -> NetModel:
         """``base`` (a measured model) moved onto links of ``rate_bps`` bit/s, fully used, with
         ``n`` workers: each beta becomes the wire time of the bytes a rank must receive per
         byte of the term (ring allreduce 2 (n-1)/n, allgather (n-1)/n, alltoall's bytes
@@ -84,7 +87,7 @@ class NetModel:
             (base.allreduce[0], 2 * f * s), (base.allgather[0], f * s), (base.alltoall[0], s),
             base.decode_bps, base.local_bps, source=f"link {rate_bps:g} bit/s, {n} workers",
             omnireduce=(latency, packet, s / (2 * min(a, n))),
-            omni_layout=(base.omni_layout[0] or 64512, slots * a),
+            omni_layout=(base.omni_layout[0] or OMNI_LAYOUT[0], slots * a),
             switch=(*base.switch[:2], s) if base.switch else None,
             switch_layout=base.switch_layout)
 
@@ -106,7 +109,7 @@ def _fit(small: tuple[float, float], big: tuple[float, float]) -> tuple[float, f
 
 
 def probe(omni: Callable[[int], float] | None = None,
-          layout: tuple[int, int] = (64512, 64), switch: Callable[[int], float] | None = None,
+          layout: tuple[int, int] = OMNI_LAYOUT, switch: Callable[[int], float] | None = None,
           switch_layout: tuple[int, int] = (8192, 64)) -> NetModel:
     """Times the real collectives at two sizes (collective: every rank must call it);
     ``omni(numel, density)`` times one aggregation of a float32 tensor with that fraction of
@@ -189,6 +192,14 @@ def omni_slots(nblocks: int, layout: tuple[int, int], esize: int = 4, bs: int = 
     return protocol.layout(nblocks, bs, esize, payload, slots)[1]
 
 
+def packet_overhead(layout: tuple[int, int], nblocks: int, esize: int = 4,
+                    bs: int = 256) -> float:
+    """Aggregation packet bytes per block besides its values: its lane entry, and its share of
+    the header and bitmap (docs/PROTOCOL.md)."""
+    lanes = protocol.layout(nblocks, bs, esize, *layout)[0]
+    return protocol.LANE_BYTES + (protocol.HEADER_BYTES + protocol.BITMAP_BYTES) / lanes
+
+
 def omni_rounds(nblocks: int, union: float, layout: tuple[int, int], esize: int = 4,
                 bs: int = 256) -> float:
     """Expected rounds of the busiest slot: a slot's lanes step together, so it takes as many
@@ -204,16 +215,16 @@ def omni_rounds(nblocks: int, union: float, layout: tuple[int, int], esize: int 
 def _decode_speed() -> float:
     t = torch.zeros(1 << 20)
     t[:: 2048] = 1.0  # every 8th block non-zero
-    seg = _C.encode(t, 256, 1)
+    seg = encode(t, 256, 1)
     acc = torch.zeros(t.numel())
-    secs = _median_time(lambda: _C.decode_sum(seg, acc, 256, 1, 0, t.numel(), 1, False), reps=3)
+    secs = _median_time(lambda: decode_sum(seg, acc, 256, 1, 0, t.numel(), 1, False), reps=3)
     return seg.numel() / max(secs, 1e-9)
 
 
 def _local_speed() -> float:
     """Per-call work every sparse scheme does on the whole tensor: scan it, zero the output."""
     t = torch.zeros(1 << 22)
-    secs = _median_time(lambda: (_C.block_mask(t, 256), torch.zeros(t.numel())), reps=3)
+    secs = _median_time(lambda: (block_mask(t, 256), torch.zeros(t.numel())), reps=3)
     return t.numel() * 4 / max(secs, 1e-9)
 
 
@@ -225,7 +236,7 @@ def _cache_path(cache_dir: str, aggregators: str) -> Path:
 
 
 def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None = None,
-                  layout: tuple[int, int] = (64512, 64), aggregators: str = "",
+                  layout: tuple[int, int] = OMNI_LAYOUT, aggregators: str = "",
                   switch: Callable[[int], float] | None = None,
                   switch_layout: tuple[int, int] = (8192, 64), switch_name: str = "") -> NetModel:
     """The job's network model, identical on every rank (rank 0's cache or a fresh probe).
@@ -285,13 +296,13 @@ def predict(
     dense = m.allreduce[0] + m.allreduce[1] * nbytes
     local = nbytes / m.local_bps  # scan and output zeroing: every sparse scheme pays it
 
-    gathered = sum(HEADER + c * (4 + block) for c in nnz)
+    gathered = sum(SEGMENT + c * (4 + block) for c in nnz)
     allgather = local + m.allgather[0] + m.allgather[1] * gathered + gathered / m.decode_bps
 
     # Only (n-1)/n of a rank's blocks leave it in the alltoall.
-    sent = max(n * HEADER + c * (4 + block) * (n - 1) / n for c in nnz)
+    sent = max(n * SEGMENT + c * (4 + block) * (n - 1) / n for c in nnz)
     per_part = union / n
-    part_bytes = HEADER + min(4 * per_part, nblocks / n / 8) + per_part * block
+    part_bytes = SEGMENT + min(4 * per_part, nblocks / n / 8) + per_part * block
     zen = (local + m.alltoall[0] + m.alltoall[1] * sent + sent / m.decode_bps
            + m.allgather[0] + m.allgather[1] * n * part_bytes + n * part_bytes / m.decode_bps)
     p = Prediction(
@@ -300,7 +311,8 @@ def predict(
                   "zen": sent + n * part_bytes * (n - 1) / n})
     if m.omnireduce is not None:
         # Every rank's blocks into the aggregators, the union back out to every rank.
-        through = (sum(nnz) + n * union) * (block + OMNI_LANE)
+        through = (sum(nnz) + n * union) * (block + packet_overhead(m.omni_layout, nblocks,
+                                                                    esize, bs))
         rounds = omni_rounds(nblocks, union, m.omni_layout, esize, bs)
         packets = omni_slots(nblocks, m.omni_layout, esize, bs) * rounds
         latency, packet, per_byte = m.omnireduce
@@ -309,7 +321,7 @@ def predict(
     if m.switch is not None:
         # FIXED32 on the wire. Each worker link carries its own blocks in and the union out;
         # the scale costs one tiny allreduce first.
-        wire = bs * 4 + OMNI_LANE
+        wire = bs * 4 + packet_overhead(m.switch_layout, nblocks, 4, bs)
         busiest = max(max(nnz, default=0), union) * wire
         rounds = omni_rounds(nblocks, union, m.switch_layout, 4, bs)
         packets = omni_slots(nblocks, m.switch_layout, 4, bs) * rounds

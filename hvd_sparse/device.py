@@ -13,10 +13,25 @@ from typing import Any
 
 import torch
 
-try:
-    from . import _cuda  # type: ignore[attr-defined]
-except ImportError:  # built only where torch has CUDA and nvcc exists (setup.py)
-    _cuda = None
+try:  # built only where torch has CUDA and nvcc exists (setup.py)
+    from ._cuda import (  # type: ignore[import-not-found]
+        mask_scan as _mask_scan,
+    )
+    from ._cuda import (
+        pack as _pack,
+    )
+    from ._cuda import (
+        pack_counted as _pack_counted,
+    )
+    from ._cuda import (
+        select_ge as _select_ge,
+    )
+    from ._cuda import (
+        unpack as _unpack,
+    )
+    KERNELS_BUILT = True
+except ImportError:
+    KERNELS_BUILT = False
 
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -31,8 +46,8 @@ def on_device(t: torch.Tensor) -> bool:
 
 
 def kernels(t: torch.Tensor) -> bool:
-    """Whether the CUDA kernels of ``_cuda`` handle ``t``."""
-    return _cuda is not None and t.is_cuda and t.dtype in _KERNEL_DTYPES
+    """Whether the CUDA kernels of ``hvd_sparse._cuda`` handle ``t``."""
+    return KERNELS_BUILT and t.is_cuda and t.dtype in _KERNEL_DTYPES
 
 
 def torch_blocks(t: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -50,7 +65,7 @@ def pack(t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if kernels(t):
-        return _cuda.pack(t.contiguous(), block_size)
+        return _pack(t.contiguous(), block_size)
     return torch_pack(t, block_size)
 
 
@@ -58,7 +73,7 @@ def pack_begin(t: torch.Tensor, block_size: int) -> tuple[Any, torch.Tensor]:
     """pack()'s first half, reading nothing back: (state for ``pack_end``, the number of
     non-zero blocks as a one-element int64 tensor on t's device)."""
     if kernels(t):
-        flags, offsets = _cuda.mask_scan(t.contiguous(), block_size)
+        flags, offsets = _mask_scan(t.contiguous(), block_size)
         return (flags, offsets), offsets[-1:]
     mask = _torch_mask(t, block_size)
     return mask, mask.sum().view(1)
@@ -68,7 +83,7 @@ def pack_end(t: torch.Tensor, block_size: int, state: Any,
              count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pack()'s second half, once ``count`` (of ``pack_begin``) is known on the host."""
     if kernels(t):
-        return _cuda.pack_counted(t.contiguous(), block_size, *state, count)
+        return _pack_counted(t.contiguous(), block_size, *state, count)
     return _torch_select(t, block_size, state)
 
 
@@ -93,7 +108,7 @@ def unpack(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, block_size:
     if not out.is_contiguous():
         raise ValueError("unpack: the output must be contiguous")
     if kernels(out):
-        return _cuda.unpack(out, idx, vals, block_size)
+        return _unpack(out, idx, vals, block_size)
     torch_unpack(out, idx, vals, block_size)
 
 
@@ -114,6 +129,6 @@ def select_ge(x: torch.Tensor, thr: float) -> torch.Tensor:
     """Ascending int64 indices of the elements of flat ``x`` with |x| >= thr (thr rounded to
     x's dtype; NaN never passes), on its device."""
     if kernels(x) and x.dtype in (torch.float32, torch.float64):
-        return _cuda.select_ge(x.contiguous(), thr)
+        return _select_ge(x.contiguous(), thr)
     bar = torch.tensor(thr, dtype=x.dtype, device=x.device)
     return (x.reshape(-1).abs() >= bar).nonzero().view(-1)

@@ -12,16 +12,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import horovod.torch as hvd
 import torch
 
-from .config import Config
-from .costmodel import NetModel
 from .errors import HvdSparseError
-from .session import Session
+from .job import Job
 
 
 class Waitable(Protocol):
@@ -41,51 +38,6 @@ def _ready(pending: int | Waitable) -> bool:
 
 def _value(pending: int | Waitable) -> Any:
     return hvd.synchronize(pending) if isinstance(pending, int) else pending.value()
-
-
-@dataclass(frozen=True)
-class Context:
-    """What a scheme may know of the process beyond its tensor, handed to it with the job (taken
-    from ``basics.state()`` when the reduction starts), so schemes never reach up for it."""
-
-    config: Config
-    net: NetModel  # the cost model's view of the network ("auto")
-    omni: Session | None  # the aggregators joined at init ("omnireduce"), when any
-    switch: Session | None = None  # the switch joined at init ("switch"), when any
-
-
-@dataclass
-class Job:
-    """One tensor's reduction: what every scheme needs to know about it."""
-
-    name: str
-    tensor: torch.Tensor  # contiguous, flat view of the input ("rows": the sparse input)
-    shape: torch.Size
-    op: Any  # hvd.Sum or hvd.Average
-    prescale: float
-    postscale: float
-    block_size: int
-    size: int  # of the process set
-    rank: int  # in the process set
-    meta: int
-    scheme: str
-    ctx: Context
-    # the ranks taking part: every Horovod collective of the job runs in this set
-    process_set: hvd.ProcessSet = hvd.global_process_set
-    inplace: bool = False  # the schemes may write the result into ``tensor``
-    output: torch.Tensor | None = None  # the caller's tensor, for allreduce_
-    home: torch.Tensor | None = None  # staged (a GPU tensor): its flat self on the device
-    mask: torch.Tensor | None = None  # block mask, when already computed (auto)
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    def op_name(self, stage: str) -> str:
-        return f"hvd_sparse.{self.name}.{stage}"
-
-    @property
-    def scale(self) -> float:
-        """Factor applied to the plain sum: pre- and postscale, and 1/size for Average."""
-        s = self.prescale * self.postscale
-        return s / self.size if self.op == hvd.Average else s
 
 
 class Handle:
@@ -198,3 +150,14 @@ def synchronize(h: Handle, timeout: float) -> torch.Tensor:
 def inflight() -> int:
     with _lock:
         return len(_inflight)
+
+
+def abandon(why: str) -> int:
+    """Fails every reduction in flight with ``why`` (at shutdown); returns how many. A scheme's
+    clean-up (its ``finally``) runs now, before what it used goes away."""
+    with _lock:
+        handles = list(_inflight.values())
+        _inflight.clear()
+        for h in handles:
+            h._fail(HvdSparseError(f"hvd_sparse: tensor {h.job.name!r}: {why}"))
+    return len(handles)

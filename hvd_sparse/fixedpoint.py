@@ -2,20 +2,13 @@
 
 A tensor travels as int32 ``q = round(x * 2^e)`` with one exponent ``e`` that every rank agrees
 on: the largest for which ``nworkers`` values of magnitude ``M`` (the largest over all ranks)
-cannot sum outside the int32 range. Schemes get it with ``agree``: one tiny max-allreduce.
+cannot sum outside the int32 range. Schemes agree on ``M`` with one tiny max-allreduce
+(schemes/common.py ``agree``). Pure arithmetic: no torch, no Horovod.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
-
-import horovod.torch as hvd
-import torch
-
-if TYPE_CHECKING:
-    from .engine import Job
 
 INT32_MAX = 2**31 - 1
 
@@ -47,24 +40,3 @@ def error_bound(max_abs: float, nworkers: int) -> float:
     if max_abs == 0:
         return 0.0
     return math.ldexp(nworkers, -(exponent(max_abs, nworkers) + 1))
-
-
-def agree(job: Job, *extra: float) -> Generator[tuple[str, int], Any,
-                                                 tuple[int | None, list[float]]]:
-    """Yields one max-allreduce of [max |x| over finite values, 1 if any value is NaN/Inf,
-    *extra]; returns the job's exponent, or None when some rank holds a non-finite value (the
-    tensor must not go in fixed point: its NaN/Inf would be lost), and the maxima of ``extra``
-    over the ranks (what else a scheme agrees on in the same message)."""
-    t = job.tensor
-    lo, hi = (float(v) for v in torch.aminmax(t)) if t.numel() else (0.0, 0.0)
-    nonfinite = not (math.isfinite(lo) and math.isfinite(hi))  # aminmax propagates NaN
-    local = max(hi, -lo)
-    if nonfinite:  # rare: the exact finite maximum costs one more pass
-        local = float(t.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max())
-    vec = torch.tensor([local, 1.0 if nonfinite else 0.0, *extra], dtype=torch.float64)
-    out = yield "scale", hvd.allreduce_async(vec, name=job.op_name("scale"), op=hvd.Max,
-                                             process_set=job.process_set)
-    maxima = out[2:].tolist()
-    if out[1] > 0:
-        return None, maxima
-    return exponent(float(out[0]), job.size), maxima

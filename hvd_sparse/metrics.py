@@ -3,24 +3,24 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch-free at run time: tools read metrics without torch
+    from .job import Stats
 
 _lock = threading.Lock()
 _records: dict[str, dict[str, Any]] = {}
 
 
-def record(name: str, scheme: str, seconds: float, stats: dict[str, Any]) -> None:
+def record(name: str, seconds: float, stats: Stats) -> None:
+    """A finished reduction: its stats replace the previous call's (a sparsifier's fields stay)."""
+    reported = stats.reported()
     with _lock:
         r = _records.setdefault(name, {"calls": 0})
+        for key in type(stats).__dataclass_fields__:
+            r.pop(key, None)
         r["calls"] += 1
-        r.update(scheme=stats.get("scheme", scheme), seconds=seconds,
-                 bytes_sent=stats.get("bytes_sent", 0))
-        for key in ("bytes_received", "block_density", "union", "predicted_ms", "reason",
-                    "staged"):
-            if key in stats:
-                r[key] = stats[key]
-            elif key in ("reason", "staged"):  # this call went where its scheme meant, from host
-                r.pop(key, None)
+        r.update(reported, seconds=seconds)
 
 
 def record_sparsify(name: str, **fields: Any) -> None:
@@ -36,7 +36,11 @@ def metrics() -> dict[str, dict[str, Any]]:
     the wire, modelling Horovod's ring collectives, ``bytes_received`` what it received (the
     other ranks' segments; dense: the ring model); ``block_density`` is the mean fraction of
     non-zero blocks over ranks (absent for dense, which never looks); ``staged`` is the device
-    of a GPU tensor, reduced through host memory.
+    of a GPU tensor, reduced through host memory; ``reason`` says why a tensor went another way
+    than its scheme ("small", "non-finite", "switch: ..."). The other fields of
+    ``hvd_sparse.job.Stats`` appear where the scheme knows them: ``nnz_local``, ``nnz`` (every
+    rank's non-zero blocks), ``union``, ``predicted_ms`` (auto), ``retransmits`` and
+    ``rounds`` (aggregation), ``rows_local`` (sparse rows).
 
     With a sparsifier, also: ``sparsifier``, ``requested_density``, ``achieved_density`` (this
     rank's selected elements / numel), ``selected``, ``selection_ms``, ``nonfinite`` (elements

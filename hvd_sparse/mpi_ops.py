@@ -1,7 +1,6 @@
 """``allreduce``, ``allreduce_async``, ``synchronize``, ``poll``: the sparse-aware collectives."""
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Any
 
@@ -9,13 +8,11 @@ import horovod.torch as hvd
 import torch
 
 from . import basics, blocks, engine, runfile, schemes, staging
-from .config import SCHEMES
-from .engine import Handle, Job
+from .engine import Handle
 from .errors import HvdSparseError
+from .job import Job
 from .metrics import record as record_metrics
 from .schemes import rows
-
-_unnamed = itertools.count()
 
 
 def allreduce_async(
@@ -47,9 +44,8 @@ def allreduce_async(
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError("hvd_sparse supports op=hvd.Average or hvd.Sum (not Adasum, Min, Max...)")
     scheme = scheme or st.config.scheme
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    name = f"noname.{next(_unnamed)}" if name is None else name
+    schemes.check(scheme)
+    name = f"noname.{next(st.unnamed)}" if name is None else name
     if not process_set.included():
         raise HvdSparseError(f"hvd_sparse: tensor {name!r}: rank {hvd.rank()} is not in "
                              f"process set {process_set.ranks}")
@@ -72,12 +68,12 @@ def allreduce_async(
               block_size=block_size, size=process_set.size(),
               rank=process_set.rank(), process_set=process_set,
               meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
-              ctx=engine.Context(st.config, st.net, st.omni, st.switch),
+              ctx=st.context,
               inplace=t.numel() > 0 and (inplace or copied),
               output=tensor if inplace else None, home=home)
     if to_host is None:
         return engine.submit(job, schemes.run(job), _record)
-    job.stats["staged"] = str(home.device)
+    job.stats.staged = str(home.device)
     return engine.submit(job, _staged(job, to_host), _record)
 
 
@@ -101,14 +97,14 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _record(h: Handle) -> None:
     seconds = time.monotonic() - h.started
-    record_metrics(h.job.name, h.job.scheme, seconds, h.job.stats)
+    record_metrics(h.job.name, seconds, h.job.stats)
     runfile.record(h.job, h.started, seconds)
 
 
 def synchronize(handle: Handle) -> torch.Tensor:
     """Waits for ``handle``; returns the result with the input's shape and dtype."""
     job = handle.job
-    out = engine.synchronize(handle, basics.state().config.timeout)
+    out = engine.synchronize(handle, job.ctx.config.timeout)
     if job.home is not None:  # back to the tensor's device; in place when it is the caller's
         target = job.home if job.output is not None else torch.empty_like(job.home)
         out = staging.to_device(out, target, job.block_size)

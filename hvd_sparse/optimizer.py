@@ -16,12 +16,10 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import DistributedOptimizer as _HvdDistributedOptimizer
 
-from . import basics
-from .config import SCHEMES
+from . import basics, schemes
 from .engine import Handle
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
-from .schemes import omnireduce
 from .sparsifiers import Sparsifier
 
 
@@ -68,14 +66,12 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         pre, post = ((1.0 / self._predivide, self._predivide) if self._op == hvd.Average
                      else (1.0, 1.0))
         if self._sparsifier is not None and not p.grad.is_sparse:
-            self._sparsifier(self._names[id(p)], p.grad, self._codec_block_size())
+            self._sparsifier(self._names[id(p)], p.grad,
+                             self._block_size or basics.state().config.block_size)
         start = allreduce_async if p.grad.is_sparse else allreduce_async_
         self._handles[p] = start(p.grad, name=self._names[id(p)], op=self._op,
                                  scheme=self._scheme, prescale_factor=pre, postscale_factor=post,
                                  block_size=self._block_size, process_set=self.process_set)
-
-    def _codec_block_size(self) -> int:
-        return self._block_size or basics.state().config.block_size
 
     def synchronize(self) -> None:
         """Waits for every gradient's reduction and writes the results into ``p.grad``."""
@@ -89,7 +85,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         for p, h in self._handles.items():
             out = synchronize(h)
             if self._sparsifier is not None and not p.grad.is_sparse:
-                self._sparsifier.observe(self._names[id(p)], out, self._codec_block_size())
+                self._sparsifier.observe(self._names[id(p)], out, h.job.block_size)
             if p.grad.is_sparse:  # reduced by rows, coalesced: sparse optimizers take it
                 p.grad = out
             # dense gradients were reduced in place
@@ -169,13 +165,9 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
         raise ValueError("gradient_predivide_factor requires op=hvd.Average")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
-    if scheme is not None and scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    schemes.check(scheme, process_set)
     if sparsifier is not None and not isinstance(sparsifier, Sparsifier):
         raise ValueError(f"sparsifier must be an hvd_sparse Sparsifier, got {sparsifier!r}")
-    if scheme == "omnireduce" and not omnireduce.covers(process_set):
-        raise ValueError("scheme 'omnireduce' reduces over all ranks of the job, not over a "
-                         f"process set ({process_set.ranks}); use another scheme")
     namespace = dict(_SparseDistributedOptimizer.__dict__)
     # hvd.broadcast_optimizer_state creates missing state with step() on the ranks that lack it
     # only, and skips the gradient reduction for classes from Horovod's optimizer module. Ours

@@ -7,25 +7,42 @@ needs torch or Horovod, so aggregator hosts and packet tools can import it.
 """
 from __future__ import annotations
 
-from . import _protocol as _p
+from ._protocol import (
+    BITMAP_BYTES,
+    HEADER_BYTES,
+    INF,
+    LANE_BYTES,
+    MAGIC,
+    MAX_DATAGRAM,
+    MAX_LANES,
+    MAX_WORKERS,
+    VERSION,
+)
+from ._protocol import DTYPES as _DTYPES
+from ._protocol import ERRORS as _ERRORS
+from ._protocol import FIELDS as _FIELDS
+from ._protocol import FLAGS as _FLAGS
+from ._protocol import TYPES as _TYPES
+from ._protocol import WIRE_DTYPES as _WIRE_DTYPES
+from ._protocol import layout as _layout
+from ._protocol import stream_block as _stream_block
+from ._protocol import stream_length as _stream_length
 
-MAGIC: int = _p.MAGIC
-VERSION: int = _p.VERSION
-HEADER_BYTES: int = _p.HEADER_BYTES
-BITMAP_BYTES: int = _p.BITMAP_BYTES
-LANE_BYTES: int = _p.LANE_BYTES  # per lane: {uint32 offset, uint32 next}
-INF: int = _p.INF  # lane position "none"
-MAX_LANES: int = _p.MAX_LANES
-MAX_WORKERS: int = _p.MAX_WORKERS
-MAX_DATAGRAM: int = _p.MAX_DATAGRAM  # largest UDP payload over IPv4
+# Constants (ints), as named in protocol.h: MAGIC, VERSION, HEADER_BYTES, BITMAP_BYTES,
+# LANE_BYTES (per lane: {uint32 offset, uint32 next}), INF (lane position "none"), MAX_LANES,
+# MAX_WORKERS, MAX_DATAGRAM (largest UDP payload over IPv4).
+__all__ = ["BITMAP_BYTES", "DTYPES", "ELEM_SIZE", "ERRORS", "FIELDS", "FIXED32", "FLAGS",
+           "HEADER_BYTES", "INF", "LANE_BYTES", "MAGIC", "MAX_DATAGRAM", "MAX_LANES",
+           "MAX_WORKERS", "TYPES", "VERSION", "WIRE_DTYPES", "layout", "stream_block",
+           "stream_length"]
 
-TYPES: dict[str, int] = dict(_p.TYPES)  # packet type name -> code
-FLAGS: dict[str, int] = dict(_p.FLAGS)
-ERRORS: dict[str, int] = dict(_p.ERRORS)  # ERROR packets' code (in the round field)
-FIELDS: list[tuple[str, int, int]] = [tuple(f) for f in _p.FIELDS]  # (name, offset, size)
-DTYPES: dict[str, tuple[int, int]] = dict(_p.DTYPES)  # tensor dtype "float32" -> (code, size)
+TYPES: dict[str, int] = dict(_TYPES)  # packet type name -> code
+FLAGS: dict[str, int] = dict(_FLAGS)
+ERRORS: dict[str, int] = dict(_ERRORS)  # ERROR packets' code (in the round field)
+FIELDS: list[tuple[str, int, int]] = [tuple(f) for f in _FIELDS]  # (name, offset, size)
+DTYPES: dict[str, tuple[int, int]] = dict(_DTYPES)  # tensor dtype "float32" -> (code, size)
 # What DATA and RESULT may carry: the tensor dtypes and "fixed32" (int32 fixed point)
-WIRE_DTYPES: dict[str, tuple[int, int]] = dict(_p.WIRE_DTYPES)
+WIRE_DTYPES: dict[str, tuple[int, int]] = dict(_WIRE_DTYPES)
 FIXED32: int = WIRE_DTYPES["fixed32"][0]
 ELEM_SIZE: dict[int, int] = {code: size for code, size in WIRE_DTYPES.values()}  # code -> bytes
 
@@ -34,14 +51,14 @@ def layout(nblocks: int, block_size: int, esize: int, payload: int,
            max_slots: int) -> tuple[int, int]:
     """(lanes, nslots) of a tensor of ``nblocks`` blocks: as many lanes as ``payload`` bytes of
     values hold (1 .. MAX_LANES), one slot per packet's worth of blocks, at most ``max_slots``."""
-    return _p.layout(nblocks, block_size, esize, payload, max_slots)
+    return _layout(nblocks, block_size, esize, payload, max_slots)
 
 
 def stream_length(slot: int, lane: int, nblocks: int, nslots: int, lanes: int) -> int:
     """Positions of the stream that is ``lane`` of ``slot``."""
-    return _p.stream_length(slot, lane, nblocks, nslots, lanes)
+    return _stream_length(slot, lane, nblocks, nslots, lanes)
 
 
 def stream_block(slot: int, lane: int, pos: int, nslots: int, lanes: int) -> int:
     """Block index at position ``pos`` of the stream that is ``lane`` of ``slot``."""
-    return _p.stream_block(slot, lane, pos, nslots, lanes)
+    return _stream_block(slot, lane, pos, nslots, lanes)

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "hvd-sparse-run"
-VERSION = 1
+VERSION = 2  # 2: retransmits and rounds
+READS = (1, 2)  # versions this one reads (1 lacks the fields added since)
 # One record: the fields of the tuples kept in memory, in order.
 FIELDS = ("step", "name", "numel", "esize", "block_size", "ranks", "requested", "scheme", "t",
           "seconds", "bytes_sent", "bytes_received", "block_density", "nnz_local", "union",
-          "reason")
+          "reason", "retransmits", "rounds")
 
 _UNITS = {"": 1.0, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
           "kibit": 2.0**10, "mibit": 2.0**20, "gibit": 2.0**30, "tibit": 2.0**40}
@@ -125,16 +126,15 @@ def stop() -> None:
 
 
 def record(job: Any, started: float, seconds: float) -> None:
-    """One finished reduction (``job``: an engine.Job); nothing when no run file is set."""
+    """One finished reduction (``job``: a job.Job; its ``stats`` give the record's columns);
+    nothing when no run file is set."""
     rec = _recorder
     if rec is None:
         return
-    s, t = job.stats, job.tensor
-    rec.add(job.name, started, seconds, numel=t.numel(), esize=t.element_size(),
-            block_size=job.block_size, ranks=job.size, requested=job.scheme,
-            scheme=s.get("scheme", job.scheme), bytes_sent=s.get("bytes_sent"),
-            bytes_received=s.get("bytes_received"), block_density=s.get("block_density"),
-            nnz_local=s.get("nnz_local"), union=s.get("union"), reason=s.get("reason"))
+    t = job.tensor
+    rec.add(job.name, started, seconds, **job.stats.reported(), numel=t.numel(),
+            esize=t.element_size(), block_size=job.block_size, ranks=job.size,
+            requested=job.scheme)
 
 
 def flush() -> Path | None:
@@ -156,7 +156,7 @@ def load(path: str | Path) -> dict[str, Any]:
     doc = json.loads(Path(path).read_text())
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not an hvd-sparse run file (no \"format\": \"{FORMAT}\")")
-    if doc.get("version") != VERSION:
+    if doc.get("version") not in READS:
         raise ValueError(f"{path}: run file version {doc.get('version')}, this hvd-sparse "
-                         f"reads version {VERSION}")
+                         f"reads versions {READS}")
     return doc

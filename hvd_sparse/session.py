@@ -24,10 +24,12 @@ import torch
 
 from switch_emu.control import CELLS_PER_SLOT, VALUES_PER_PASS
 
-from . import _C, fixedpoint, protocol
+from . import protocol
+from ._C import OmniWorker
 from .aggregator import LocalAggregators
 from .config import Config
 from .errors import HvdSparseError
+from .fixedpoint import exponent
 
 log = logging.getLogger("hvd_sparse")
 
@@ -55,7 +57,7 @@ class Session:
         self.turns = Turns() if switch else None
         # The engine's own no-progress timeout fires a little before the caller's, so the error
         # names the aggregator rather than only the tensor.
-        self.worker = _C.OmniWorker(addrs, token, hvd.rank(), hvd.size(),
+        self.worker = OmniWorker(addrs, token, hvd.rank(), hvd.size(),
                                     payload_bytes=self.payload,
                                     slots_per_aggregator=cfg.slots, rto=cfg.rto,
                                     timeout=cfg.timeout * 0.9, seed=hvd.rank())
@@ -87,7 +89,7 @@ class Session:
             t0 = time.perf_counter()
             ticket = self.worker.submit(
                 self.tensor_id(f"hvd_sparse.probe.omni{numel}.{density}"), x, out, 256, 0, None,
-                "probe", 1.0, fixedpoint.exponent(1.0, hvd.size()) if self.switch else None)
+                "probe", 1.0, exponent(1.0, hvd.size()) if self.switch else None)
             self.worker.wait(ticket, self.cfg.timeout)
             self.worker.finish(ticket)
             times.append(time.perf_counter() - t0)

@@ -173,12 +173,8 @@ def reduce(scheme: str, inplace: bool, x: torch.Tensor, k2: omni.Session | None)
     fn = hvd_sparse.allreduce_ if inplace else hvd_sparse.allreduce
     if scheme != "omnireduce K=2":
         return fn(x, name=name, op=hvd.Sum, scheme=scheme)
-    st = hvd_sparse.basics.state()
-    own, st.omni = st.omni, k2
-    try:
+    with hvd_sparse.basics.joined(omni=k2):
         return fn(x, name=name, op=hvd.Sum, scheme="omnireduce")
-    finally:
-        st.omni = own
 
 
 def methods(t: torch.Tensor, coo: torch.Tensor, work: torch.Tensor, k2: omni.Session | None,
@@ -393,7 +389,7 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
         console.print(f"target {name}: {value:.2f}x (need >= {need}x): "
                       + ("[green]met[/]" if met else "[red]NOT met[/]"))
 
-    # Each target twice: out of place (as issue 2 first measured it) and in place (as the
+    # Each target twice: out of place (as first measured) and in place (as the
     # optimizers run). In place, Horovod's own in-place dense allreduce joins the baselines.
     ms = {k: r.get("ms", nan) for k, r in by.items()}
     for suffix in ("", " in-place"):
@@ -417,7 +413,7 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
                    f"{by[(d, f'ours auto{suffix}')].get('scheme', '?')})",
                    best / ms[(d, f"ours auto{suffix}")], TARGET_AUTO_X)
 
-    # Issue 3: aggregation against Horovod dense and sparse, in place (as the optimizers run).
+    # Aggregation against Horovod dense and sparse, in place (as the optimizers run).
     for suffix in ("", " in-place"):
         for k in ("omnireduce", "omnireduce K=2"):
             for d, need_dense, need_sparse in ((0.01, 8.0, 1.0), (0.1, 1.3, 1.3)):
@@ -426,7 +422,7 @@ def report(rows: list[dict], densities: list[float], args: argparse.Namespace, n
                     target(f"{k}{suffix} vs hvd dense @ {d:g}", r["x vs hvd dense"], need_dense)
                     target(f"{k}{suffix} vs hvd sparse @ {d:g}", r["x vs hvd sparse"],
                            need_sparse)
-    # Issue 12: every sparse scheme against Horovod's COO path at 1%, out of place and in place.
+    # Every sparse scheme against Horovod's COO path at 1%, out of place and in place.
     for s in ("allgather", "zen", "omnireduce", "auto"):
         for suffix, need in (("", TARGET_OOP_X), (" in-place", TARGET_INPLACE_X)):
             if (TARGET_OOP_DENSITY, f"ours {s}{suffix}") in by:

@@ -224,11 +224,8 @@ def rank_side(args: argparse.Namespace) -> None:
         name = f"bench.{scheme.replace(' ', '.')}"
         if scheme not in sessions or scheme == "switch":
             return hvd_sparse.allreduce_(w, name=name, op=hvd.Sum, scheme=scheme)
-        own, st.omni = st.omni, sessions[scheme]
-        try:
+        with basics.joined(omni=sessions[scheme]):
             return hvd_sparse.allreduce_(w, name=name, op=hvd.Sum, scheme="omnireduce")
-        finally:
-            st.omni = own
 
     def density(di: int, d: float) -> list[dict]:
         gen = torch.Generator().manual_seed(rank * 7919 + di)

@@ -21,42 +21,28 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import horovod
 import horovod.torch as hvd
-import numpy as np
 import torch
+from _demo_report import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, fmt_bytes, report
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from torch import nn
 
 import hvd_sparse
 from hvd_sparse import runfile
+from hvd_sparse.tools.workload import FIELDS, CTRModel, Shard, make_shard, vocab_sizes
 
-# Categorical fields: (name, vocabulary size, Zipf exponent). Ids are frequency-ranked (id 0 is
-# the most common), as vocabularies built from counts usually are. 264k rows x 32 dims make a
-# 32 MiB embedding gradient per step, of which a batch touches a few percent.
-FIELDS: tuple[tuple[str, int, float], ...] = (
-    ("user", 160_000, 1.05),
-    ("item", 96_000, 1.1),
-    ("site", 8_000, 1.2),
-)
-N_DENSE = 8
 EVAL_ROWS = 8192
-LOSS_RTOL = 1e-3
-PARAM_RTOL = 1e-4
-PARAM_ATOL = 1e-5
 
 
 def parse_args() -> argparse.Namespace:
@@ -95,68 +81,6 @@ def parse_args() -> argparse.Namespace:
     if args.steps < 1 or not 0 <= args.warmup <= args.steps:
         p.error("need --steps >= 1 and 0 <= --warmup <= --steps")
     return args
-
-
-# ---------------------------------------------------------------------------------------------
-# Data
-
-
-def vocab_sizes(scale: float) -> list[int]:
-    return [max(8, int(n * scale)) for _, n, _ in FIELDS]
-
-
-def zipf_ids(rng: np.random.Generator, n: int, a: float, size: int) -> np.ndarray:
-    """Truncated Zipf over [0, n): P(k) ~ 1 / (k + 1)^a, by inverse CDF."""
-    cdf = np.cumsum(1.0 / np.arange(1, n + 1) ** a)
-    cdf /= cdf[-1]
-    return np.minimum(np.searchsorted(cdf, rng.random(size)), n - 1)
-
-
-@dataclass
-class Shard:
-    ids: torch.Tensor  # [rows, fields] int64
-    dense: torch.Tensor  # [rows, N_DENSE] float32
-    label: torch.Tensor  # [rows] float32
-
-
-def make_shard(seed: int, rank: int, rows: int, sizes: list[int], tag: int) -> Shard:
-    # The teacher is seeded without the rank so all ranks learn the same function; the
-    # examples are seeded with it so every rank sees its own shard.
-    t_rng = np.random.default_rng([seed, 0])
-    teacher = [t_rng.normal(0.0, 1.0, n) for n in sizes]
-    w_dense = t_rng.normal(0.0, 0.5, N_DENSE)
-
-    rng = np.random.default_rng([seed, 1 + tag, rank])
-    ids = np.stack(
-        [zipf_ids(rng, n, a, rows) for n, (_, _, a) in zip(sizes, FIELDS, strict=True)], axis=1
-    )
-    dense = rng.normal(0.0, 1.0, (rows, N_DENSE)).astype(np.float32)
-    logit = sum(t[ids[:, i]] for i, t in enumerate(teacher)) + dense @ w_dense
-    label = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-    return Shard(torch.from_numpy(ids), torch.from_numpy(dense), torch.from_numpy(label))
-
-
-# ---------------------------------------------------------------------------------------------
-# Model
-
-
-class CTRModel(nn.Module):
-    def __init__(self, sizes: list[int], dim: int) -> None:
-        super().__init__()
-        # sparse=False on purpose: the gradient is a dense, mostly-zero tensor, which Horovod's
-        # dense path ships in full.
-        self.emb = nn.ModuleDict(
-            {name: nn.Embedding(n, dim) for (name, _, _), n in zip(FIELDS, sizes, strict=True)}
-        )
-        for e in self.emb.values():
-            nn.init.normal_(e.weight, 0.0, 0.05)
-        self.mlp = nn.Sequential(
-            nn.Linear(dim * len(FIELDS) + N_DENSE, 64), nn.ReLU(), nn.Linear(64, 1)
-        )
-
-    def forward(self, ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        feats = [e(ids[:, i]) for i, e in enumerate(self.emb.values())]
-        return self.mlp(torch.cat([*feats, dense], dim=1)).squeeze(1)
 
 
 def build_model(args: argparse.Namespace, sizes: list[int]) -> CTRModel:
@@ -206,11 +130,9 @@ def mean_over_ranks(values: list[float] | float, name: str) -> torch.Tensor:
     return hvd.allreduce(t, op=hvd.Average, name=name)
 
 
-def evaluate(model: nn.Module, shard: Shard, name: str) -> float:
+def evaluate(model: CTRModel, shard: Shard, name: str) -> float:
     with torch.no_grad():
-        loss = nn.functional.binary_cross_entropy_with_logits(
-            model(shard.ids, shard.dense), shard.label
-        )
+        loss = model.loss(shard.ids, shard.dense, shard.label)
     return float(mean_over_ranks(loss.item(), name))
 
 
@@ -230,13 +152,12 @@ def make_optimizer(kind: str, args: argparse.Namespace, model: nn.Module) -> Any
     )
 
 
-def train_step(model: nn.Module, opt: Any, data: Shard, sl: slice) -> tuple[float, float, float]:
+def train_step(model: CTRModel, opt: Any, data: Shard, step: int,
+               batch: int) -> tuple[float, float, float]:
     """One step; returns (local loss, sync ms, step ms)."""
     t0 = time.perf_counter()
     opt.zero_grad()
-    loss = nn.functional.binary_cross_entropy_with_logits(
-        model(data.ids[sl], data.dense[sl]), data.label[sl]
-    )
+    loss = model.loss(*data.batch(step, batch))
     loss.backward()
     # Reductions start from backward hooks; synchronize() waits for whatever is left.
     t1 = time.perf_counter()
@@ -252,34 +173,30 @@ def warm_up(args: argparse.Namespace, sizes: list[int], data: Shard) -> None:
     """Untimed steps of both paths on throwaway models, so neither timed run pays for first
     touches the other then gets for free: allocator growth, Horovod's fusion buffer and
     response cache, Gloo connections, hvd_sparse's buffers."""
-    bs = args.batch_size
     for kind in ("dense", "sparse"):
         model = build_model(args, sizes)
         opt = make_optimizer(kind, args, model)
         for step in range(args.warmup):
-            train_step(model, opt, data, slice(step * bs, (step + 1) * bs))
+            train_step(model, opt, data, step, args.batch_size)
 
 
 def train(
     run: RunResult,
     args: argparse.Namespace,
-    model: nn.Module,
+    model: CTRModel,
     opt: Any,
     train_data: Shard,
     eval_data: Shard,
     progress: Progress,
     log: Callable[[str], None],
 ) -> None:
-    bs = args.batch_size
     task = progress.add_task(f"{run.name:>6}", total=args.steps, loss=math.nan, sync=math.nan)
     log_every = max(1, args.steps // 8)
     local_loss: list[float] = []
     hvd.barrier()  # start the clock with every rank at the same point
     rx0 = rx_bytes()
     for step in range(args.steps):
-        loss, sync_ms, step_ms = train_step(
-            model, opt, train_data, slice(step * bs, (step + 1) * bs)
-        )
+        loss, sync_ms, step_ms = train_step(model, opt, train_data, step, args.batch_size)
         local_loss.append(loss)
         run.sync_ms.append(sync_ms)
         run.step_ms.append(step_ms)
@@ -335,20 +252,6 @@ def collect_sparse_metrics(run: RunResult, model: nn.Module) -> None:
     run.bytes_note = "hvd_sparse.metrics() bytes_sent of the last step, mean over ranks"
 
 
-# ---------------------------------------------------------------------------------------------
-# Report
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def compare(dense: RunResult, sparse: RunResult) -> dict[str, Any]:
     """Checks on this rank; the caller combines the verdicts of all ranks."""
     max_abs, max_rel, close = 0.0, 0.0, True
@@ -374,128 +277,6 @@ def compare(dense: RunResult, sparse: RunResult) -> dict[str, Any]:
         "params_max_rel_diff": max_rel,
         "params_worst_tensor": worst,
         "params_allclose": bool(close),
-    }
-
-
-def report(
-    console: Console,
-    args: argparse.Namespace,
-    runs: list[RunResult],
-    checks: dict[str, Any],
-    eval0: float,
-) -> dict[str, Any]:
-    dense, sparse = runs
-    stats = {r.name: r.stats() for r in runs}
-    speedup_sync = stats["dense"]["sync_ms_median"] / max(stats["sparse"]["sync_ms_median"], 1e-9)
-    speedup_step = stats["dense"]["step_ms_median"] / max(stats["sparse"]["step_ms_median"], 1e-9)
-    bytes_ratio = (
-        dense.bytes_per_step / max(sparse.bytes_per_step, 1.0)
-        if dense.bytes_per_step is not None and sparse.bytes_per_step is not None
-        else math.nan
-    )
-
-    t = Table(
-        title=f"dense vs sparse gradient sync — {hvd.size()} ranks, medians of {args.steps} steps"
-    )
-    for col in ("run", "sync path", "sync ms", "step ms", "final loss", "eval loss", "bytes/step",
-                "link rx/step", "link util"):
-        t.add_column(col, justify="left" if col in ("run", "sync path") else "right")
-    for r in runs:
-        s = stats[r.name]
-        t.add_row(
-            r.name,
-            r.path,
-            f"{s['sync_ms_median']:.1f}",
-            f"{s['step_ms_median']:.1f}",
-            f"{s['final_loss']:.5f}",
-            f"{s['eval_loss']:.5f}",
-            fmt_bytes(r.bytes_per_step),
-            fmt_bytes(r.rx_per_step),
-            f"{r.link_util:.0%}" if r.link_util is not None else "-",
-        )
-    t.caption = (
-        f"sync speedup {speedup_sync:.2f}x, step speedup {speedup_step:.2f}x, "
-        f"{bytes_ratio:.0f}x fewer bytes; "
-        f"eval loss at init {eval0:.4f}\nbytes/step: what one rank sends (mean over ranks); dense "
-        f"= ring model 2 (n - 1) / n x gradient bytes, sparse = hvd_sparse.metrics() bytes_sent;"
-        f"\nlink rx/step, link util: what a worker's link received (eth0 counters, mean over "
-        f"ranks), and those bits over the step time and the link rate (testbed only)"
-    )
-    console.print(t)
-
-    tt = Table(title=f"hvd_sparse per-tensor schemes (scheme={args.scheme!r}, last step)")
-    for col in ("tensor", "shape", "scheme", "block density", "calls", "sent", "ms", "note"):
-        tt.add_column(col, justify="left" if col in ("tensor", "scheme", "note") else "right")
-    for x in sparse.tensors:
-        density = x.get("block_density")
-        tt.add_row(
-            x["param"] or x["metric_name"],
-            "x".join(map(str, x["shape"])) if x["shape"] else "?",
-            str(x.get("scheme")),
-            f"{density:.2%}" if isinstance(density, int | float) else "-",
-            str(x.get("calls")),
-            fmt_bytes(x.get("bytes_sent")),
-            f"{1e3 * x['seconds']:.1f}" if "seconds" in x else "-",
-            str(x.get("reason", "")),
-        )
-    if not sparse.tensors:
-        tt.add_row("(hvd_sparse.metrics() is empty)", *[""] * 7)
-    tt.caption = "sent: bytes this rank put on the wire (ring model); ms: submit to done"
-    console.print(tt)
-
-    ct = Table(title="dense vs sparse agreement (all ranks)")
-    for col in ("check", "value", "limit", "ok"):
-        ct.add_column(col, justify="left" if col == "check" else "right")
-
-    def mark(ok: bool) -> str:
-        return "[green]yes[/]" if ok else "[bold red]NO[/]"
-
-    ct.add_row(
-        "final train loss rel diff",
-        f"{checks['final_loss_rel_diff']:.2e}",
-        f"{LOSS_RTOL:.0e}",
-        mark(checks["final_loss_rel_diff"] < LOSS_RTOL),
-    )
-    ct.add_row(
-        "eval loss rel diff",
-        f"{checks['eval_loss_rel_diff']:.2e}",
-        f"{LOSS_RTOL:.0e}",
-        mark(checks["eval_loss_rel_diff"] < LOSS_RTOL),
-    )
-    ct.add_row(
-        f"params max |diff| ({checks['params_worst_tensor'] or '-'})",
-        f"{checks['params_max_abs_diff']:.2e}",
-        f"rtol {PARAM_RTOL:.0e}, atol {PARAM_ATOL:.0e}",
-        mark(checks["params_allclose_all_ranks"]),
-    )
-    console.print(ct)
-
-    return {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "world_size": hvd.size(),
-        "fields": [
-            {"name": n, "rows": r, "zipf_a": a}
-            for (n, _, a), r in zip(FIELDS, vocab_sizes(args.scale), strict=True)
-        ],
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "horovod": horovod.__version__,
-            "hvd_sparse": getattr(hvd_sparse, "__version__", None),
-        },
-        "eval_loss_init": eval0,
-        "runs": {
-            r.name: {
-                **stats[r.name],
-                **{k: v for k, v in asdict(r).items() if k not in ("params", "name")},
-            }
-            for r in runs
-        },
-        "sync_speedup": speedup_sync,
-        "step_speedup": speedup_step,
-        "bytes_ratio": bytes_ratio,
-        "checks": checks,
-        "ok": checks["ok"],
     }
 
 

@@ -37,7 +37,8 @@ def test_switch_sends_each_link_its_own_blocks_and_the_union_once():
     union = 0.344 * NBLOCKS  # 1 - 0.9^4 of the blocks, independent patterns
     p = costmodel.predict(m, NUMEL, 4, BS, nnz, union)
     assert p.received["switch"] == union * BS * 4  # int32 on the wire, the union once
-    wire = union * (BS * 4 + costmodel.OMNI_LANE) * 8 / 1e9  # seconds on one worker link
+    per_block = BS * 4 + costmodel.packet_overhead(m.switch_layout, NBLOCKS, 4, BS)
+    wire = union * per_block * 8 / 1e9  # seconds on one worker link
     assert wire <= p.seconds["switch"] <= 2 * wire, (wire, p.seconds["switch"])
     assert p.seconds["switch"] < p.seconds["omnireduce"], p.seconds
     assert p.seconds["switch"] < p.seconds["dense"], p.seconds

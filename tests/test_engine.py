@@ -7,6 +7,7 @@ import torch
 
 from hvd_sparse import engine
 from hvd_sparse.errors import HvdSparseError
+from hvd_sparse.job import Job
 
 
 class Pending:
@@ -25,10 +26,10 @@ class Pending:
         return torch.ones(3)
 
 
-def job(name: str) -> engine.Job:
-    return engine.Job(name=name, tensor=torch.zeros(3), shape=torch.Size([3]), op=None,
-                      prescale=1.0, postscale=1.0, block_size=256, size=1, rank=0, meta=0,
-                      scheme="test", ctx=None)
+def job(name: str) -> Job:
+    return Job(name=name, tensor=torch.zeros(3), shape=torch.Size([3]), op=None,
+               prescale=1.0, postscale=1.0, block_size=256, size=1, rank=0, meta=0,
+               scheme="test", ctx=None)
 
 
 def stages(*pending: Pending):
@@ -59,3 +60,20 @@ def test_a_stage_that_never_finishes_times_out_naming_it():
                                              r"'stage0'"):
         engine.synchronize(h, timeout=0.2)
     assert engine.inflight() == 0
+
+
+def test_abandoned_reductions_fail_by_name_and_run_their_clean_up():
+    cleaned = []
+
+    def scheme():
+        try:
+            yield "stage0", Pending(10**9)
+        finally:
+            cleaned.append(True)
+        return torch.ones(3)
+
+    h = engine.submit(job("left"), scheme(), lambda h: None)
+    assert engine.abandon("shut down") == 1 and cleaned == [True]
+    assert engine.inflight() == 0
+    with pytest.raises(HvdSparseError, match=r"tensor 'left': shut down"):
+        engine.synchronize(h, timeout=5)

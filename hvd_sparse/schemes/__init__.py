@@ -1,14 +1,47 @@
-"""Reduction schemes, one module each, one interface: ``run(job) -> Stage`` (see engine.py)."""
+"""Reduction schemes, one module each, one interface: ``run(job) -> Stage`` (see engine.py).
+
+``run`` is the one dispatcher: it sends small tensors dense (decided here, once), lets "auto"
+choose among the table's schemes, and runs the one chosen.
+"""
 from __future__ import annotations
 
-from ..engine import Job, Stage
+from collections.abc import Callable
+
+import horovod.torch as hvd
+
+from ..config import SCHEMES
+from ..engine import Stage
+from ..job import Job, is_global
 from . import allgather, auto, dense, omnireduce, rows, switch, zen
 
-# "rows" takes sparse COO tensors (chosen by allreduce_async, not by the user's scheme).
-SCHEMES = {"dense": dense.run, "allgather": allgather.run, "zen": zen.run,
-           "omnireduce": omnireduce.run, "switch": switch.run, "auto": auto.run,
-           "rows": rows.run}
+# What runs each scheme; "auto" chooses among them; "rows" takes sparse COO tensors (chosen by
+# allreduce_async, never by the user).
+RUN: dict[str, Callable[[Job], Stage]] = {
+    "dense": dense.run, "allgather": allgather.run, "zen": zen.run,
+    "omnireduce": omnireduce.run, "switch": switch.run, "rows": rows.run}
+assert set(RUN) - {"rows"} == set(SCHEMES) - {"auto"}
+# A round of aggregation, or auto's own decision, costs more than a small tensor's dense
+# allreduce (config.small_bytes).
+SMALL_GO_DENSE = ("auto", "omnireduce", "switch")
+
+
+def check(scheme: str | None, process_set: hvd.ProcessSet = hvd.global_process_set) -> None:
+    """ValueError for a scheme the user may not ask for (with this process set)."""
+    if scheme is not None and scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if scheme == "omnireduce" and not is_global(process_set):
+        raise ValueError("scheme 'omnireduce' reduces over all ranks of the job, not over a "
+                         f"process set ({process_set.ranks}); use another scheme")
 
 
 def run(job: Job) -> Stage:
-    return SCHEMES[job.scheme](job)
+    if job.scheme in SMALL_GO_DENSE and job.small:
+        job.stats.reason = "small"
+        return (yield from dense.run(job))
+    if job.scheme != "auto":
+        return (yield from RUN[job.scheme](job))
+    choice = yield from auto.choose(job)
+    nnz = job.stats.nnz or []
+    out = yield from RUN[choice](job)
+    auto.learn(job, choice, nnz)
+    return out

@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import horovod.torch as hvd
 
-from .. import _C
-from ..engine import Job, Stage
-from ..segments import decode_sum, local_mask, output
+from .._C import encode
+from ..engine import Stage
+from ..job import Job
+from .common import decode_sum, local_mask, output
 
 
 def run(job: Job) -> Stage:
     t, bs, n = job.tensor, job.block_size, job.size
-    seg = _C.encode(t, bs, job.meta, local_mask(job))
+    seg = encode(t, bs, job.meta, local_mask(job))
     gathered = yield "allgather", hvd.allgather_async(seg, name=job.op_name("allgather"),
                                                      process_set=job.process_set)
     out = output(job)
     decode_sum(job, gathered, out, part_is_rank=False)
     # Ring allgather: each rank forwards all but one of the n segments, and receives the others'.
-    job.stats.update(scheme="allgather", bytes_sent=int(gathered.numel() * (n - 1) / n),
-                     bytes_received=gathered.numel() - seg.numel())
+    job.stats.scheme = "allgather"
+    job.stats.bytes_sent = int(gathered.numel() * (n - 1) / n)
+    job.stats.bytes_received = gathered.numel() - seg.numel()
     return out

@@ -2,35 +2,32 @@
 
 Ranks first allgather a tiny stats row (non-zero block count and a fingerprint of the tensor),
 so every rank feeds the same numbers to the same model and takes the same branch; the rows also
-catch shape or dtype mismatches across ranks. Small tensors go dense without the extra round.
+catch shape or dtype mismatches across ranks. (Small tensors never get here: they go dense.)
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator
+from typing import Any
 
 import horovod.torch as hvd
 import torch
 
 from .. import blocks, costmodel
-from ..engine import Job, Stage
 from ..errors import HvdSparseError
-from ..segments import local_mask
-from . import allgather, dense, omnireduce, switch, zen
+from ..job import Job
+from . import switch
+from .common import local_mask
 
 log = logging.getLogger("hvd_sparse")
-_RUN = {"dense": dense.run, "allgather": allgather.run, "zen": zen.run,
-        "omnireduce": omnireduce.run, "switch": switch.run}
-_union_ratio: dict[str, float] = {}  # name -> observed union / sum of per-rank non-zero blocks
+ROW_BYTES = 4 * 8  # the stats row: 4 int64
 
 
-def run(job: Job) -> Stage:
-    ctx = job.ctx
-    t = job.tensor
-    if t.numel() * t.element_size() < ctx.config.small_bytes:
-        job.stats["reason"] = "small"
-        return (yield from dense.run(job))
-    nnz_local = int(local_mask(job).sum())
-    row = torch.tensor([[nnz_local, t.numel(), blocks.DTYPE_CODES[t.dtype], job.meta]])
+def choose(job: Job) -> Generator[tuple[str, int], Any, str]:
+    """Yields the stats allgather; returns the scheme to run: "dense" or a sparse one."""
+    ctx, t = job.ctx, job.tensor
+    row = torch.tensor([[int(local_mask(job).sum()), t.numel(), blocks.DTYPE_CODES[t.dtype],
+                         job.meta]])
     rows = yield "stats", hvd.allgather_async(row, name=job.op_name("stats"),
                                               process_set=job.process_set)
     for r, other in enumerate(rows.tolist()):
@@ -39,24 +36,27 @@ def run(job: Job) -> Stage:
                 f"hvd_sparse: tensor {job.name!r}: tensor mismatch across ranks: rank {r} has "
                 f"numel={other[1]} dtype-code={other[2]}, this rank has numel={t.numel()} "
                 f"dtype={t.dtype} (or the shapes differ)")
-    nnz = rows[:, 0].tolist()
-    ratio = _union_ratio.get(job.name)
+    nnz = job.stats.nnz = rows[:, 0].tolist()
+    ratio = ctx.union_ratio.get(job.name)
     predicted = costmodel.predict(ctx.net, t.numel(), t.element_size(), job.block_size, nnz,
                                   None if ratio is None else ratio * sum(nnz))
-    if not omnireduce.covers(job.process_set):
+    if not job.global_set:
         predicted.seconds.pop("omnireduce", None)
     if switch.unsupported(job, ctx.switch):
         predicted.seconds.pop("switch", None)
     choice = costmodel.choose(predicted)
-    job.stats.update(predicted_ms={k: round(v * 1e3, 3) for k, v in predicted.seconds.items()},
-                     block_density=sum(nnz) / len(nnz) / max(1, blocks.num_blocks(
-                         t.numel(), job.block_size)))
-    log.debug("hvd_sparse: %s -> %s (predicted ms %s)", job.name, choice, job.stats["predicted_ms"])
-    out = yield from _RUN[choice](job)
-    # The decision's own allgather: n - 1 rows in, as many out (ring).
-    row_bytes = (len(nnz) - 1) * row.nbytes
-    for key in ("bytes_sent", "bytes_received"):
-        job.stats[key] = job.stats.get(key, 0) + row_bytes
-    if choice != "dense" and sum(nnz) > 0:
-        _union_ratio[job.name] = job.stats["union"] / sum(nnz)
-    return out
+    job.stats.predicted_ms = {k: round(v * 1e3, 3) for k, v in predicted.seconds.items()}
+    job.stats.block_density = sum(nnz) / len(nnz) / max(1, blocks.num_blocks(t.numel(),
+                                                                             job.block_size))
+    log.debug("hvd_sparse: %s -> %s (predicted ms %s)", job.name, choice, job.stats.predicted_ms)
+    return choice
+
+
+def learn(job: Job, choice: str, nnz: list[int]) -> None:
+    """After the chosen scheme ran: its bytes with the decision's own (ring allgather of one
+    stats row per rank), and the union it saw, for the next prediction of this tensor."""
+    s = job.stats
+    s.bytes_sent += (len(nnz) - 1) * ROW_BYTES
+    s.bytes_received = (s.bytes_received or 0) + (len(nnz) - 1) * ROW_BYTES
+    if choice != "dense" and sum(nnz) > 0 and s.union is not None:
+        job.ctx.union_ratio[job.name] = s.union / sum(nnz)

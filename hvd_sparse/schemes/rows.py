@@ -16,9 +16,11 @@ import math
 import horovod.torch as hvd
 import torch
 
-from .. import _C
-from ..engine import Job, Stage
+from .._C import sum_rows
+from ..engine import Stage
 from ..errors import HvdSparseError
+from ..job import Job
+from .common import error
 
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -33,7 +35,7 @@ def run(job: Job) -> Stage:
     nrows = math.prod(g.shape[:k])
     idx, vals = g._indices(), g._values().contiguous()
     line = idx[0] if k == 1 else _linear(idx, g.shape[:k])
-    rows, vals = _C.sum_rows(line.contiguous(), vals, nrows)
+    rows, vals = sum_rows(line.contiguous(), vals, nrows)
     header = torch.tensor([-1 - job.meta])  # negative: never a row; sum_rows skips it
     h_rows = hvd.allgather_async(torch.cat([header, rows]), name=job.op_name("rows"),
                                  process_set=job.process_set)
@@ -51,15 +53,16 @@ def run(job: Job) -> Stage:
         raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: tensor mismatch across ranks: "
                              "the ranks' sparse gradients differ in shape or dtype")
     try:
-        out_rows, out_vals = _C.sum_rows(all_rows, all_vals, nrows, job.scale)
+        out_rows, out_vals = sum_rows(all_rows, all_vals, nrows, job.scale)
     except RuntimeError as e:
-        raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: {e}") from e
+        raise error(job, e) from e
     n = job.size
     gathered = all_rows.numel() * all_rows.element_size() + all_vals.nbytes
     own = (rows.numel() + 1) * rows.element_size() + vals.nbytes  # header rows included
-    job.stats.update(scheme="rows", nnz_local=int(idx.shape[1]), rows_local=int(rows.numel()),
-                     union=int(out_rows.numel()), bytes_sent=int(gathered * (n - 1) / n),
-                     bytes_received=gathered - own)
+    s = job.stats
+    s.scheme = "rows"
+    s.nnz_local, s.rows_local, s.union = int(idx.shape[1]), int(rows.numel()), int(out_rows.numel())
+    s.bytes_sent, s.bytes_received = int(gathered * (n - 1) / n), gathered - own
     indices = out_rows.unsqueeze(0) if k == 1 else _unravel(out_rows, g.shape[:k])
     return torch.sparse_coo_tensor(indices, out_vals, g.shape, is_coalesced=True,
                                    check_invariants=False)  # sorted and distinct by construction

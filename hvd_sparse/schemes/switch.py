@@ -16,11 +16,12 @@ import math
 
 import horovod.torch as hvd
 
-from .. import fixedpoint, protocol
-from ..engine import Job, Stage
-from ..segments import output
+from .. import protocol
+from ..engine import Stage
+from ..job import Job
 from ..session import CELLS_PER_SLOT, VALUES_PER_PASS, Session
 from . import dense, omnireduce
+from .common import agree, failed_anywhere, output, stream
 
 log = logging.getLogger("hvd_sparse")
 
@@ -43,11 +44,8 @@ def unsupported(job: Job, session: Session | None) -> str:
     """Why the switch cannot take this tensor ("" when it can): decided alike on every rank."""
     if session is None:
         return "no switch"
-    if not omnireduce.covers(job.process_set):
+    if not job.global_set:
         return "process set"
-    t = job.tensor
-    if t.numel() * t.element_size() < job.ctx.config.small_bytes:
-        return "small"
     # A packet's values (int32) must fit one slot's cells, a pass per VALUES_PER_PASS of a lane
     lanes = protocol.layout(1, job.block_size, 4, session.payload, 1)[0]
     if lanes * math.ceil(job.block_size / VALUES_PER_PASS) > CELLS_PER_SLOT:
@@ -62,7 +60,7 @@ def run(job: Job) -> Stage:
         return (yield from elsewhere(job, why))
     assert session is not None and session.turns is not None
     turns = session.turns
-    exponent, (number,) = yield from fixedpoint.agree(
+    exponent, (number,) = yield from agree(
         job, float(turns.issue()) if hvd.rank() == 0 else -1.0)
     number, t = int(number), job.tensor
     if exponent is None:  # fixed point cannot carry NaN/Inf
@@ -72,24 +70,24 @@ def run(job: Job) -> Stage:
         yield "turn", _Turn(session, number)
         backup = t.clone() if job.inplace else None  # results overwrite the input
         out = output(job)
-        failure, stats = yield from omnireduce.stream(job, session, out, exponent, "switch")
+        failure = yield from stream(job, session, out, exponent, "switch")
     finally:
         turns.done(number)
-    failed = yield from omnireduce.failed_anywhere(job, failure)
+    failed = yield from failed_anywhere(job, failure)
     if failed:
         if backup is not None:
             t.copy_(backup)
         return (yield from elsewhere(job, f"failed on {failed} rank(s): "
                                           f"{failure or 'on a peer'}"))
-    omnireduce.record(job, "switch", stats)
+    job.stats.scheme = "switch"
     return out
 
 
 def elsewhere(job: Job, why: str) -> Stage:
     """The tensor without the switch: the aggregators when the job has them, else dense."""
-    job.stats["reason"] = f"switch: {why}"
-    level = logging.DEBUG if why in ("small", "no switch") else logging.WARNING
+    job.stats.reason = f"switch: {why}"
+    level = logging.DEBUG if why == "no switch" else logging.WARNING
     log.log(level, "hvd_sparse: tensor %r: not through the switch (%s)", job.name, why)
-    if job.ctx.omni is not None and omnireduce.covers(job.process_set):
+    if job.ctx.omni is not None and job.global_set:
         return (yield from omnireduce.run(job))
     return (yield from dense.run(job))

@@ -10,28 +10,30 @@ from __future__ import annotations
 import horovod.torch as hvd
 import torch
 
-from .. import _C, blocks
-from ..engine import Job, Stage
-from ..segments import decode_sum, error, local_mask, output
+from .. import blocks
+from .._C import zen_encode, zen_reduce
+from ..engine import Stage
+from ..job import Job
+from .common import decode_sum, error, local_mask, output
 
 
 def run(job: Job) -> Stage:
     t, bs, n = job.tensor, job.block_size, job.size
-    buf, splits = _C.zen_encode(t, bs, n, job.meta, local_mask(job))
+    buf, splits = zen_encode(t, bs, n, job.meta, local_mask(job))
     recv, _ = yield "alltoall", hvd.alltoall_async(
         buf, splits=torch.tensor(splits, dtype=torch.int32), name=job.op_name("alltoall"),
         process_set=job.process_set)
     try:
-        part = _C.zen_reduce(recv, bs, job.meta, blocks.DTYPE_CODES[t.dtype], t.numel(), n,
-                             job.rank, n, job.stats["nnz_local"])
+        part = zen_reduce(recv, bs, job.meta, blocks.DTYPE_CODES[t.dtype], t.numel(), n,
+                          job.rank, n, job.stats.nnz_local)
     except RuntimeError as e:
         raise error(job, e) from e
     gathered = yield "allgather", hvd.allgather_async(part, name=job.op_name("allgather"),
                                                      process_set=job.process_set)
     out = output(job)
     decode_sum(job, gathered, out, part_is_rank=True)
-    sent = sum(splits) - splits[job.rank] + gathered.numel() * (n - 1) / n
     # the other ranks' segments of this partition, then the other partitions' sums
-    received = recv.numel() - splits[job.rank] + gathered.numel() - part.numel()
-    job.stats.update(scheme="zen", bytes_sent=int(sent), bytes_received=received)
+    job.stats.scheme = "zen"
+    job.stats.bytes_sent = int(sum(splits) - splits[job.rank] + gathered.numel() * (n - 1) / n)
+    job.stats.bytes_received = recv.numel() - splits[job.rank] + gathered.numel() - part.numel()
     return out

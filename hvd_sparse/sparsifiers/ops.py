@@ -13,7 +13,40 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C, device
+from .. import device
+from .._C import (
+    accumulate_ as _accumulate,
+)
+from .._C import (
+    count_nonfinite as _count_nonfinite,
+)
+from .._C import (
+    extract_ as _extract,
+)
+from .._C import (
+    momentum_accumulate_ as _momentum_accumulate,
+)
+from .._C import (
+    partition_counts as _partition_counts,
+)
+from .._C import (
+    sample_abs as _sample_abs,
+)
+from .._C import (
+    sample_block_scores as _sample_block_scores,
+)
+from .._C import (
+    select_abs_ge as _select_abs_ge,
+)
+from .._C import (
+    select_blocks as _select_blocks,
+)
+from .._C import (
+    topk_abs as _topk_abs,
+)
+from .._C import (
+    zero_units_ as _zero_units,
+)
 
 
 def _native(t: torch.Tensor) -> bool:
@@ -22,14 +55,14 @@ def _native(t: torch.Tensor) -> bool:
 
 def count_nonfinite(t: torch.Tensor) -> int:
     if _native(t):
-        return _C.count_nonfinite(t)
+        return _count_nonfinite(t)
     return int((~torch.isfinite(t)).sum())
 
 
 def accumulate_(acc: torch.Tensor, g: torch.Tensor) -> int:
     """acc += g; returns how many elements of acc are then not finite."""
     if _native(acc):
-        return _C.accumulate_(acc, g)
+        return _accumulate(acc, g)
     return count_nonfinite(acc.add_(g))
 
 
@@ -37,7 +70,7 @@ def momentum_accumulate_(u: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          momentum: float) -> int:
     """u = momentum * u + g; v += u (DGC's momentum correction); the non-finite count of v."""
     if _native(u):
-        return _C.momentum_accumulate_(u, v, g, momentum)
+        return _momentum_accumulate(u, v, g, momentum)
     u.mul_(momentum).add_(g)
     return count_nonfinite(v.add_(u))
 
@@ -53,7 +86,7 @@ def extract_(src: torch.Tensor, dst: torch.Tensor, idx: torch.Tensor, unit: int,
     """dst = src's selected units, zeros elsewhere; with ``clear`` those units of src are
     zeroed (what stays in src is the residual). dst may be src."""
     if _native(src):
-        return _C.extract_(src, dst, idx, unit, clear)
+        return _extract(src, dst, idx, unit, clear)
     keep = _unit_mask(src.numel(), idx, unit, src.device)
     if src.data_ptr() != dst.data_ptr():
         dst.copy_(src)
@@ -65,14 +98,14 @@ def extract_(src: torch.Tensor, dst: torch.Tensor, idx: torch.Tensor, unit: int,
 def zero_units_(t: torch.Tensor, idx: torch.Tensor, unit: int) -> None:
     """Zeroes the selected units of t (DGC's momentum factor masking)."""
     if _native(t):
-        return _C.zero_units_(t, idx, unit)
+        return _zero_units(t, idx, unit)
     t.masked_fill_(_unit_mask(t.numel(), idx, unit, t.device), 0)
 
 
 def select_abs_ge(x: torch.Tensor, thr: float) -> torch.Tensor:
     """Ascending indices of the elements with |x| >= thr (thr rounded to x's dtype)."""
     if _native(x):
-        return _C.select_abs_ge(x, thr)
+        return _select_abs_ge(x, thr)
     return device.select_ge(x, thr)
 
 
@@ -80,7 +113,7 @@ def topk_abs(x: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:
     """Ascending indices of the k largest |x|, ties at the k-th taken in index order (exact:
     ``seed`` only steers the C++ version's sampling)."""
     if _native(x):
-        return _C.topk_abs(x, k, seed)
+        return _topk_abs(x, k, seed)
     n = x.numel()
     if k >= n:
         return torch.arange(n, device=x.device)
@@ -119,7 +152,7 @@ def positions(seed: int, m: int, n: int, dev: torch.device) -> torch.Tensor:
 def sample_abs(x: torch.Tensor, m: int, seed: int) -> torch.Tensor:
     """|x| at m pseudo-random positions (with replacement), as float32."""
     if _native(x):
-        return _C.sample_abs(x, m, seed)
+        return _sample_abs(x, m, seed)
     if x.numel() == 0 or m <= 0:
         raise ValueError("sample_abs: empty tensor or sample")
     return x[positions(seed, m, x.numel(), x.device)].abs().float()
@@ -137,7 +170,7 @@ def sample_block_scores(x: torch.Tensor, bs: int, b0: int, b1: int, m: int,
                         seed: int) -> torch.Tensor:
     """Mean |x| of m pseudo-random blocks in [b0, b1), as float32."""
     if _native(x):
-        return _C.sample_block_scores(x, bs, b0, b1, m, seed)
+        return _sample_block_scores(x, bs, b0, b1, m, seed)
     if bs <= 0 or b0 >= b1 or m <= 0:
         raise ValueError("sample_block_scores: empty range or sample")
     return _scores(x, bs, b0 + positions(seed, m, b1 - b0, x.device)).float()
@@ -148,7 +181,7 @@ def select_blocks(x: torch.Tensor, bs: int, b0: int, b1: int,
     """(ascending blocks in [b0, b1) whose mean |x| >= thr, the largest finite score, the number
     of blocks whose score is not finite)."""
     if _native(x):
-        return _C.select_blocks(x, bs, b0, b1, thr)
+        return _select_blocks(x, bs, b0, b1, thr)
     if b0 >= b1:
         return torch.empty(0, dtype=torch.int64, device=x.device), 0.0, 0
     score = _scores(x, bs, torch.arange(b0, b1, device=x.device))
@@ -163,7 +196,7 @@ def partition_counts(x: torch.Tensor, bs: int,
     """(non-zero blocks per partition [bounds[p], bounds[p+1]) as a CPU int64 tensor, non-zero
     elements of x, non-finite elements of x)."""
     if _native(x):
-        return _C.partition_counts(x, bs, bounds)
+        return _partition_counts(x, bs, bounds)
     nblocks = -(-x.numel() // bs)
     b = bounds.tolist()
     if len(b) < 2 or b[0] != 0 or b[-1] != nblocks or b != sorted(b):

@@ -1,0 +1,106 @@
+"""One tensor's reduction as the schemes see it: the ``Job``, the process ``Context`` it carries,
+and the ``Stats`` it leaves for ``metrics()`` and the run file."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import horovod.torch as hvd
+import torch
+
+from .config import Config
+from .costmodel import NetModel
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a scheme may know of the process beyond its tensor, handed to it with the job (taken
+    from ``basics.state()`` when the reduction starts), so schemes never reach up for it."""
+
+    config: Config
+    net: NetModel  # the cost model's view of the network ("auto")
+    omni: Session | None  # the aggregators joined at init ("omnireduce"), when any
+    switch: Session | None = None  # the switch joined at init ("switch"), when any
+    # name -> observed union / sum of the ranks' non-zero blocks, learnt by "auto" (the state's:
+    # a new init starts afresh)
+    union_ratio: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Stats:
+    """What one reduction did. ``metrics()`` reports the fields that are set; the run file keeps
+    its columns of them."""
+
+    scheme: str | None = None  # what ran ("auto": what it chose)
+    reason: str | None = None  # why not the scheme asked for ("small", "non-finite", ...)
+    staged: str | None = None  # a GPU tensor's device: reduced through host memory
+    bytes_sent: int = 0  # what this rank put on the wire (ring collectives modelled)
+    bytes_received: int | None = None
+    nnz_local: int | None = None  # this rank's non-zero blocks ("rows": sparse entries)
+    nnz: list[int] | None = None  # every rank's non-zero blocks
+    union: int | None = None  # blocks ("rows": rows) non-zero on some rank
+    block_density: float | None = None  # mean non-zero block fraction over ranks
+    rows_local: int | None = None  # "rows": this rank's distinct rows
+    predicted_ms: dict[str, float] | None = None  # "auto": the cost model's prediction
+    retransmits: int | None = None  # aggregation: datagrams sent again
+    rounds: int | None = None  # aggregation: rounds of the busiest slot
+
+    def reported(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+STATS_FIELDS = tuple(Stats.__dataclass_fields__)
+
+
+@dataclass
+class Job:
+    """One tensor's reduction: what every scheme needs to know about it."""
+
+    name: str
+    tensor: torch.Tensor  # contiguous, flat view of the input ("rows": the sparse input)
+    shape: torch.Size
+    op: Any  # hvd.Sum or hvd.Average
+    prescale: float
+    postscale: float
+    block_size: int
+    size: int  # of the process set
+    rank: int  # in the process set
+    meta: int
+    scheme: str  # what the caller asked for
+    ctx: Context
+    # the ranks taking part: every Horovod collective of the job runs in this set
+    process_set: hvd.ProcessSet = hvd.global_process_set
+    inplace: bool = False  # the schemes may write the result into ``tensor``
+    output: torch.Tensor | None = None  # the caller's tensor, for allreduce_
+    home: torch.Tensor | None = None  # staged (a GPU tensor): its flat self on the device
+    mask: torch.Tensor | None = None  # block mask, when already computed
+    stats: Stats = field(default_factory=Stats)
+
+    def op_name(self, stage: str) -> str:
+        return f"hvd_sparse.{self.name}.{stage}"
+
+    @property
+    def scale(self) -> float:
+        """Factor applied to the plain sum: pre- and postscale, and 1/size for Average."""
+        s = self.prescale * self.postscale
+        return s / self.size if self.op == hvd.Average else s
+
+    @property
+    def small(self) -> bool:
+        """Below ``small_bytes``: a round of aggregation, or auto's decision, costs more than
+        Horovod's dense allreduce of it."""
+        return self.tensor.numel() * self.tensor.element_size() < self.ctx.config.small_bytes
+
+    @property
+    def global_set(self) -> bool:
+        return is_global(self.process_set)
+
+
+
+def is_global(process_set: hvd.ProcessSet) -> bool:
+    """Whether ``process_set`` is the whole job: aggregators sum over every rank of the job (all
+    of which join them at init), so a smaller set would leave them waiting."""
+    return process_set.process_set_id == hvd.global_process_set.process_set_id

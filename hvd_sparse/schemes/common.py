@@ -1,0 +1,129 @@
+"""What several schemes share: the block mask and the result's buffer, decoding gathered
+segments (allgather, Zen), the fixed-point agreement (switch, omnireduce in fixed point), and
+one streamed submission to an aggregation session (omnireduce, switch)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Generator
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from .. import blocks, fixedpoint
+from .._C import OmniWorker, block_mask
+from .._C import decode_sum as _decode_sum
+from ..errors import HvdSparseError
+from ..job import Job
+from ..session import Session
+
+
+def error(job: Job, e: Exception) -> HvdSparseError:
+    return HvdSparseError(f"hvd_sparse: tensor {job.name!r}: {e}")
+
+
+def local_mask(job: Job) -> torch.Tensor:
+    """The block mask of the job's tensor, computed once and shared by the stages.
+
+    In place, the same pass turns -0 in all-zero blocks into +0: then the tensor is +0 outside
+    its non-zero blocks and the result need only rewrite the blocks some rank sent, which
+    include those (see ``output``).
+    """
+    if job.mask is None:
+        job.mask = block_mask(job.tensor, job.block_size, job.inplace)
+    if job.stats.nnz_local is None:
+        job.stats.nnz_local = int(job.mask.sum())
+    return job.mask
+
+
+def output(job: Job) -> torch.Tensor:
+    """Where the result is written, +0 outside the blocks some rank sends: in place the tensor
+    itself (see ``local_mask``), else fresh zeros, of which only the written pages cost anything
+    (``blocks.zeros``)."""
+    t = job.tensor
+    return t if job.inplace else blocks.zeros(t.numel(), t.dtype)
+
+
+def decode_sum(job: Job, gathered: torch.Tensor, out: torch.Tensor, part_is_rank: bool) -> None:
+    """Validates one segment per rank (csrc/segment.h) and writes their sum (added in rank order,
+    scaled, rounded once) into ``out`` (from ``output``), touching only the blocks the segments
+    carry."""
+    t = job.tensor
+    try:
+        _counts, nnz, union = _decode_sum(
+            gathered, out, job.block_size, job.meta, blocks.DTYPE_CODES[t.dtype], t.numel(),
+            job.size, part_is_rank, scale=job.scale)
+    except RuntimeError as e:
+        raise error(job, e) from e
+    nblocks = max(1, blocks.num_blocks(t.numel(), job.block_size))
+    job.stats.nnz, job.stats.union = list(nnz), union
+    job.stats.block_density = sum(nnz) / len(nnz) / nblocks
+
+
+def agree(job: Job, *extra: float) -> Generator[tuple[str, int], Any,
+                                                 tuple[int | None, list[float]]]:
+    """Yields one max-allreduce of [max |x| over finite values, 1 if any value is NaN/Inf,
+    *extra]; returns the job's fixed-point exponent, or None when some rank
+    holds a non-finite value (the tensor must not go in fixed point: its NaN/Inf would be lost),
+    and the maxima of ``extra`` over the ranks (what else a scheme agrees on in the same
+    message)."""
+    t = job.tensor
+    lo, hi = (float(v) for v in torch.aminmax(t)) if t.numel() else (0.0, 0.0)
+    nonfinite = not (math.isfinite(lo) and math.isfinite(hi))  # aminmax propagates NaN
+    local = max(hi, -lo)
+    if nonfinite:  # rare: the exact finite maximum costs one more pass
+        local = float(t.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max())
+    vec = torch.tensor([local, 1.0 if nonfinite else 0.0, *extra], dtype=torch.float64)
+    out = yield "scale", hvd.allreduce_async(vec, name=job.op_name("scale"), op=hvd.Max,
+                                             process_set=job.process_set)
+    maxima = out[2:].tolist()
+    if out[1] > 0:
+        return None, maxima
+    return fixedpoint.exponent(float(out[0]), job.size), maxima
+
+
+class Ticket:
+    """What the engine waits on: one submission to an aggregation session's worker engine."""
+
+    def __init__(self, worker: OmniWorker, ticket: int) -> None:
+        self.worker, self.ticket = worker, ticket
+
+    def poll(self) -> bool:
+        return self.worker.poll(self.ticket)
+
+    def value(self) -> None:
+        return None
+
+
+def stream(job: Job, session: Session, out: torch.Tensor, exponent: int | None,
+           stage: str) -> Generator[tuple[str, Ticket], Any, str | None]:
+    """Submits the tensor to ``session`` (results land in ``out``, scaled) and waits for it;
+    returns None, or why it failed on this rank. On success the job's stats say what it took."""
+    t = job.tensor
+    ticket = session.worker.submit(session.tensor_id(job.name), t, out, job.block_size,
+                                   job.meta & 0xFFFFFFFF, local_mask(job), job.name, job.scale,
+                                   exponent)
+    failure: str | None = None
+    try:
+        yield stage, Ticket(session.worker, ticket)
+    finally:  # also when abandoned: the engine must not keep writing into `out`
+        try:
+            stats = session.worker.finish(ticket)
+        except RuntimeError as e:
+            failure = f"hvd_sparse: {e}"
+    if failure is None:
+        s = job.stats
+        s.bytes_sent, s.bytes_received = stats["bytes_sent"], stats["bytes_received"]
+        s.union, s.retransmits, s.rounds = stats["union"], stats["retransmits"], stats["rounds"]
+        s.block_density = stats["nnz_local"] / max(1, blocks.num_blocks(t.numel(),
+                                                                       job.block_size))
+    return failure
+
+
+def failed_anywhere(job: Job, failure: str | None) -> Generator[tuple[str, int], Any, int]:
+    """How many ranks' aggregation of the tensor failed (one tiny allreduce): they must all
+    fall back together, or none."""
+    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+    failed = yield "agree", hvd.allreduce_async(flag, name=job.op_name("agree"), op=hvd.Sum,
+                                                process_set=job.process_set)
+    return int(failed)
