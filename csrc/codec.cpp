@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "parallel.h"
 #include "segment.h"
 #include "torch_dtype.h"
 
@@ -25,21 +26,6 @@ namespace hvd_sparse {
 int g_threads = 0;  // 0: torch's intra-op thread count
 
 namespace {
-
-// Runs f over [begin, end) in contiguous chunks of at least `grain`, on up to g_threads threads.
-template <typename F>
-void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  if (begin >= end) return;
-  const int64_t threads = g_threads > 0 ? g_threads : at::get_num_threads();
-  const int64_t chunks = std::min<int64_t>(threads, (end - begin + grain - 1) / grain);
-  if (chunks <= 1) return f(begin, end);
-  const int64_t step = (end - begin + chunks - 1) / chunks;
-#pragma omp parallel for num_threads(chunks) schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) {
-    int64_t b0 = begin + c * step;
-    if (b0 < end) f(b0, std::min(end, b0 + step));
-  }
-}
 
 // A contiguous CPU tensor seen as raw blocks.
 struct Flat {

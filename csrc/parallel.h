@@ -31,4 +31,15 @@ void for_chunks(int64_t n, int64_t chunks, const F& f) {
   }
 }
 
+// Runs f(b, e) over [begin, end) in contiguous, non-empty chunks of at least `grain` items, on
+// up to the thread budget's threads (the codec's loops).
+template <typename F>
+void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  const int64_t n = end - begin;
+  for_chunks(n, chunk_count(n, grain), [&](int64_t, int64_t b, int64_t e) {
+    if (b < e) f(begin + b, begin + e);
+  });
+}
+
 }  // namespace hvd_sparse
