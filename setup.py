@@ -138,7 +138,7 @@ setup(
         CppExtension(
             "hvd_sparse._C",
             ["csrc/module.cpp", "csrc/codec.cpp", "csrc/fresh_zeros.cpp", "csrc/sparsify.cpp",
-             "csrc/rows.cpp", "csrc/cuda_host.cpp", "csrc/omni/worker/binding.cpp",
+             "csrc/rows.cpp", "csrc/cuda/host.cpp", "csrc/omni/worker/binding.cpp",
              "csrc/omni/worker/worker.cpp", "csrc/omni/worker/engine.cpp",
              "csrc/omni/transport/udp/transport.cpp", "csrc/omni/aggregator/binding.cpp",
              "csrc/omni/aggregator/core.cpp", "switch_emu/csrc/binding.cpp",

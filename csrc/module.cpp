@@ -13,7 +13,7 @@ void register_switch_pipeline(pybind11::module_& m);  // switch_emu/csrc/binding
 }  // namespace hvd_sparse
 void register_sparsify(pybind11::module_& m);   // csrc/sparsify.cpp
 void register_rows(pybind11::module_& m);       // csrc/rows.cpp
-void register_cuda_host(pybind11::module_& m);  // csrc/cuda_host.cpp
+void register_cuda_host(pybind11::module_& m);  // csrc/cuda/host.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hvd-sparse C++ core: block codec, collective segments, sparsifiers, aggregation";

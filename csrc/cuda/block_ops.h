@@ -1,5 +1,5 @@
 // Per-block logic of the CUDA packing kernels, written once for device and host. nvcc compiles
-// it into the kernels (csrc/cuda/*.cu); the host build (csrc/cuda_host.cpp) compiles the same
+// it into the kernels (csrc/cuda/*.cu); the host build (csrc/cuda/host.cpp) compiles the same
 // functions so the tests can check them against the CPU codec without a GPU.
 #pragma once
 #include <stdint.h>

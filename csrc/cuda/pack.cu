@@ -1,7 +1,7 @@
 // Block bitmap and compaction of non-zero blocks: one warp per block for the bitmap, a prefix
 // sum for the output slots, one thread per packed element for the copy (float16 and bfloat16
 // as their bits: nothing here computes with them). The per-block logic is
-// block_ops.h, which the host build (csrc/cuda_host.cpp) tests against the CPU codec.
+// block_ops.h, which the host build (host.cpp) tests against the CPU codec.
 #include "block_ops.h"
 #include "launch.h"
 #include "scan.cuh"
