@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "../../csrc/omni/protocol.h"
+#include "../../csrc/omni/values.h"
 
 namespace hvd_sparse::omni {
 namespace {
@@ -299,8 +300,7 @@ struct Pipeline::Impl {
       if (!(bitmap >> l & 1)) continue;
       // Stages 2..: one pass per values_per_pass values, saturating adds.
       for (uint32_t i = 0; i < bs; ++i) {
-        int32_t x;
-        std::memcpy(&x, v + 4 * size_t(i), 4);
+        const int32_t x = Value<kFixed32>::get(v, i);
         int32_t& a = cell(gi, l * chunks(bs) + i / vpp, set)[i % vpp];
         const int64_t sum = int64_t(a) + x;
         if (sum > INT32_MAX || sum < INT32_MIN) s.overflow = true;

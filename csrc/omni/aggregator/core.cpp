@@ -10,8 +10,8 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "../halfconv.h"
 #include "../protocol.h"
+#include "../values.h"
 
 namespace hvd_sparse::omni {
 namespace {
@@ -241,34 +241,13 @@ struct AggregatorCore::Impl {
       if (nxt < s.next[l]) s.next[l] = nxt;
       if (!(bitmap >> l & 1)) continue;
       double* a = s.acc.data() + l * bs;
-      add_block(a, v, bs, h.dtype);
+      add_values(a, v, bs, h.dtype);  // int32 (fixed32) sums are exact: < 1024 x 2^31
       v += bs * wire_size(h.dtype);
     }
     s.present |= bitmap;
     set_bit(s.seen, h.worker);
     if (++s.count < job.nworkers) return;
     complete(job, t, h, s, out);
-  }
-
-  // Sums of int32 (fixed32) in a double are exact: |sum| <= 1024 * 2^31 < 2^53.
-  static void add_block(double* a, const uint8_t* v, size_t bs, uint8_t dtype) {
-    switch (dtype) {
-      case kFixed32: { int32_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 4 * i, 4); a[i] += x; } break; }
-      case kF32: { float x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 4 * i, 4); a[i] += x; } break; }
-      case kF64: { double x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 8 * i, 8); a[i] += x; } break; }
-      case kF16: { uint16_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 2 * i, 2); a[i] += f16_to_float(x); } break; }
-      default: { uint16_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 2 * i, 2); a[i] += bf16_to_float(x); } break; }
-    }
-  }
-
-  static void store_block(uint8_t* v, const double* a, size_t bs, uint8_t dtype) {
-    switch (dtype) {
-      case kF32: for (size_t i = 0; i < bs; ++i) { float x = float(a[i]); std::memcpy(v + 4 * i, &x, 4); } break;
-      case kF64: std::memcpy(v, a, bs * 8); break;
-      case kFixed32: for (size_t i = 0; i < bs; ++i) { int32_t x = int32_t(a[i]); std::memcpy(v + 4 * i, &x, 4); } break;
-      case kF16: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_f16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
-      default: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_bf16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
-    }
   }
 
   // A fixed32 sum outside the int32 range (some worker ignored the agreed exponent): the whole
@@ -311,7 +290,7 @@ struct AggregatorCore::Impl {
       st32(lane + l * kLaneBytes + 4, s.next[l]);
       if (!(s.present >> l & 1)) continue;
       double* a = s.acc.data() + l * bs;
-      store_block(v, a, bs, h.dtype);
+      store_values(v, a, bs, h.dtype);
       std::fill(a, a + bs, 0.0);
       v += vb;
     }

@@ -6,7 +6,7 @@
 #include <stdexcept>
 
 #include "../../blocks.h"
-#include "../halfconv.h"
+#include "../values.h"
 
 namespace hvd_sparse::omni {
 
@@ -16,39 +16,6 @@ constexpr double kMaxRto = 1.0;
 constexpr double kKeepalive = 10.0;  // seconds; the aggregator's --idle default is 120
 
 namespace {
-
-// out = v * scale, element by element: float32 and 16-bit values multiply in float32 (as
-// torch's x.mul_(scale) does), float64 in float64.
-void scale_block(uint8_t* o, const uint8_t* v, size_t n, uint8_t dtype, double scale) {
-  const float sf = float(scale);
-  for (size_t i = 0; i < n; ++i) {
-    switch (dtype) {
-      case kF64: { double x; std::memcpy(&x, v + 8 * i, 8); x *= scale; std::memcpy(o + 8 * i, &x, 8); break; }
-      case kF32: { float x; std::memcpy(&x, v + 4 * i, 4); x *= sf; std::memcpy(o + 4 * i, &x, 4); break; }
-      case kF16: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); x = float_to_f16(f16_to_float(x) * sf); std::memcpy(o + 2 * i, &x, 2); break; }
-      default: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); x = float_to_bf16(bf16_to_float(x) * sf); std::memcpy(o + 2 * i, &x, 2); break; }
-    }
-  }
-}
-
-double load(const uint8_t* v, size_t i, uint8_t dtype) {
-  switch (dtype) {
-    case kF64: { double x; std::memcpy(&x, v + 8 * i, 8); return x; }
-    case kF32: { float x; std::memcpy(&x, v + 4 * i, 4); return x; }
-    case kF16: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); return f16_to_float(x); }
-    default: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); return bf16_to_float(x); }
-  }
-}
-
-// Rounds a float64 value once to the tensor's dtype (16-bit ones through round-to-odd float32).
-void store(uint8_t* o, size_t i, double x, uint8_t dtype) {
-  switch (dtype) {
-    case kF64: std::memcpy(o + 8 * i, &x, 8); break;
-    case kF32: { float f = float(x); std::memcpy(o + 4 * i, &f, 4); break; }
-    case kF16: { uint16_t h = float_to_f16(to_float_odd(x)); std::memcpy(o + 2 * i, &h, 2); break; }
-    default: { uint16_t h = float_to_bf16(to_float_odd(x)); std::memcpy(o + 2 * i, &h, 2); break; }
-  }
-}
 
 // x * 2^e, exactly (but for subnormal results, rounded alike): one multiplication where 2^e
 // is a normal double (ldexp per element costs 3x more), ldexp otherwise.
@@ -62,24 +29,27 @@ struct Pow2 {
 // int32 LE q = x * 2^e rounded to nearest, ties to even (nearbyint in the default rounding
 // mode), clamped to the int32 range. NaN (never sent in fixed point: the caller falls back
 // first) becomes 0 rather than undefined behaviour.
-void quantize(uint8_t* q, const uint8_t* v, size_t n, uint8_t dtype, int e) {
-  const Pow2 up(e);
+template <typename V>
+void quantize(uint8_t* q, const uint8_t* v, size_t n, const Pow2 up) {
   for (size_t i = 0; i < n; ++i) {
-    const double r = std::nearbyint(up(load(v, i, dtype)));
+    const double r = std::nearbyint(up(double(V::get(v, i))));
     const int32_t x = r >= double(INT32_MAX) ? INT32_MAX : r <= double(INT32_MIN) ? INT32_MIN
                       : r == r ? int32_t(r) : 0;
-    std::memcpy(q + 4 * i, &x, 4);
+    Value<kFixed32>::put(q, i, x);
   }
+}
+void quantize(uint8_t* q, const uint8_t* v, size_t n, uint8_t dtype, int e) {
+  with_dtype(dtype, [=](auto t) { quantize<decltype(t)>(q, v, n, Pow2(e)); });
 }
 
 // out = q * 2^-e * scale in float64 (exact but for the scale), rounded once to the dtype.
+template <typename V>
+void dequantize(uint8_t* o, const uint8_t* q, size_t n, const Pow2 down, double scale) {
+  for (size_t i = 0; i < n; ++i)
+    V::put_double(o, i, down(double(Value<kFixed32>::get(q, i))) * scale);
+}
 void dequantize(uint8_t* o, const uint8_t* q, size_t n, uint8_t dtype, int e, double scale) {
-  const Pow2 down(-e);
-  for (size_t i = 0; i < n; ++i) {
-    int32_t x;
-    std::memcpy(&x, q + 4 * i, 4);
-    store(o, i, down(double(x)) * scale, dtype);
-  }
+  with_dtype(dtype, [=](auto t) { dequantize<decltype(t)>(o, q, n, Pow2(-e), scale); });
 }
 
 }  // namespace
@@ -314,7 +284,7 @@ void Engine::write_block(TensorW& t, uint64_t b, const uint8_t* v) {
   uint8_t* o = t.out + b * size_t(t.bs) * t.esize;
   if (t.fixed) dequantize(o, v, n, t.dtype, t.exponent, t.scale);
   else if (t.scale == 1.0) std::memcpy(o, v, n * t.esize);
-  else scale_block(o, v, n, t.dtype, t.scale);
+  else scale_values(o, v, n, t.dtype, t.scale);
 }
 
 void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, double now) {
