@@ -125,12 +125,13 @@ class PyWorker {
 
 void register_omni(py::module_& m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
+  const WorkerOptions d;  // the engine's defaults, which are hvd_sparse.config.Config's
   py::class_<PyWorker>(m, "OmniWorker")
       .def(py::init<const std::vector<std::pair<std::string, int>>&, uint64_t, int, int, int, int,
                     double, double, double, double, uint64_t>(),
            py::arg("aggregators"), py::arg("token"), py::arg("worker"), py::arg("nworkers"),
-           py::arg("payload_bytes") = 16384, py::arg("slots_per_aggregator") = 64,
-           py::arg("rto") = 0.02, py::arg("timeout") = 30.0, py::arg("drop_rate") = 0.0,
+           py::arg("payload_bytes") = d.payload, py::arg("slots_per_aggregator") = d.slots_per_agg,
+           py::arg("rto") = d.rto, py::arg("timeout") = d.timeout, py::arg("drop_rate") = 0.0,
            py::arg("dup_rate") = 0.0, py::arg("seed") = 0)
       .def("register", [](PyWorker& w, double timeout) { w.worker().register_all(timeout); },
            py::arg("timeout"), nogil())

@@ -90,12 +90,13 @@ struct TensorW {
            union_blocks = 0, nnz_local = 0;
 };
 
+// Defaults: hvd_sparse/config.py's Config (payload_bytes, slots, rto); the binding's are these.
 struct EngineOptions {
   uint64_t token = 0;
   uint16_t worker = 0, nworkers = 1;
-  int64_t payload = 16384;     // bytes of block values per packet
+  int64_t payload = 64512;     // bytes of block values per packet (63 float32 blocks of 256)
   int64_t slots_per_agg = 64;  // packets each tensor keeps in flight per aggregator
-  double rto = 0.02;           // floor of the retransmission timeout
+  double rto = 0.05;           // floor of the retransmission timeout
   double timeout = 30.0;       // no progress for this long fails a tensor
   uint64_t seed = 0;
 };
