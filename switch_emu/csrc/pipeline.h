@@ -29,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include "../../csrc/omni/aggregator/core.h"  // Out, Endpoint
+#include "../../csrc/omni/aggregation.h"
 
 namespace hvd_sparse::omni {
 
@@ -57,25 +57,25 @@ struct SwitchJob {
   double touched = 0;
 };
 
-class Pipeline {
+class Pipeline final : public Aggregation {
  public:
   explicit Pipeline(const PipelineOptions& o);
-  ~Pipeline();
+  ~Pipeline() override;
 
   // Control plane. install() takes a range of `groups` slot groups (first fit) for the job and
   // returns its first group; it throws std::runtime_error naming the limit it would exceed.
   uint32_t install(uint64_t token, uint16_t nworkers, uint32_t groups, double now);
   bool remove(uint64_t token);
   std::vector<SwitchJob> jobs() const;
-  void expire(double now);  // removes idle auto-installed jobs
+  void expire(double now) override;  // removes idle auto-installed jobs
 
   // Data plane: one datagram from `from` at time `now`; appends the datagrams to send.
   void handle(const uint8_t* p, size_t len, const Endpoint& from, double now,
-              std::vector<Out>& out);
+              std::vector<Out>& out) override;
+  std::vector<std::pair<const char*, uint64_t>> counters() const override;
 
   const PipelineOptions& options() const;
   uint32_t occupied() const;  // groups bound to a slot now
-  std::vector<std::pair<const char*, uint64_t>> counters() const;
 
  private:
   struct Impl;

@@ -85,7 +85,7 @@ std::vector<std::unique_ptr<Transport>> open_transports(const Options& o) {
 }
 
 // One queue: receive a batch, let the core handle it, send what it returns.
-void serve(AggregatorCore& core, Transport& t) {
+void serve(Aggregation& core, Transport& t) {
   std::vector<Datagram> in, send;
   std::vector<Out> out;
   while (!g_stop.load(std::memory_order_relaxed)) {
@@ -102,7 +102,7 @@ void serve(AggregatorCore& core, Transport& t) {
   }
 }
 
-std::string stats_json(AggregatorCore& core,
+std::string stats_json(const Aggregation& core,
                        const std::vector<std::unique_ptr<Transport>>& ts) {
   TransportCounters tc;
   for (auto& t : ts) tc += t->counters();
