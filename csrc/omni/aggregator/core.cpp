@@ -157,91 +157,129 @@ struct AggregatorCore::Impl {
     job.addr[h.worker] = from;
   }
 
-  void on_data(Job& job, const Header& h, const uint8_t* p, const Endpoint& from,
-               std::vector<Out>& out) {
-    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) { c.malformed++; return; }
+  // What a DATA is, judged before it touches any state.
+  enum class Data {
+    kMalformed,   // fails a check: dropped
+    kStale,       // of a round neither current nor previous, or of a slot not open: dropped
+    kMismatch,    // a well-formed round 0 of another layout: the tensor dies
+    kDead,        // of a tensor that failed: its error again
+    kDuplicate,   // its sender already sent this round (a retransmission): ignored
+    kRetransmit,  // of the previous round: its sender lost that RESULT, which goes back
+    kOpen,        // a valid round 0 of a slot not open yet: opens it (and its tensor), then adds
+    kAdd,         // a valid DATA of the round in progress: its blocks are added
+  };
+  struct Target {
+    Tensor* t = nullptr;
+    Slot* s = nullptr;
+  };
+
+  static bool same_layout(const Header& h, const Header& q) {
+    return h.dtype == q.dtype && h.lanes == q.lanes && h.block_size == q.block_size &&
+           h.nblocks == q.nblocks && h.nslots == q.nslots && h.meta == q.meta;
+  }
+
+  // Every structural and semantic check of a DATA, against the job's state, changing nothing.
+  // `at` gets the tensor and slot it is for, where they exist.
+  static Data validate(Job& job, const Header& h, const uint8_t* p, Target& at) {
+    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) return Data::kMalformed;
     auto it = job.tensors.find(h.tensor);
     if (it != job.tensors.end()) {
-      Tensor& t = it->second;
-      const Header& q = t.params;
-      if (!t.error && (h.dtype != q.dtype || h.lanes != q.lanes || h.block_size != q.block_size ||
-                       h.nblocks != q.nblocks || h.nslots != q.nslots || h.meta != q.meta)) {
-        // Ranks that disagree on a tensor send well-formed first rounds of their own layouts;
-        // anything else is junk and must not kill the tensor.
-        if (h.round != 0 || !lanes_valid(h, p, nullptr)) { c.malformed++; return; }
-        t.error = kErrMismatch;
-        c.mismatch++;
-      }
-      if (t.error) return send_error(job, h, t.error, out);
+      at.t = &it->second;
+      // Ranks that disagree on a tensor send well-formed first rounds of their own layouts;
+      // anything else is junk and must not kill the tensor.
+      if (!at.t->error && !same_layout(h, at.t->params))
+        return h.round == 0 && lanes_valid(h, p, nullptr) ? Data::kMismatch : Data::kMalformed;
+      if (at.t->error) return Data::kDead;
+      auto st = at.t->slots.find(h.slot);
+      if (st != at.t->slots.end()) at.s = &st->second;
     }
-    Slot* sp = nullptr;
-    if (it != job.tensors.end()) {
-      auto st = it->second.slots.find(h.slot);
-      if (st != it->second.slots.end()) sp = &st->second;
-    }
-    if (!sp) {
-      // A tensor and each of its slots start at round 0 (else: expired, or junk); nothing is
-      // created for a packet that is not a valid first round.
-      if (h.round != 0) { c.stale++; return; }
-      if (!lanes_valid(h, p, nullptr)) { c.malformed++; return; }
-      if (it == job.tensors.end()) {
-        Tensor t;
-        t.params = h;
-        t.released.assign((job.nworkers + 63) / 64, 0);
-        it = job.tensors.emplace(h.tensor, std::move(t)).first;
-        c.tensors++;
-      }
-      Tensor& t = it->second;
-      size_t bytes = size_t(h.lanes) * h.block_size * sizeof(double);
-      if (slot_bytes_ + bytes > o_.max_slot_bytes) {
-        t.error = kErrCapacity;
-        return send_error(job, h, t.error, out);
-      }
-      Slot s;
-      s.cur.resize(h.lanes);
-      for (uint32_t l = 0; l < h.lanes; ++l)
-        s.cur[l] = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes) ? 0 : kInf;
-      s.next.assign(h.lanes, kInf);
-      s.acc.assign(size_t(h.lanes) * h.block_size, 0.0);
-      s.seen.assign((job.nworkers + 63) / 64, 0);
-      slot_bytes_ += bytes;
-      sp = &t.slots.emplace(h.slot, std::move(s)).first->second;
-    }
-    Tensor& t = it->second;
-    Slot& s = *sp;
+    // A tensor and each of its slots start at round 0 (else: expired, or junk).
+    if (!at.s) return h.round != 0 ? Data::kStale
+                      : lanes_valid(h, p, nullptr) ? Data::kOpen : Data::kMalformed;
+    const Slot& s = *at.s;
     if (s.last && h.round + 1 == s.round) {  // the sender lost our previous RESULT
       // Its lane table must be the one of that round (the stored RESULT's offsets).
       uint32_t prev[kMaxLanes];
       const uint8_t* lt = s.last->data() + kHeaderBytes + kBitmapBytes;
       for (uint32_t l = 0; l < h.lanes; ++l) prev[l] = ld32(lt + l * kLaneBytes);
-      if (!lanes_valid(h, p, prev)) { c.malformed++; return; }
-      c.retransmits++;
-      accept(job, t, h, from);
-      out.push_back({from, s.last});
-      return;
+      return lanes_valid(h, p, prev) ? Data::kRetransmit : Data::kMalformed;
     }
-    if (s.done || h.round != s.round) { c.stale++; return; }
-    if (test_bit(s.seen, h.worker)) {  // a retransmission: the worker waits for a slow peer
-      c.duplicates++;
-      job.touched = t.touched = now_;
-      return;
-    }
-    // Validate the lane table against this round before changing anything.
-    if (!lanes_valid(h, p, s.cur.data())) { c.malformed++; return; }
-    accept(job, t, h, from);
+    if (s.done || h.round != s.round) return Data::kStale;
+    if (test_bit(s.seen, h.worker)) return Data::kDuplicate;  // the worker waits for a peer
+    return lanes_valid(h, p, s.cur.data()) ? Data::kAdd : Data::kMalformed;
+  }
 
+  void on_data(Job& job, const Header& h, const uint8_t* p, const Endpoint& from,
+               std::vector<Out>& out) {
+    Target at;
+    switch (validate(job, h, p, at)) {
+      case Data::kMalformed: c.malformed++; return;
+      case Data::kStale: c.stale++; return;
+      case Data::kMismatch:
+        at.t->error = kErrMismatch;
+        c.mismatch++;
+        return send_error(job, h, at.t->error, out);
+      case Data::kDead: return send_error(job, h, at.t->error, out);
+      case Data::kDuplicate:
+        c.duplicates++;
+        job.touched = at.t->touched = now_;
+        return;
+      case Data::kRetransmit:
+        c.retransmits++;
+        accept(job, *at.t, h, from);
+        out.push_back({from, at.s->last});
+        return;
+      case Data::kOpen:
+        if (!open(job, h, at, out)) return;
+        [[fallthrough]];
+      case Data::kAdd:
+        accept(job, *at.t, h, from);
+        return accumulate(job, *at.t, h, *at.s, p, out);
+    }
+  }
+
+  // Opens the slot of a valid round 0 (and its tensor, for the first): false when the
+  // accumulators' memory is full, which fails the tensor.
+  bool open(Job& job, const Header& h, Target& at, std::vector<Out>& out) {
+    if (!at.t) {
+      Tensor t;
+      t.params = h;
+      t.released.assign((job.nworkers + 63) / 64, 0);
+      at.t = &job.tensors.emplace(h.tensor, std::move(t)).first->second;
+      c.tensors++;
+    }
+    const size_t bytes = size_t(h.lanes) * h.block_size * sizeof(double);
+    if (slot_bytes_ + bytes > o_.max_slot_bytes) {
+      at.t->error = kErrCapacity;
+      send_error(job, h, at.t->error, out);
+      return false;
+    }
+    Slot s;
+    s.cur.resize(h.lanes);
+    for (uint32_t l = 0; l < h.lanes; ++l)
+      s.cur[l] = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes) ? 0 : kInf;
+    s.next.assign(h.lanes, kInf);
+    s.acc.assign(size_t(h.lanes) * h.block_size, 0.0);
+    s.seen.assign((job.nworkers + 63) / 64, 0);
+    slot_bytes_ += bytes;
+    at.s = &at.t->slots.emplace(h.slot, std::move(s)).first->second;
+    return true;
+  }
+
+  // A validated DATA of the round in progress: its lanes' nexts into the minimums, its blocks
+  // into the sums (in float64: the order packets arrive in then barely matters, and every
+  // worker receives the same rounded result anyway); the last worker's completes the round.
+  void accumulate(Job& job, Tensor& t, const Header& h, Slot& s, const uint8_t* p,
+                  std::vector<Out>& out) {
     const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
     const uint64_t bitmap = ld64(p + kHeaderBytes);
-    // Accumulate in double: the order packets arrive in then barely matters, and every worker
-    // receives the same rounded result anyway.
     const uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
     const size_t bs = h.block_size;
     for (uint32_t l = 0; l < h.lanes; ++l) {
       uint32_t nxt = ld32(lane + l * kLaneBytes + 4);
       if (nxt < s.next[l]) s.next[l] = nxt;
       if (!(bitmap >> l & 1)) continue;
-      double* a = s.acc.data() + l * bs;
-      add_values(a, v, bs, h.dtype);  // int32 (fixed32) sums are exact: < 1024 x 2^31
+      add_values(s.acc.data() + l * bs, v, bs, h.dtype);  // fixed32 sums are exact (< 2^53)
       v += bs * wire_size(h.dtype);
     }
     s.present |= bitmap;
