@@ -207,6 +207,9 @@ struct Pipeline::Impl {
 
   uint32_t chunks(uint32_t bs) const { return (bs + o_.values_per_pass - 1) / o_.values_per_pass; }
   uint32_t* offsets(uint32_t g, int set) { return &lanes_[(size_t(g) * 2 + set) * kMaxLanes]; }
+  const uint32_t* offsets(uint32_t g, int set) const {
+    return &lanes_[(size_t(g) * 2 + set) * kMaxLanes];
+  }
   int32_t* cell(uint32_t g, uint32_t c_in_group, int set) {
     return &values_[((size_t(g) * o_.cells_per_slot + c_in_group) * 2 + set) * o_.values_per_pass];
   }
@@ -233,63 +236,120 @@ struct Pipeline::Impl {
       std::fill(cell(gi, k, set), cell(gi, k, set) + o_.values_per_pass, 0);
   }
 
-  void on_data(SwitchJob& job, const Header& h, const uint8_t* p, double now,
-               std::vector<Out>& out) {
-    const uint32_t passes = h.lanes * chunks(h.block_size);
-    const uint32_t gi = group_of(job, h);
-    GroupRegs& g = g_[gi];
-    const uint64_t tag = tag_of(h);
-    if (h.dtype != kFixed32 || passes > o_.cells_per_slot) {
+  // What a DATA is, judged before it touches any register.
+  enum class Data {
+    kJunk,         // fails the parser's checks (its first pass): dropped
+    kUnsupported,  // a well-formed round 0 the switch cannot sum or hold: ERROR UNSUPPORTED
+    kMalformed,    // fails a check further down the pipe: dropped
+    kStale,        // of a round neither current nor previous, or for an unbound slot: dropped
+    kBusy,         // a round 0 whose group another slot holds: dropped, its worker resends
+    kBind,         // a valid round 0 at a free (or reclaimable) group: binds it, then adds
+    kMismatch,     // a well-formed round 0 of another layout than the group's: the slot dies
+    kDead,         // for a slot that failed: its error again
+    kRetransmit,   // of the previous round: its sender lost that RESULT, rebuilt from the set
+    kDuplicate,    // its sender is already in this round's seen-bitmap: ignored
+    kAdd,          // a valid DATA of the round in progress: its values are added
+  };
+  // Where a DATA goes: its group, the passes it takes, the tag of its (tensor, slot).
+  struct Where {
+    uint32_t gi, passes;
+    uint64_t tag;
+  };
+
+  static bool same_layout(const Header& h, const Header& q) {
+    return h.lanes == q.lanes && h.block_size == q.block_size && h.nblocks == q.nblocks &&
+           h.nslots == q.nslots && h.meta == q.meta;
+  }
+
+  // Every structural and semantic check of a DATA against the registers, changing nothing.
+  Data validate(const Header& h, const uint8_t* p, const Where& at, double now) const {
+    if (h.dtype != kFixed32 || at.passes > o_.cells_per_slot)
       // What the switch cannot sum (floating point) or hold (a packet beyond the slot's
       // cells): the tensor goes elsewhere. Only a well-formed first round says so (junk must
-      // not kill a tensor); no state is touched.
-      if (h.round != 0 || !lanes_valid(h, p, nullptr)) { c.malformed++; return; }
-      c.unsupported++;
-      for (uint16_t w = 0; w < job.nworkers; ++w)
-        if (job.addr[w].port) reply(job.addr[w], kError, h, job.nworkers, kErrUnsupported, out);
-      return;
-    }
-    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) { c.malformed++; return; }
-    c.passes += passes - 1;  // stage 0 ran in the first pass; the rest recirculate
-    c.recirculations += passes - 1;
-    if (g.tag != tag) {
-      // Stage 0: bind a free group (or one completed and unreleased for `hold` seconds) to
-      // this slot's round 0; anything else for an unbound slot is stale, or waits.
+      // not kill a tensor).
+      return h.round == 0 && lanes_valid(h, p, nullptr) ? Data::kUnsupported : Data::kJunk;
+    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) return Data::kJunk;
+    const GroupRegs& g = g_[at.gi];
+    if (g.tag != at.tag) {
+      // Stage 0: only a round 0 binds a group: a free one, or one completed and unreleased
+      // for `hold` seconds; anything else for an unbound slot is stale, or waits.
       const bool reclaim = g.tag != 0 && g.done && now - g.touched > o_.hold;
-      if (h.round != 0) { c.stale++; return; }
-      if (g.tag != 0 && !reclaim) { c.busy++; return; }
-      if (!lanes_valid(h, p, nullptr)) { c.malformed++; return; }
-      if (reclaim) c.reclaimed++;
-      g = GroupRegs{};
-      g.tag = tag;
-      g.params = h;
-      uint32_t cur[kMaxLanes];
-      for (uint32_t l = 0; l < h.lanes; ++l)
-        cur[l] = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes) ? 0 : kInf;
-      open_set(gi, 0, 0, cur, h.lanes, h.block_size);
+      if (h.round != 0) return Data::kStale;
+      if (g.tag != 0 && !reclaim) return Data::kBusy;
+      return lanes_valid(h, p, nullptr) ? Data::kBind : Data::kMalformed;
     }
-    g.touched = now;
-    const Header& q = g.params;
-    if (h.lanes != q.lanes || h.block_size != q.block_size || h.nblocks != q.nblocks ||
-        h.nslots != q.nslots || h.meta != q.meta) {
-      if (h.round != 0 || !lanes_valid(h, p, nullptr)) { c.malformed++; return; }
-      c.mismatch++;
-      if (!g.error) return fail_slot(job, g, h, kErrMismatch, out);
-    }
-    if (g.error) return reply(job.addr[h.worker], kError, h, job.nworkers, g.error, out);
+    if (!same_layout(h, g.params))
+      return h.round == 0 && lanes_valid(h, p, nullptr) ? Data::kMismatch : Data::kMalformed;
+    if (g.error) return Data::kDead;
     const int set = h.round & 1;
-    SetRegs& s = g.set[set];
-    if (h.round + 1 == g.round && s.round == h.round) {  // the sender lost this RESULT
-      if (!lanes_valid(h, p, offsets(gi, set))) { c.malformed++; return; }
-      c.retransmits++;
-      out.push_back({job.addr[h.worker], result(job, gi, h, set)});
-      return;
+    if (h.round + 1 == g.round && g.set[set].round == h.round)  // the sender lost this RESULT
+      return lanes_valid(h, p, offsets(at.gi, set)) ? Data::kRetransmit : Data::kMalformed;
+    if (g.done || h.round != g.round) return Data::kStale;
+    // Stage 1: the seen-bitmap (a retransmission of a round this worker is in).
+    if (g.set[set].seen >> h.worker & 1) return Data::kDuplicate;
+    return lanes_valid(h, p, offsets(at.gi, set)) ? Data::kAdd : Data::kMalformed;
+  }
+
+  void on_data(SwitchJob& job, const Header& h, const uint8_t* p, double now,
+               std::vector<Out>& out) {
+    const Where at{group_of(job, h), h.lanes * chunks(h.block_size), tag_of(h)};
+    GroupRegs& g = g_[at.gi];
+    const bool bound = g.tag == at.tag;
+    const Data d = validate(h, p, at, now);
+    if (d == Data::kJunk) { c.malformed++; return; }
+    if (d == Data::kUnsupported) return refuse(job, h, out);
+    c.passes += at.passes - 1;  // stage 0 ran in the first pass; the rest recirculate
+    c.recirculations += at.passes - 1;
+    if (bound) g.touched = now;
+    switch (d) {
+      case Data::kMalformed: c.malformed++; return;
+      case Data::kStale: c.stale++; return;
+      case Data::kBusy: c.busy++; return;
+      case Data::kMismatch:
+        c.mismatch++;
+        if (!g.error) return fail_slot(job, g, h, kErrMismatch, out);
+        [[fallthrough]];
+      case Data::kDead: return reply(job.addr[h.worker], kError, h, job.nworkers, g.error, out);
+      case Data::kRetransmit:
+        c.retransmits++;
+        out.push_back({job.addr[h.worker], result(job, at.gi, h, h.round & 1)});
+        return;
+      case Data::kDuplicate: c.duplicates++; return;
+      case Data::kBind: bind(at, h, now); [[fallthrough]];
+      case Data::kAdd: return accumulate(job, at.gi, h, p, out);
+      default: return;  // kJunk, kUnsupported: above
     }
-    if (g.done || h.round != g.round) { c.stale++; return; }
-    // Stage 1: the seen-bitmap (a retransmission of a round this worker is in), the count
-    // and, per lane, the look-ahead minimum.
-    if (s.seen >> h.worker & 1) { c.duplicates++; return; }
-    if (!lanes_valid(h, p, offsets(gi, set))) { c.malformed++; return; }
+  }
+
+  // ERROR UNSUPPORTED to every worker of the job; no register is touched.
+  void refuse(SwitchJob& job, const Header& h, std::vector<Out>& out) {
+    c.unsupported++;
+    for (uint16_t w = 0; w < job.nworkers; ++w)
+      if (job.addr[w].port) reply(job.addr[w], kError, h, job.nworkers, kErrUnsupported, out);
+  }
+
+  // Stage 0 binds the group to this slot's round 0: tag, layout, and set 0 at the lanes'
+  // first positions.
+  void bind(const Where& at, const Header& h, double now) {
+    GroupRegs& g = g_[at.gi];
+    if (g.tag != 0) c.reclaimed++;
+    g = GroupRegs{};
+    g.tag = at.tag;
+    g.params = h;
+    g.touched = now;
+    uint32_t cur[kMaxLanes];
+    for (uint32_t l = 0; l < h.lanes; ++l)
+      cur[l] = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes) ? 0 : kInf;
+    open_set(at.gi, 0, 0, cur, h.lanes, h.block_size);
+  }
+
+  // A validated DATA of the round in progress: per lane the look-ahead minimum (stage 1) and
+  // the values (stages 2..: one pass per values_per_pass, saturating adds); the last worker's
+  // completes the round.
+  void accumulate(SwitchJob& job, uint32_t gi, const Header& h, const uint8_t* p,
+                  std::vector<Out>& out) {
+    const int set = h.round & 1;
+    SetRegs& s = g_[gi].set[set];
     const uint64_t bitmap = ld64(p + kHeaderBytes);
     const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
     const uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
@@ -298,11 +358,9 @@ struct Pipeline::Impl {
     for (uint32_t l = 0; l < h.lanes; ++l) {
       nm[l] = std::min(nm[l], ld32(lane + l * kLaneBytes + 4));
       if (!(bitmap >> l & 1)) continue;
-      // Stages 2..: one pass per values_per_pass values, saturating adds.
       for (uint32_t i = 0; i < bs; ++i) {
-        const int32_t x = Value<kFixed32>::get(v, i);
         int32_t& a = cell(gi, l * chunks(bs) + i / vpp, set)[i % vpp];
-        const int64_t sum = int64_t(a) + x;
+        const int64_t sum = int64_t(a) + Value<kFixed32>::get(v, i);
         if (sum > INT32_MAX || sum < INT32_MIN) s.overflow = true;
         a = int32_t(std::clamp<int64_t>(sum, INT32_MIN, INT32_MAX));
       }
@@ -310,21 +368,27 @@ struct Pipeline::Impl {
     }
     s.present |= bitmap;
     s.seen |= 1u << h.worker;
-    if (++s.count < job.nworkers) return;
-    // The last worker's pass: the round is complete. Multicast its RESULT (or, for a
-    // saturated sum, ERROR OVERFLOW) and open the other set for the next round.
+    if (++s.count == job.nworkers) complete(job, gi, h, out);
+  }
+
+  // The last worker's pass: the round is complete. Multicast its RESULT (or, for a saturated
+  // sum, ERROR OVERFLOW) and open the other set for the next round.
+  void complete(SwitchJob& job, uint32_t gi, const Header& h, std::vector<Out>& out) {
+    GroupRegs& g = g_[gi];
+    const int set = h.round & 1;
     c.results++;
-    if (s.overflow) {
+    if (g.set[set].overflow) {
       c.overflow++;
       return fail_slot(job, g, h, kErrOverflow, out);
     }
     auto r = result(job, gi, h, set);
     for (uint16_t w = 0; w < job.nworkers; ++w) out.push_back({job.addr[w], r});
+    const uint32_t* nm = next_min(gi, set);
     bool last = true;
     for (uint32_t l = 0; l < h.lanes; ++l) last = last && nm[l] == kInf;
     g.round = h.round + 1;
     if (last) g.done = true;
-    else open_set(gi, set ^ 1, g.round, nm, h.lanes, bs);
+    else open_set(gi, set ^ 1, g.round, nm, h.lanes, h.block_size);
   }
 
   // The RESULT of the round held in `set`: the deparser writes the registers into the packet.
