@@ -49,6 +49,8 @@ BINARIES = {"hvd-sparse-aggregator": ["csrc/omni/aggregator/main.cpp",
 DPDK_SOURCES = ["csrc/omni/transport/dpdk/transport.cpp"]
 # Built only with DPDK: the emulated switch (its ports are DPDK ports).
 SWITCH = ("switch_emu/bin/hvd-sparse-switch", ["switch_emu/csrc/main.cpp",
+                                               "switch_emu/csrc/ports.cpp",
+                                               "switch_emu/csrc/control.cpp",
                                                "switch_emu/csrc/pipeline.cpp"])
 
 
