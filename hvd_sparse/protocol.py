@@ -18,6 +18,15 @@ INF: int = _p.INF  # lane position "none"
 MAX_LANES: int = _p.MAX_LANES
 MAX_WORKERS: int = _p.MAX_WORKERS
 MAX_DATAGRAM: int = _p.MAX_DATAGRAM  # largest UDP payload over IPv4
+AGGREGATOR_PORT: int = _p.AGGREGATOR_PORT  # the UDP port of the docs, testbed and images
+
+# The switch (docs/PROTOCOL.md "In-network aggregation"): the emulator's defaults and what
+# switch_emu.program declares. A switch's REGACK carries the geometry it actually has, which the
+# worker engine reads (OmniWorker.slot_geometry(), payload_bytes()).
+SWITCH_VALUES_PER_PASS: int = _p.SWITCH_VALUES_PER_PASS  # int32 values one pass sums (256 B)
+SWITCH_CELLS_PER_SLOT: int = _p.SWITCH_CELLS_PER_SLOT  # cells (passes) one slot holds
+SWITCH_MAX_WORKERS: int = _p.SWITCH_MAX_WORKERS  # workers per job: a 32-bit seen-bitmap
+SWITCH_CELLS: int = _p.SWITCH_CELLS  # cells of the register pool
 
 TYPES: dict[str, int] = dict(_p.TYPES)  # packet type name -> code
 FLAGS: dict[str, int] = dict(_p.FLAGS)

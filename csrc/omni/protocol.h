@@ -50,6 +50,16 @@ constexpr uint32_t kInf = 0xFFFFFFFFu;  // lane position "none": no further non-
 constexpr int kMaxLanes = 64;            // lanes per packet (fusion), bounded by the bitmap
 constexpr int kMaxWorkers = 1024;
 constexpr int kMaxDatagram = 65507;      // UDP over IPv4
+// The UDP port aggregators and the switch listen on in the docs, the testbed and the images.
+constexpr uint16_t kAggregatorPort = 9999;
+
+// The switch (docs/PROTOCOL.md "In-network aggregation"): the geometry the emulator's data
+// plane runs with unless told otherwise (switch_emu/csrc/pipeline.h) and its program declares
+// (switch_emu/program.py).
+constexpr uint32_t kSwitchValuesPerPass = 64;  // int32 values one pass sums (256 B)
+constexpr uint32_t kSwitchCellsPerSlot = 32;   // cells (passes) a slot holds: 8 KiB of values
+constexpr uint32_t kSwitchMaxWorkers = 32;     // workers per job: the seen-bitmap's 32 bits
+constexpr uint32_t kSwitchCells = 8192;        // the register pool's cells (SwitchML's slots)
 
 // The fixed header, 56 bytes: the one list of its fields (name, type, offset; offsets are part
 // of the spec, docs/PROTOCOL.md). The struct, load_header/store_header and the field table that

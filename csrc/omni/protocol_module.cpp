@@ -170,6 +170,11 @@ PyMODINIT_FUNC PyInit__protocol() {
       PyModule_AddIntConstant(m, "MAX_LANES", omni::kMaxLanes) == 0 &&
       PyModule_AddIntConstant(m, "MAX_WORKERS", omni::kMaxWorkers) == 0 &&
       PyModule_AddIntConstant(m, "MAX_DATAGRAM", omni::kMaxDatagram) == 0 &&
+      PyModule_AddIntConstant(m, "AGGREGATOR_PORT", omni::kAggregatorPort) == 0 &&
+      PyModule_AddIntConstant(m, "SWITCH_VALUES_PER_PASS", omni::kSwitchValuesPerPass) == 0 &&
+      PyModule_AddIntConstant(m, "SWITCH_CELLS_PER_SLOT", omni::kSwitchCellsPerSlot) == 0 &&
+      PyModule_AddIntConstant(m, "SWITCH_MAX_WORKERS", omni::kSwitchMaxWorkers) == 0 &&
+      PyModule_AddIntConstant(m, "SWITCH_CELLS", omni::kSwitchCells) == 0 &&
       add(m, "TYPES", name_table(kTypes)) && add(m, "FLAGS", name_table(kFlags)) &&
       add(m, "ERRORS", name_table(kErrors)) && add(m, "FIELDS", fields()) &&
       add(m, "DTYPES", dtypes(hvd_sparse::kNumDTypes)) &&

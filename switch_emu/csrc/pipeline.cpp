@@ -28,6 +28,8 @@ struct SetRegs {
   uint64_t present = 0;  // lanes some worker contributed to
   bool overflow = false;
 };
+constexpr uint32_t kSeenBits = 8 * sizeof(SetRegs::seen);  // workers a job can have, at most
+static_assert(kSwitchMaxWorkers <= kSeenBits, "the default worker limit exceeds the seen-bitmap");
 
 // Per group: the tag binding it to one (tensor, slot), and that slot's parameters.
 struct GroupRegs {
@@ -50,8 +52,9 @@ struct Pipeline::Impl {
         values_(size_t(groups_) * o.cells_per_slot * 2 * o.values_per_pass) {
     if (o.values_per_pass == 0 || o.cells_per_slot == 0 || groups_ == 0)
       throw std::invalid_argument("switch pipeline: empty register pool");
-    if (o.max_workers > 32)
-      throw std::invalid_argument("switch pipeline: the seen-bitmap has 32 bits");
+    if (o.max_workers > kSeenBits)
+      throw std::invalid_argument("switch pipeline: the seen-bitmap has " +
+                                  std::to_string(kSeenBits) + " bits");
   }
 
   struct {
@@ -66,7 +69,8 @@ struct Pipeline::Impl {
     if (jobs_.count(token)) throw std::runtime_error("job already installed");
     if (nworkers == 0 || nworkers > o_.max_workers)
       throw std::runtime_error(std::to_string(nworkers) + " workers: a switch job has at most " +
-                               std::to_string(o_.max_workers) + " (a 32-bit seen-bitmap)");
+                               std::to_string(o_.max_workers) + " (a " +
+                               std::to_string(kSeenBits) + "-bit seen-bitmap)");
     if (groups == 0) throw std::runtime_error("a job needs at least one slot group");
     uint32_t at = 0;  // first fit among the installed ranges, sorted by start
     for (auto& [first, tok] : ranges_) {
@@ -147,7 +151,7 @@ struct Pipeline::Impl {
   }
 
   static uint32_t full(const SwitchJob& j) {
-    return j.nworkers == 32 ? ~0u : (1u << j.nworkers) - 1;
+    return j.nworkers == kSeenBits ? ~0u : (1u << j.nworkers) - 1;
   }
 
   void reply(const Endpoint& to, uint8_t type, const Header& h, uint16_t nworkers,

@@ -13,7 +13,7 @@
 //   or, with `auto_groups`, at its first REGISTER);
 // - a packet of n values takes ceil(n / values_per_pass) passes (at least one per lane: a pass
 //   runs one lane's look-ahead minimum); every pass after the first is a recirculation;
-// - at most `max_workers` (32) workers per job: the seen-bitmap is one 32-bit register;
+// - at most `max_workers` workers per job: the seen-bitmap is one 32-bit register;
 // - a group is bound to a (tensor, slot) by a tag register when round 0 arrives at a free
 //   group (the group index is a hash of the tensor id plus the slot within the job's range):
 //   another tensor's round 0 finding it bound is dropped ("busy") and resent by its worker's
@@ -30,14 +30,16 @@
 #include <vector>
 
 #include "../../csrc/omni/aggregation.h"
+#include "../../csrc/omni/protocol.h"
 
 namespace hvd_sparse::omni {
 
+// Defaults: the switch geometry of protocol.h.
 struct PipelineOptions {
-  uint32_t cells = 8192;          // pool cells (program.py: aggregation slots)
-  uint32_t values_per_pass = 64;  // int32 values one pass sums (256 B)
-  uint32_t cells_per_slot = 32;   // a protocol slot's cells: its largest packet, in passes
-  uint32_t max_workers = 32;
+  uint32_t cells = kSwitchCells;                     // pool cells (program.py: aggregation slots)
+  uint32_t values_per_pass = kSwitchValuesPerPass;   // int32 values one pass sums
+  uint32_t cells_per_slot = kSwitchCellsPerSlot;     // a slot's cells: its largest packet, in passes
+  uint32_t max_workers = kSwitchMaxWorkers;          // at most the seen-bitmap's bits
   uint32_t auto_groups = 0;       // groups for a job that REGISTERs uninstalled (0: refuse it)
   double hold = 2.0;              // seconds before a completed, unreleased group is reclaimed
   double idle = 120.0;            // an auto-installed job idle this long is removed

@@ -3,6 +3,7 @@
 //
 //   hvd-sparse-aggregator --bind 0.0.0.0:9999 --workers 4 [--threads 1] [--stats 10]
 //   hvd-sparse-aggregator --transport dpdk --dpdk "--no-huge --no-pci --vdev=net_af_packet0,iface=eth0" --bind 10.77.0.101:9999
+// (9999 is the port of the docs, the testbed and the images: protocol.h's kAggregatorPort.)
 //
 // This file is the process: options, transports, one thread per queue, counters, exit. The
 // protocol is core.cpp's; the I/O is the transport's (../transport/).
