@@ -55,7 +55,8 @@ constexpr uint16_t kAggregatorPort = 9999;
 
 // The switch (docs/PROTOCOL.md "In-network aggregation"): the geometry the emulator's data
 // plane runs with unless told otherwise (switch_emu/csrc/pipeline.h) and its program declares
-// (switch_emu/program.py).
+// (switch_emu/program.py). A switch's REGACK tells its workers the geometry it actually has
+// (RegAck, below), so a real switch may differ.
 constexpr uint32_t kSwitchValuesPerPass = 64;  // int32 values one pass sums (256 B)
 constexpr uint32_t kSwitchCellsPerSlot = 32;   // cells (passes) a slot holds: 8 KiB of values
 constexpr uint32_t kSwitchMaxWorkers = 32;     // workers per job: the seen-bitmap's 32 bits
@@ -191,6 +192,24 @@ inline Header make_header(uint8_t type, uint64_t token, uint16_t worker, uint16_
   h.magic = kMagic; h.version = kVersion; h.type = type;
   h.token = token; h.worker = worker; h.nworkers = nworkers;
   return h;
+}
+
+// What a REGACK tells a worker (docs/PROTOCOL.md "Jobs"): in `nslots` the slot groups the job
+// owns on a switch, in `block_size` the int32 values one of its passes sums and in `lanes` the
+// cells (passes) one slot holds. A software aggregator sends 0 in all three: no per-job slot
+// limit and no per-slot cap.
+struct RegAck {
+  uint32_t groups = 0, values_per_pass = 0, cells_per_slot = 0;
+  // Bytes of block values one packet may carry so that a slot holds it (0: no cap). A lane
+  // takes whole passes, so the block size decides what fits within it.
+  uint64_t slot_bytes() const { return uint64_t(values_per_pass) * cells_per_slot * 4; }
+};
+constexpr uint32_t kMaxRegAckGeometry = 0xFFFF;  // values_per_pass, cells_per_slot: 16 bits
+inline RegAck load_regack(const Header& h) { return {h.nslots, h.block_size, h.lanes}; }
+inline void store_regack(Header& h, const RegAck& a) {
+  h.nslots = a.groups;
+  h.block_size = uint16_t(a.values_per_pass);
+  h.lanes = uint16_t(a.cells_per_slot);
 }
 
 // Structural checks every receiver applies before looking at state: a packet that fails them

@@ -55,6 +55,9 @@ struct Pipeline::Impl {
     if (o.max_workers > kSeenBits)
       throw std::invalid_argument("switch pipeline: the seen-bitmap has " +
                                   std::to_string(kSeenBits) + " bits");
+    if (o.values_per_pass > kMaxRegAckGeometry || o.cells_per_slot > kMaxRegAckGeometry)
+      throw std::invalid_argument("switch pipeline: a REGACK carries values per pass and cells "
+                                  "per slot in 16 bits");
   }
 
   struct {
@@ -155,9 +158,10 @@ struct Pipeline::Impl {
   }
 
   void reply(const Endpoint& to, uint8_t type, const Header& h, uint16_t nworkers,
-             uint32_t code, std::vector<Out>& out, uint32_t nslots = 0) {
+             uint32_t code, std::vector<Out>& out, const RegAck& ack = {}) {
     Header r = make_header(type, h.token, h.worker, nworkers);
-    r.tensor = h.tensor; r.slot = h.slot; r.round = code; r.nslots = nslots;
+    r.tensor = h.tensor; r.slot = h.slot; r.round = code;
+    store_regack(r, ack);
     auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
     store_header(b->data(), r);
     out.push_back({to, b});
@@ -191,8 +195,11 @@ struct Pipeline::Impl {
       it->second.addr[h.worker] = from;
       it->second.touched = now;
     }
-    // REGACK tells the workers how many groups the job owns: no tensor uses more slots.
-    reply(from, err ? kError : kRegAck, h, h.nworkers, err, out, err ? 0 : it->second.groups);
+    // REGACK tells the workers how many groups the job owns (no tensor uses more slots) and
+    // what a slot holds (no packet carries more).
+    if (err) return reply(from, kError, h, h.nworkers, err, out);
+    reply(from, kRegAck, h, h.nworkers, 0, out,
+          RegAck{it->second.groups, o_.values_per_pass, o_.cells_per_slot});
   }
 
   void on_release(SwitchJob& job, const Header& h) {

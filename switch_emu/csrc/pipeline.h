@@ -18,7 +18,9 @@
 //   group (the group index is a hash of the tensor id plus the slot within the job's range):
 //   another tensor's round 0 finding it bound is dropped ("busy") and resent by its worker's
 //   timer. Workers free a group with a per-slot RELEASE after its last RESULT; a completed
-//   group whose RELEASEs were lost is reclaimed after `hold` seconds.
+//   group whose RELEASEs were lost is reclaimed after `hold` seconds;
+// - a REGACK tells each worker the job's groups and the slot geometry (values per pass, cells
+//   per slot), so that it sends no packet larger than a slot holds.
 //
 // No I/O and no clock here: packets in, packets out (switch_emu/csrc/main.cpp frames them),
 // time passed in. hvd_sparse._C.SwitchPipeline drives it from tests.

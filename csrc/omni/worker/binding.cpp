@@ -144,6 +144,17 @@ void register_omni(py::module_& m) {
            py::arg("ticket"), py::arg("timeout"), nogil())
       .def("finish", &PyWorker::finish)
       .def("stats", &PyWorker::stats)
+      .def("payload_bytes", [](PyWorker& w) { return w.worker().payload(); }, nogil(),
+           "Bytes of block values per packet: payload_bytes, capped at what one slot of a "
+           "switch holds once its REGACK said so (register first).")
+      .def("slot_geometry",
+           [](PyWorker& w) {
+             const RegAck g = w.worker().slot_geometry();
+             return std::make_pair(g.values_per_pass, g.cells_per_slot);
+           },
+           nogil(),
+           "(values_per_pass, cells_per_slot) of a switch's slots, from its REGACK; (0, 0) "
+           "from software aggregators: no per-slot cap.")
       .def("close", [](PyWorker& w) { w.worker().close(); }, nogil());
 }
 

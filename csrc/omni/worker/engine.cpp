@@ -56,7 +56,8 @@ void dequantize(uint8_t* o, const uint8_t* q, size_t n, uint8_t dtype, int e, do
 
 Engine::Engine(std::vector<AggregatorPath> aggs, const EngineOptions& o, Transport& io,
                std::function<void()> finished)
-    : o_(o), io_(io), finished_(std::move(finished)), rng_(o.seed), aggs_(std::move(aggs)) {
+    : o_(o), io_(io), finished_(std::move(finished)), rng_(o.seed), aggs_(std::move(aggs)),
+      payload_(o.payload) {
   if (aggs_.empty()) throw std::runtime_error("omnireduce: no aggregators");
   if (o.nworkers < 1 || o.nworkers > kMaxWorkers || o.worker >= o.nworkers)
     throw std::runtime_error("omnireduce: bad worker id " + std::to_string(o.worker) +
@@ -78,7 +79,7 @@ void Engine::prepare(TensorW& t, const uint8_t* mask) const {
   t.nblocks = uint32_t(nb);
   const uint64_t slots = groups_ ? std::min<uint64_t>(groups_, o_.slots_per_agg)
                                  : uint64_t(o_.slots_per_agg);
-  const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.wsize), uint64_t(o_.payload),
+  const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.wsize), uint64_t(payload_),
                             uint64_t(aggs_.size()) * slots);
   t.lanes = geo.lanes;
   t.nslots = geo.nslots;
@@ -366,48 +367,70 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
   // Registration replies: REGACK, or an ERROR refusing the job (never a tensor's error).
   if (h.type == kRegAck || (h.type == kError && h.round == kErrJob) ||
       (h.type == kError && registering_ &&
-       (h.round == kErrCapacity || h.round == kErrUnsupported))) {
-    for (size_t k = 0; k < aggs_.size(); ++k) {
-      if (acked_.size() <= k) break;
-      if (!(from == aggs_[k].addr)) continue;
-      if (h.type == kRegAck) {
-        acked_[k] = 1;
-        if (h.nslots) groups_ = groups_ ? std::min(groups_, h.nslots) : h.nslots;
-        continue;
-      }
-      reg_error_ = "omnireduce: aggregator " + aggs_[k].name + " refused the job: " +
-                   (h.round == kErrJob
-                        ? "the worker count differs from its --workers, or the job is not "
-                          "installed"
-                    : h.round == kErrCapacity ? "it serves as many jobs as it can hold"
-                                              : "more workers than it can count (a switch "
-                                                "counts 32)");
-    }
-    return;
-  }
+       (h.round == kErrCapacity || h.round == kErrUnsupported)))
+    return on_registration(h, from);
   auto it = by_id_.find(h.tensor);
   if (it == by_id_.end()) { c_.stale++; return; }  // a late duplicate of a finished tensor
   TensorW& t = *it->second;
   if (h.slot >= t.nslots) { c_.malformed++; return; }
   SlotW& s = t.slots[h.slot];
-  if (h.type == kError) {
-    std::string why =
-        h.round == kErrMismatch
-            ? "tensor mismatch across ranks: the ranks disagree on its shape, dtype or size"
-        : h.round == kErrOverflow
-            ? "fixed-point overflow: a sum left the int32 range (the ranks disagree on the "
-              "tensor's scale)"
-        : h.round == kErrUnsupported
-            ? "the switch cannot aggregate it (it sums only fixed point, and at most 8 KiB "
-              "of values per packet)"
-            : "aggregator out of memory";
-    return fail(t, why + " (reported by aggregator " + aggs_[s.agg].name + ")");
-  }
+  if (h.type == kError)
+    return fail(t, error_text(h.round) + " (reported by aggregator " + aggs_[s.agg].name + ")");
   if (h.type != kResult) { c_.malformed++; return; }
   if (h.dtype != t.wire || h.lanes != t.lanes || h.block_size != t.bs ||
       h.nblocks != t.nblocks || h.nslots != t.nslots) { c_.malformed++; return; }
   if (s.done || h.round != s.round) { c_.stale++; return; }  // duplicate or retransmitted result
   on_result(t, s, h, p, now);
+}
+
+// A REGACK or a refusal from the aggregator at `from`.
+void Engine::on_registration(const Header& h, const Endpoint& from) {
+  for (size_t k = 0; k < aggs_.size() && k < acked_.size(); ++k) {
+    if (!(from == aggs_[k].addr)) continue;
+    if (h.type == kRegAck) {
+      acked_[k] = 1;
+      on_regack(load_regack(h));
+      continue;
+    }
+    reg_error_ = "omnireduce: aggregator " + aggs_[k].name + " refused the job: " +
+                 (h.round == kErrJob
+                      ? "the worker count differs from its --workers, or the job is not "
+                        "installed"
+                  : h.round == kErrCapacity
+                      ? "it serves as many jobs as it can hold"
+                      : "more workers than it can count (a switch counts " +
+                            std::to_string(kSwitchMaxWorkers) + ")");
+  }
+}
+
+// A switch's REGACK: a tensor lays out no more slots than the job's groups there, and no packet
+// carries more values than one of its slots holds (the smallest, over several switches).
+void Engine::on_regack(const RegAck& a) {
+  if (a.groups) groups_ = groups_ ? std::min(groups_, a.groups) : a.groups;
+  const uint64_t bytes = a.slot_bytes();
+  if (bytes == 0 || (geometry_.slot_bytes() && geometry_.slot_bytes() <= bytes)) return;
+  geometry_ = {0, a.values_per_pass, a.cells_per_slot};
+  payload_ = std::min<int64_t>(o_.payload, int64_t(bytes));
+}
+
+std::string Engine::error_text(uint32_t code) const {
+  switch (code) {
+    case kErrMismatch:
+      return "tensor mismatch across ranks: the ranks disagree on its shape, dtype or size";
+    case kErrOverflow:
+      return "fixed-point overflow: a sum left the int32 range (the ranks disagree on the "
+             "tensor's scale)";
+    case kErrUnsupported: {
+      const uint64_t bytes = geometry_.slot_bytes() ? geometry_.slot_bytes()
+                                                    : RegAck{0, kSwitchValuesPerPass,
+                                                             kSwitchCellsPerSlot}.slot_bytes();
+      return "the switch cannot aggregate it (it sums only fixed point, and at most " +
+             (bytes % 1024 ? std::to_string(bytes) + " bytes" : std::to_string(bytes / 1024) +
+                                                                    " KiB") +
+             " of values per packet)";
+    }
+    default: return "aggregator out of memory";
+  }
 }
 
 void Engine::check_timers(double now) {

@@ -137,6 +137,11 @@ class Engine {
   void close();
 
   size_t inflight() const { return by_id_.size(); }
+  // Bytes of block values per packet: the configured payload, capped at what one slot of a
+  // switch holds once its REGACK said so.
+  int64_t payload() const { return payload_; }
+  // The slot geometry a switch's REGACK gave (groups left 0), or zeros: no per-slot cap.
+  RegAck slot_geometry() const { return geometry_; }
   const std::vector<AggregatorPath>& aggregators() const { return aggs_; }
   double rto_for(const AggregatorPath& a) const;
   std::vector<std::pair<const char*, uint64_t>> counters() const;
@@ -155,6 +160,9 @@ class Engine {
   void send_control(int agg, uint8_t type, uint64_t tensor, uint32_t slot = 0);
   void write_block(TensorW& t, uint64_t b, const uint8_t* v);
   void on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, double now);
+  void on_registration(const Header& h, const Endpoint& from);
+  void on_regack(const RegAck& a);
+  std::string error_text(uint32_t code) const;
   void complete(TensorW& t);
   void finish(TensorW& t);
   void fail_only(TensorW& t, const std::string& why);
@@ -172,8 +180,11 @@ class Engine {
   std::string reg_error_;
   bool registering_ = false;
   // A switch's REGACK carries how many slot groups the job owns (0 from software aggregators):
-  // a tensor never uses more slots than that, and releases each slot as it completes.
+  // a tensor never uses more slots than that, and releases each slot as it completes. It
+  // carries the slot geometry too, which caps the payload.
   uint32_t groups_ = 0;
+  RegAck geometry_;
+  int64_t payload_;
   double last_timers_ = 0, last_keepalive_ = 0;
   struct {
 #define HS_DECL(n) uint64_t n = 0;

@@ -127,6 +127,16 @@ Worker::Stats Worker::stats() {
   return s;
 }
 
+int64_t Worker::payload() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_->payload();
+}
+
+RegAck Worker::slot_geometry() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_->slot_geometry();
+}
+
 void Worker::close() {
   if (!thread_.joinable()) return;
   {
