@@ -47,9 +47,11 @@ struct PipelineOptions {
   double idle = 120.0;            // an auto-installed job idle this long is removed
 };
 
+// clang-format off
 #define HS_PIPELINE_COUNTERS(X) X(packets) X(passes) X(recirculations) X(results)          \
   X(retransmits) X(duplicates) X(stale) X(busy) X(malformed) X(unknown_job) X(mismatch)   \
   X(overflow) X(unsupported) X(reclaimed) X(released) X(jobs) X(refused)
+// clang-format on
 
 struct SwitchJob {
   uint64_t token = 0;

@@ -182,7 +182,8 @@ void Switch::forward(size_t in, rte_mbuf* m) {
   auto it = rte_is_unicast_ether_addr(&eth->dst_addr) ? macs_.find(mac_key(eth->dst_addr))
                                                       : macs_.end();
   if (it != macs_.end()) {
-    if (it->second == in) { rte_pktmbuf_free(m); return; }  // already on its segment
+    // Already on its segment.
+    if (it->second == in) { rte_pktmbuf_free(m); return; }
     queue(it->second, m);
     return;
   }

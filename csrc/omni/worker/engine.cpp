@@ -370,7 +370,8 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
        (h.round == kErrCapacity || h.round == kErrUnsupported)))
     return on_registration(h, from);
   auto it = by_id_.find(h.tensor);
-  if (it == by_id_.end()) { c_.stale++; return; }  // a late duplicate of a finished tensor
+  // None: a late duplicate of a finished tensor.
+  if (it == by_id_.end()) { c_.stale++; return; }
   TensorW& t = *it->second;
   if (h.slot >= t.nslots) { c_.malformed++; return; }
   SlotW& s = t.slots[h.slot];
@@ -379,7 +380,8 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
   if (h.type != kResult) { c_.malformed++; return; }
   if (h.dtype != t.wire || h.lanes != t.lanes || h.block_size != t.bs ||
       h.nblocks != t.nblocks || h.nslots != t.nslots) { c_.malformed++; return; }
-  if (s.done || h.round != s.round) { c_.stale++; return; }  // duplicate or retransmitted result
+  // A duplicate or a retransmitted result.
+  if (s.done || h.round != s.round) { c_.stale++; return; }
   on_result(t, s, h, p, now);
 }
 

@@ -101,8 +101,10 @@ struct EngineOptions {
   uint64_t seed = 0;
 };
 
+// clang-format off
 #define HS_WORKER_COUNTERS(X) X(tx_packets) X(tx_bytes) X(rx_packets) X(rx_bytes) \
   X(retransmits) X(malformed) X(stale)
+// clang-format on
 
 class Engine {
  public:
