@@ -10,7 +10,7 @@ void register_omni(pybind11::module_& m);             // csrc/omni/worker/bindin
 void register_aggregation(pybind11::module_& m);      // csrc/omni/aggregator/binding.cpp
 void register_aggregator_core(pybind11::module_& m);  // csrc/omni/aggregator/binding.cpp
 void register_switch_pipeline(pybind11::module_& m);  // switch_emu/csrc/binding.cpp
-}
+}  // namespace omni
 }  // namespace hvd_sparse
 void register_sparsify(pybind11::module_& m);   // csrc/sparsify.cpp
 void register_rows(pybind11::module_& m);       // csrc/rows.cpp

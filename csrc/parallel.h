@@ -13,7 +13,8 @@ extern int g_threads;  // defined in codec.cpp; 0: torch's intra-op thread count
 // Number of contiguous chunks of at least `grain` items to split [0, n) into.
 inline int64_t chunk_count(int64_t n, int64_t grain) {
   const int64_t threads = g_threads > 0 ? g_threads : at::get_num_threads();
-  return std::max<int64_t>(1, std::min<int64_t>(threads, (n + grain - 1) / std::max<int64_t>(1, grain)));
+  return std::max<int64_t>(
+      1, std::min<int64_t>(threads, (n + grain - 1) / std::max<int64_t>(1, grain)));
 }
 
 // Calls f(chunk, begin, end) for each of `chunks` contiguous pieces of [0, n), in parallel.

@@ -92,7 +92,8 @@ at::Tensor host_select_ge(const at::Tensor& x, double thr) {
   dispatch(x, [&](auto* p) {
     using T = std::remove_pointer_t<decltype(p)>;
     if constexpr (std::is_floating_point_v<T>) {
-      for (int64_t i = 0; i < n; ++i) offset[i + 1] = offset[i] + cu::passes(p[i], static_cast<T>(thr));
+      for (int64_t i = 0; i < n; ++i)
+        offset[i + 1] = offset[i] + cu::passes(p[i], static_cast<T>(thr));
       out = at::empty({offset[n]}, at::kLong);
       int64_t* o = out.data_ptr<int64_t>();
       for (int64_t i = 0; i < n; ++i)

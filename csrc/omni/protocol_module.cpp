@@ -126,9 +126,8 @@ PyObject* py_stream_length(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "stream_length(): nslots and lanes must be > 0");
     return nullptr;
   }
-  return PyLong_FromUnsignedLong(omni::stream_length(uint32_t(a[0]), uint32_t(a[1]),
-                                                     uint32_t(a[2]), uint32_t(a[3]),
-                                                     uint32_t(a[4])));
+  return PyLong_FromUnsignedLong(omni::stream_length(uint32_t(a[0]), uint32_t(a[1]), uint32_t(a[2]),
+                                                     uint32_t(a[3]), uint32_t(a[4])));
 }
 
 PyObject* py_stream_block(PyObject*, PyObject* args) {
@@ -136,9 +135,8 @@ PyObject* py_stream_block(PyObject*, PyObject* args) {
   static const unsigned long long bounds[] = {kU32, kU32, kU32, kU32, kU32};
   unsigned long long a[5];
   if (!unsigned_args(args, "stream_block", names, bounds, a, 5)) return nullptr;
-  return PyLong_FromUnsignedLongLong(omni::stream_block(uint32_t(a[0]), uint32_t(a[1]),
-                                                        uint32_t(a[2]), uint32_t(a[3]),
-                                                        uint32_t(a[4])));
+  return PyLong_FromUnsignedLongLong(omni::stream_block(
+      uint32_t(a[0]), uint32_t(a[1]), uint32_t(a[2]), uint32_t(a[3]), uint32_t(a[4])));
 }
 
 PyMethodDef kMethods[] = {

@@ -22,17 +22,18 @@ void register_switch_pipeline(py::module_& m) {
            py::arg("cells_per_slot") = d.cells_per_slot, py::arg("max_workers") = d.max_workers,
            py::arg("auto_groups") = d.auto_groups, py::arg("hold") = d.hold,
            py::arg("idle") = d.idle)
-      .def("install", &Pipeline::install, py::arg("token"), py::arg("nworkers"),
-           py::arg("groups"), py::arg("now") = 0.0)
+      .def("install", &Pipeline::install, py::arg("token"), py::arg("nworkers"), py::arg("groups"),
+           py::arg("now") = 0.0)
       .def("remove", &Pipeline::remove, py::arg("token"))
-      .def("jobs", [](const Pipeline& p) {
-        py::list v;
-        for (const SwitchJob& j : p.jobs())
-          v.append(py::dict(py::arg("token") = j.token, py::arg("nworkers") = j.nworkers,
-                            py::arg("first") = j.first, py::arg("groups") = j.groups,
-                            py::arg("automatic") = j.automatic));
-        return v;
-      })
+      .def("jobs",
+           [](const Pipeline& p) {
+             py::list v;
+             for (const SwitchJob& j : p.jobs())
+               v.append(py::dict(py::arg("token") = j.token, py::arg("nworkers") = j.nworkers,
+                                 py::arg("first") = j.first, py::arg("groups") = j.groups,
+                                 py::arg("automatic") = j.automatic));
+             return v;
+           })
       .def("occupied", &Pipeline::occupied);
 }
 

@@ -14,12 +14,12 @@ namespace hvd_sparse::switch_emu {
 namespace {
 
 std::string limits_json(const omni::PipelineOptions& o) {
-  return "{\"cells\": " + std::to_string(o.cells) + ", \"values_per_pass\": " +
-         std::to_string(o.values_per_pass) + ", \"cells_per_slot\": " +
-         std::to_string(o.cells_per_slot) + ", \"groups\": " +
-         std::to_string(o.cells / o.cells_per_slot) + ", \"max_workers\": " +
-         std::to_string(o.max_workers) + ", \"auto_groups\": " + std::to_string(o.auto_groups) +
-         "}";
+  return "{\"cells\": " + std::to_string(o.cells) +
+         ", \"values_per_pass\": " + std::to_string(o.values_per_pass) +
+         ", \"cells_per_slot\": " + std::to_string(o.cells_per_slot) +
+         ", \"groups\": " + std::to_string(o.cells / o.cells_per_slot) +
+         ", \"max_workers\": " + std::to_string(o.max_workers) +
+         ", \"auto_groups\": " + std::to_string(o.auto_groups) + "}";
 }
 
 std::string jobs_json(const omni::Pipeline& p) {
@@ -28,10 +28,10 @@ std::string jobs_json(const omni::Pipeline& p) {
     int registered = 0;
     for (const omni::Endpoint& e : j.addr) registered += e.port != 0;
     s += std::string(s.back() == '[' ? "" : ", ") + "{\"token\": " + std::to_string(j.token) +
-         ", \"workers\": " + std::to_string(j.nworkers) + ", \"registered\": " +
-         std::to_string(registered) + ", \"first\": " + std::to_string(j.first) +
-         ", \"groups\": " + std::to_string(j.groups) + ", \"automatic\": " +
-         (j.automatic ? "true" : "false") + "}";
+         ", \"workers\": " + std::to_string(j.nworkers) +
+         ", \"registered\": " + std::to_string(registered) +
+         ", \"first\": " + std::to_string(j.first) + ", \"groups\": " + std::to_string(j.groups) +
+         ", \"automatic\": " + (j.automatic ? "true" : "false") + "}";
   }
   return s + "]}";
 }
@@ -87,8 +87,8 @@ void Control::poll(Switch& sw) {
   char buf[256];
   sockaddr_un from{};
   socklen_t len = sizeof from;
-  for (ssize_t n; (n = recvfrom(fd_, buf, sizeof buf - 1, 0, reinterpret_cast<sockaddr*>(&from),
-                                &len)) >= 0;
+  for (ssize_t n;
+       (n = recvfrom(fd_, buf, sizeof buf - 1, 0, reinterpret_cast<sockaddr*>(&from), &len)) >= 0;
        len = sizeof from) {
     buf[n] = 0;
     const std::string r = run(sw, buf) + "\n";

@@ -47,8 +47,7 @@ std::atomic<bool> g_stop{false}, g_dump{false};
 void on_signal(int sig) { (sig == SIGUSR1 ? g_dump : g_stop).store(true); }
 
 double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 struct Options {
@@ -59,7 +58,8 @@ struct Options {
 };
 
 void usage() {
-  std::fprintf(stderr, "usage: hvd-sparse-switch --dpdk \"EAL ARGS (one vdev per port)\" "
+  std::fprintf(stderr,
+               "usage: hvd-sparse-switch --dpdk \"EAL ARGS (one vdev per port)\" "
                "[--names A,B,..] [--stats SECONDS] [--ready-file PATH] [--aggregate IP:PORT "
                "[--cells N] [--values-per-pass N] [--cells-per-slot N] [--auto-groups N] "
                "[--hold SECONDS] [--control PATH]]\n");
@@ -132,9 +132,10 @@ void start(const std::string& eal) {
   if (got_cpus) pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus);
   const sched_param rt{1};
   if (pthread_setschedparam(pthread_self(), SCHED_FIFO, &rt) != 0)
-    std::fprintf(stderr, "hvd-sparse switch: no real-time priority (needs CAP_SYS_NICE): under "
+    std::fprintf(stderr,
+                 "hvd-sparse switch: no real-time priority (needs CAP_SYS_NICE): under "
                  "load the host's scheduler may leave the ports unpolled for seconds\n");
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
@@ -188,9 +189,9 @@ int main(int argc, char** argv) {
   start(o.eal);
   const uint16_t nports = rte_eth_dev_count_avail();
   if (nports < 2) fail("a switch needs at least 2 ports (one --vdev each)");
-  rte_mempool* pool = rte_pktmbuf_pool_create(
-      "switch", nports * (2u * kRing + kEgress) + 4095, 256, 0,
-      uint16_t(kDataRoom + RTE_PKTMBUF_HEADROOM), int(rte_socket_id()));
+  rte_mempool* pool =
+      rte_pktmbuf_pool_create("switch", nports * (2u * kRing + kEgress) + 4095, 256, 0,
+                              uint16_t(kDataRoom + RTE_PKTMBUF_HEADROOM), int(rte_socket_id()));
   if (!pool) fail(std::string("mbuf pool: ") + rte_strerror(rte_errno));
   std::vector<std::string> names;
   std::stringstream list(o.names);
@@ -201,10 +202,11 @@ int main(int argc, char** argv) {
   std::printf("hvd-sparse switch: %u ports\n", nports);
   const omni::PipelineOptions& po = o.pipeline;
   if (!o.aggregate.empty())
-    std::printf("hvd-sparse switch: aggregation at %s: %u cells of %u int32 (%u slot groups of "
-                "%u cells, each with a shadow set), at most %u workers per job\n",
-                o.aggregate.c_str(), po.cells, po.values_per_pass, po.cells / po.cells_per_slot,
-                po.cells_per_slot, po.max_workers);
+    std::printf(
+        "hvd-sparse switch: aggregation at %s: %u cells of %u int32 (%u slot groups of "
+        "%u cells, each with a shadow set), at most %u workers per job\n",
+        o.aggregate.c_str(), po.cells, po.values_per_pass, po.cells / po.cells_per_slot,
+        po.cells_per_slot, po.max_workers);
   std::fflush(stdout);
   if (!o.ready_file.empty())
     if (FILE* f = std::fopen(o.ready_file.c_str(), "w")) std::fclose(f);

@@ -17,8 +17,10 @@ namespace hvd_sparse::omni {
 namespace {
 
 uint64_t mix(uint64_t x) {  // splitmix64's finalizer: a tensor id spread over the groups
-  x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27; x *= 0x94D049BB133111EBull;
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
 
@@ -33,7 +35,7 @@ static_assert(kSwitchMaxWorkers <= kSeenBits, "the default worker limit exceeds 
 
 // Per group: the tag binding it to one (tensor, slot), and that slot's parameters.
 struct GroupRegs {
-  uint64_t tag = 0;  // 0: free
+  uint64_t tag = 0;    // 0: free
   uint32_t round = 0;  // the round in progress (after the last one: its number + 1)
   bool done = false;
   uint32_t error = 0;  // a dead slot: every DATA gets this ERROR back
@@ -56,8 +58,9 @@ struct Pipeline::Impl {
       throw std::invalid_argument("switch pipeline: the seen-bitmap has " +
                                   std::to_string(kSeenBits) + " bits");
     if (o.values_per_pass > kMaxRegAckGeometry || o.cells_per_slot > kMaxRegAckGeometry)
-      throw std::invalid_argument("switch pipeline: a REGACK carries values per pass and cells "
-                                  "per slot in 16 bits");
+      throw std::invalid_argument(
+          "switch pipeline: a REGACK carries values per pass and cells "
+          "per slot in 16 bits");
   }
 
   struct {
@@ -72,8 +75,8 @@ struct Pipeline::Impl {
     if (jobs_.count(token)) throw std::runtime_error("job already installed");
     if (nworkers == 0 || nworkers > o_.max_workers)
       throw std::runtime_error(std::to_string(nworkers) + " workers: a switch job has at most " +
-                               std::to_string(o_.max_workers) + " (a " +
-                               std::to_string(kSeenBits) + "-bit seen-bitmap)");
+                               std::to_string(o_.max_workers) + " (a " + std::to_string(kSeenBits) +
+                               "-bit seen-bitmap)");
     if (groups == 0) throw std::runtime_error("a job needs at least one slot group");
     uint32_t at = 0;  // first fit among the installed ranges, sorted by start
     for (auto& [first, tok] : ranges_) {
@@ -85,8 +88,13 @@ struct Pipeline::Impl {
                                " slot groups asked, " + std::to_string(free_groups()) + " of " +
                                std::to_string(groups_) + " free");
     SwitchJob j;
-    j.token = token; j.nworkers = nworkers; j.first = at; j.groups = groups;
-    j.automatic = automatic; j.addr.resize(nworkers); j.touched = now;
+    j.token = token;
+    j.nworkers = nworkers;
+    j.first = at;
+    j.groups = groups;
+    j.automatic = automatic;
+    j.addr.resize(nworkers);
+    j.touched = now;
     for (uint32_t g = at; g < at + groups; ++g) g_[g] = GroupRegs{};
     ranges_[at] = token;
     jobs_.emplace(token, std::move(j));
@@ -129,18 +137,33 @@ struct Pipeline::Impl {
               std::vector<Out>& out) {
     c.packets++;
     c.passes++;  // the parser and the job table: every packet's first pass
-    if (len < kHeaderBytes) { c.malformed++; return; }
+    if (len < kHeaderBytes) {
+      c.malformed++;
+      return;
+    }
     const Header h = load_header(p);
-    if (check_structure(h, len)) { c.malformed++; return; }
+    if (check_structure(h, len)) {
+      c.malformed++;
+      return;
+    }
     if (h.type == kRegister) return on_register(h, from, now, out);
     auto jt = jobs_.find(h.token);
-    if (jt == jobs_.end()) { c.unknown_job++; return; }
+    if (jt == jobs_.end()) {
+      c.unknown_job++;
+      return;
+    }
     SwitchJob& job = jt->second;
-    if (h.nworkers != job.nworkers) { c.malformed++; return; }
+    if (h.nworkers != job.nworkers) {
+      c.malformed++;
+      return;
+    }
     switch (h.type) {
       case kData:
         // Results go to the multicast group REGISTER programmed: a worker not in it is junk.
-        if (!job.addr[h.worker].port) { c.malformed++; return; }
+        if (!job.addr[h.worker].port) {
+          c.malformed++;
+          return;
+        }
         job.touched = now;
         return on_data(job, h, p, now, out);
       case kRelease: job.touched = now; return on_release(job, h);
@@ -157,10 +180,12 @@ struct Pipeline::Impl {
     return j.nworkers == kSeenBits ? ~0u : (1u << j.nworkers) - 1;
   }
 
-  void reply(const Endpoint& to, uint8_t type, const Header& h, uint16_t nworkers,
-             uint32_t code, std::vector<Out>& out, const RegAck& ack = {}) {
+  void reply(const Endpoint& to, uint8_t type, const Header& h, uint16_t nworkers, uint32_t code,
+             std::vector<Out>& out, const RegAck& ack = {}) {
     Header r = make_header(type, h.token, h.worker, nworkers);
-    r.tensor = h.tensor; r.slot = h.slot; r.round = code;
+    r.tensor = h.tensor;
+    r.slot = h.slot;
+    r.round = code;
     store_regack(r, ack);
     auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
     store_header(b->data(), r);
@@ -206,7 +231,10 @@ struct Pipeline::Impl {
     GroupRegs& g = g_[group_of(job, h)];
     if (g.tag != tag_of(h) || !g.done) return;
     g.released |= 1u << h.worker;
-    if (g.released == full(job)) { g.tag = 0; c.released++; }
+    if (g.released == full(job)) {
+      g.tag = 0;
+      c.released++;
+    }
   }
 
   static uint64_t tag_of(const Header& h) {
@@ -307,7 +335,10 @@ struct Pipeline::Impl {
     GroupRegs& g = g_[at.gi];
     const bool bound = g.tag == at.tag;
     const Data d = validate(h, p, at, now);
-    if (d == Data::kJunk) { c.malformed++; return; }
+    if (d == Data::kJunk) {
+      c.malformed++;
+      return;
+    }
     if (d == Data::kUnsupported) return refuse(job, h, out);
     c.passes += at.passes - 1;  // stage 0 ran in the first pass; the rest recirculate
     c.recirculations += at.passes - 1;
@@ -411,10 +442,17 @@ struct Pipeline::Impl {
     bool last = true;
     for (uint32_t l = 0; l < h.lanes; ++l) last = last && nm[l] == kInf;
     Header r = make_header(kResult, h.token, 0, job.nworkers);
-    r.dtype = kFixed32; r.slot = h.slot; r.tensor = h.tensor; r.round = s.round;
+    r.dtype = kFixed32;
+    r.slot = h.slot;
+    r.tensor = h.tensor;
+    r.round = s.round;
     r.flags = uint8_t((s.round & 1 ? kFlagShadow : 0) | (last ? kFlagLast : 0));
-    r.lanes = h.lanes; r.block_size = h.block_size; r.nblocks = h.nblocks; r.nslots = h.nslots;
-    r.meta = h.meta; r.present = present;
+    r.lanes = h.lanes;
+    r.block_size = h.block_size;
+    r.nblocks = h.nblocks;
+    r.nslots = h.nslots;
+    r.meta = h.meta;
+    r.present = present;
     auto b = std::make_shared<std::vector<uint8_t>>(
         data_bytes(h.lanes, present, h.block_size, kFixed32));
     uint8_t* p = b->data();

@@ -38,13 +38,13 @@ namespace hvd_sparse::omni {
 
 // Defaults: the switch geometry of protocol.h.
 struct PipelineOptions {
-  uint32_t cells = kSwitchCells;                     // pool cells (program.py: aggregation slots)
-  uint32_t values_per_pass = kSwitchValuesPerPass;   // int32 values one pass sums
-  uint32_t cells_per_slot = kSwitchCellsPerSlot;     // a slot's cells: its largest packet, in passes
-  uint32_t max_workers = kSwitchMaxWorkers;          // at most the seen-bitmap's bits
-  uint32_t auto_groups = 0;       // groups for a job that REGISTERs uninstalled (0: refuse it)
-  double hold = 2.0;              // seconds before a completed, unreleased group is reclaimed
-  double idle = 120.0;            // an auto-installed job idle this long is removed
+  uint32_t cells = kSwitchCells;                    // pool cells (program.py: aggregation slots)
+  uint32_t values_per_pass = kSwitchValuesPerPass;  // int32 values one pass sums
+  uint32_t cells_per_slot = kSwitchCellsPerSlot;    // a slot's cells: its largest packet, in passes
+  uint32_t max_workers = kSwitchMaxWorkers;         // at most the seen-bitmap's bits
+  uint32_t auto_groups = 0;  // groups for a job that REGISTERs uninstalled (0: refuse it)
+  double hold = 2.0;         // seconds before a completed, unreleased group is reclaimed
+  double idle = 120.0;       // an auto-installed job idle this long is removed
 };
 
 // clang-format off

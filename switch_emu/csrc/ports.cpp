@@ -55,8 +55,8 @@ unsigned Egress::push(rte_mbuf** m, unsigned n) {
 void Egress::run() {
   rte_mbuf* m[kBurst];
   for (;;) {
-    const unsigned n = rte_ring_sc_dequeue_burst(ring_, reinterpret_cast<void**>(m), kBurst,
-                                                 nullptr);
+    const unsigned n =
+        rte_ring_sc_dequeue_burst(ring_, reinterpret_cast<void**>(m), kBurst, nullptr);
     if (n == 0) {
       std::unique_lock<std::mutex> l(mu_);
       idle_.store(true, std::memory_order_relaxed);
@@ -141,22 +141,24 @@ std::string Switch::stats_json() const {
     const Port& q = ports_[p];
     rte_eth_stats e{};
     rte_eth_stats_get(q.id, &e);  // imissed: frames the kernel dropped, the port's ring full
-    s += (p ? ", " : "") + std::string("{\"name\": \"") + q.name + "\", \"rx\": " +
-         std::to_string(q.rx) + ", \"tx\": " + std::to_string(q.egress->sent()) +
-         ", \"flooded\": " + std::to_string(q.flooded) + ", \"dropped\": " +
-         std::to_string(q.dropped + q.egress->failed()) +
-         ", \"lost\": " + std::to_string(q.lost) + ", \"missed\": " +
-         std::to_string(e.imissed) + "}";
+    s += (p ? ", " : "") + std::string("{\"name\": \"") + q.name +
+         "\", \"rx\": " + std::to_string(q.rx) + ", \"tx\": " + std::to_string(q.egress->sent()) +
+         ", \"flooded\": " + std::to_string(q.flooded) +
+         ", \"dropped\": " + std::to_string(q.dropped + q.egress->failed()) +
+         ", \"lost\": " + std::to_string(q.lost) + ", \"missed\": " + std::to_string(e.imissed) +
+         "}";
   }
   s += "], \"macs\": " + std::to_string(macs_.size());
   if (agg_) {
     const omni::Pipeline& p = *agg_->pipeline;
-    s += ", \"aggregation\": {\"rx\": " + std::to_string(agg_->rx) + ", \"tx\": " +
-         std::to_string(agg_->tx) + ", \"no_route\": " + std::to_string(agg_->no_route) +
-         ", \"ignored\": " + std::to_string(agg_->ignored) + ", \"occupied\": " +
-         std::to_string(p.occupied()) + ", \"jobs_installed\": " +
-         std::to_string(p.jobs().size());
-    for (auto& [name, v] : p.counters()) s += ", \"" + std::string(name) + "\": " + std::to_string(v);
+    s += ", \"aggregation\": {\"rx\": " + std::to_string(agg_->rx) +
+         ", \"tx\": " + std::to_string(agg_->tx) +
+         ", \"no_route\": " + std::to_string(agg_->no_route) +
+         ", \"ignored\": " + std::to_string(agg_->ignored) +
+         ", \"occupied\": " + std::to_string(p.occupied()) +
+         ", \"jobs_installed\": " + std::to_string(p.jobs().size());
+    for (auto& [name, v] : p.counters())
+      s += ", \"" + std::string(name) + "\": " + std::to_string(v);
     s += "}";
   }
   return s + "}";
@@ -174,23 +176,32 @@ void Switch::set_loss(const std::string& port, double rate, bool udp_only) {
 }
 
 void Switch::forward(size_t in, rte_mbuf* m) {
-  if (m->data_len < sizeof(rte_ether_hdr)) { rte_pktmbuf_free(m); return; }
+  if (m->data_len < sizeof(rte_ether_hdr)) {
+    rte_pktmbuf_free(m);
+    return;
+  }
   if (lost(in, m, loss_ + ports_[in].loss)) return;
   if (agg_ && take(in, m)) return;
   auto* eth = rte_pktmbuf_mtod(m, rte_ether_hdr*);
   if (!rte_is_multicast_ether_addr(&eth->src_addr)) macs_[mac_key(eth->src_addr)] = in;
-  auto it = rte_is_unicast_ether_addr(&eth->dst_addr) ? macs_.find(mac_key(eth->dst_addr))
-                                                      : macs_.end();
+  auto it =
+      rte_is_unicast_ether_addr(&eth->dst_addr) ? macs_.find(mac_key(eth->dst_addr)) : macs_.end();
   if (it != macs_.end()) {
     // Already on its segment.
-    if (it->second == in) { rte_pktmbuf_free(m); return; }
+    if (it->second == in) {
+      rte_pktmbuf_free(m);
+      return;
+    }
     queue(it->second, m);
     return;
   }
   // Unknown or broadcast: every other port gets the same mbuf (its reference count).
   ports_[in].flooded++;
   const uint16_t copies = uint16_t(ports_.size() - 1);
-  if (copies == 0) { rte_pktmbuf_free(m); return; }
+  if (copies == 0) {
+    rte_pktmbuf_free(m);
+    return;
+  }
   rte_mbuf_refcnt_update(m, int16_t(copies - 1));
   for (size_t p = 0; p < ports_.size(); ++p)
     if (p != in) queue(p, m);

@@ -47,17 +47,18 @@ py::list sent(const std::vector<Out>& out) {
 // The base class: registered before AggregatorCore and SwitchPipeline (module.cpp).
 void register_aggregation(py::module_& m) {
   py::class_<Aggregation>(m, "Aggregation")
-      .def("handle",
-           [](Aggregation& core, py::bytes packet, const std::pair<std::string, int>& from,
-              double now) {
-             std::string_view p = packet;
-             std::vector<Out> out;
-             core.handle(reinterpret_cast<const uint8_t*>(p.data()), p.size(), endpoint(from),
-                         now, out);
-             return sent(out);
-           },
-           py::arg("packet"), py::arg("sender"), py::arg("now") = 0.0,
-           "Handles one datagram from sender (host, port); returns [((host, port), bytes)] to send.")
+      .def(
+          "handle",
+          [](Aggregation& core, py::bytes packet, const std::pair<std::string, int>& from,
+             double now) {
+            std::string_view p = packet;
+            std::vector<Out> out;
+            core.handle(reinterpret_cast<const uint8_t*>(p.data()), p.size(), endpoint(from), now,
+                        out);
+            return sent(out);
+          },
+          py::arg("packet"), py::arg("sender"), py::arg("now") = 0.0,
+          "Handles one datagram from sender (host, port); returns [((host, port), bytes)] to send.")
       .def("counters",
            [](const Aggregation& core) {
              py::dict d;

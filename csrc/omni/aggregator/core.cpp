@@ -60,16 +60,28 @@ struct AggregatorCore::Impl {
 
   void handle(const uint8_t* p, size_t len, const Endpoint& from, double now,
               std::vector<Out>& out) {
-    if (len < kHeaderBytes) { c.malformed++; return; }
+    if (len < kHeaderBytes) {
+      c.malformed++;
+      return;
+    }
     Header h = load_header(p);
-    if (check_structure(h, len)) { c.malformed++; return; }
+    if (check_structure(h, len)) {
+      c.malformed++;
+      return;
+    }
     std::lock_guard<std::mutex> lock(mu_);
     now_ = now;
     if (h.type == kRegister) return on_register(h, from, out);
     auto jt = jobs_.find(h.token);
-    if (jt == jobs_.end()) { c.unknown_job++; return; }
+    if (jt == jobs_.end()) {
+      c.unknown_job++;
+      return;
+    }
     Job& job = jt->second;
-    if (h.nworkers != job.nworkers) { c.malformed++; return; }
+    if (h.nworkers != job.nworkers) {
+      c.malformed++;
+      return;
+    }
     // A worker's address and the job's liveness change only with packets found valid: junk
     // carrying the token must not redirect a worker's results (see accept()).
     switch (h.type) {
@@ -77,8 +89,14 @@ struct AggregatorCore::Impl {
       case kRelease: job.touched = now_; return on_release(job, h);
       case kBye:
         job.touched = now_;
-        if (!job.bye[h.worker]) { job.bye[h.worker] = 1; ++job.nbye; }
-        if (job.nbye == job.nworkers) { c.released += job.tensors.size(); jobs_.erase(jt); }
+        if (!job.bye[h.worker]) {
+          job.bye[h.worker] = 1;
+          ++job.nbye;
+        }
+        if (job.nbye == job.nworkers) {
+          c.released += job.tensors.size();
+          jobs_.erase(jt);
+        }
         return;
       default: c.malformed++; return;  // aggregator-bound types only
     }
@@ -89,8 +107,10 @@ struct AggregatorCore::Impl {
     const double t = now_ = now;
     for (auto j = jobs_.begin(); j != jobs_.end();) {
       for (auto it = j->second.tensors.begin(); it != j->second.tensors.end();) {
-        if (t - it->second.touched > o_.idle) { it = drop_tensor(j->second, it); c.expired++; }
-        else ++it;
+        if (t - it->second.touched > o_.idle) {
+          it = drop_tensor(j->second, it);
+          c.expired++;
+        } else ++it;
       }
       if (t - j->second.touched > o_.idle && j->second.tensors.empty()) j = jobs_.erase(j);
       else ++j;
@@ -133,7 +153,10 @@ struct AggregatorCore::Impl {
     Tensor& t = it->second;
     if (test_bit(t.released, h.worker)) return;
     set_bit(t.released, h.worker);
-    if (++t.nreleased == job.nworkers) { drop_tensor(job, it); c.released++; }
+    if (++t.nreleased == job.nworkers) {
+      drop_tensor(job, it);
+      c.released++;
+    }
   }
 
   std::unordered_map<uint64_t, Tensor>::iterator drop_tensor(
@@ -144,7 +167,9 @@ struct AggregatorCore::Impl {
 
   void send_error(Job& job, const Header& h, uint32_t code, std::vector<Out>& out) {
     Header e = make_header(kError, h.token, 0, job.nworkers);
-    e.tensor = h.tensor; e.slot = h.slot; e.round = code;
+    e.tensor = h.tensor;
+    e.slot = h.slot;
+    e.round = code;
     auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
     store_header(b->data(), e);
     for (uint16_t w = 0; w < job.nworkers; ++w)
@@ -194,8 +219,10 @@ struct AggregatorCore::Impl {
       if (st != at.t->slots.end()) at.s = &st->second;
     }
     // A tensor and each of its slots start at round 0 (else: expired, or junk).
-    if (!at.s) return h.round != 0 ? Data::kStale
-                      : lanes_valid(h, p, nullptr) ? Data::kOpen : Data::kMalformed;
+    if (!at.s)
+      return h.round != 0                 ? Data::kStale
+             : lanes_valid(h, p, nullptr) ? Data::kOpen
+                                          : Data::kMalformed;
     const Slot& s = *at.s;
     if (s.last && h.round + 1 == s.round) {  // the sender lost our previous RESULT
       // Its lane table must be the one of that round (the stored RESULT's offsets).
@@ -232,9 +259,7 @@ struct AggregatorCore::Impl {
       case Data::kOpen:
         if (!open(job, h, at, out)) return;
         [[fallthrough]];
-      case Data::kAdd:
-        accept(job, *at.t, h, from);
-        return accumulate(job, *at.t, h, *at.s, p, out);
+      case Data::kAdd: accept(job, *at.t, h, from); return accumulate(job, *at.t, h, *at.s, p, out);
     }
   }
 
@@ -293,7 +318,7 @@ struct AggregatorCore::Impl {
   static bool overflows(const Slot& s, uint32_t lanes, size_t bs) {
     for (uint32_t l = 0; l < lanes; ++l) {
       if (!(s.present >> l & 1)) continue;
-      for (const double* a = s.acc.data() + l * bs, *e = a + bs; a != e; ++a)
+      for (const double *a = s.acc.data() + l * bs, *e = a + bs; a != e; ++a)
         if (*a < double(INT32_MIN) || *a > double(INT32_MAX)) return true;
     }
     return false;
@@ -311,12 +336,19 @@ struct AggregatorCore::Impl {
     bool last = true;
     for (uint32_t n : s.next) last = last && n == kInf;
     Header r = make_header(kResult, h.token, 0, job.nworkers);
-    r.dtype = h.dtype; r.slot = h.slot; r.tensor = h.tensor; r.round = s.round;
+    r.dtype = h.dtype;
+    r.slot = h.slot;
+    r.tensor = h.tensor;
+    r.round = s.round;
     r.flags = uint8_t((s.round & 1 ? kFlagShadow : 0) | (last ? kFlagLast : 0));
-    r.lanes = h.lanes; r.block_size = h.block_size; r.nblocks = h.nblocks; r.nslots = h.nslots;
-    r.meta = h.meta; r.present = present;
-    auto b = std::make_shared<std::vector<uint8_t>>(
-        data_bytes(h.lanes, present, h.block_size, h.dtype));
+    r.lanes = h.lanes;
+    r.block_size = h.block_size;
+    r.nblocks = h.nblocks;
+    r.nslots = h.nslots;
+    r.meta = h.meta;
+    r.present = present;
+    auto b =
+        std::make_shared<std::vector<uint8_t>>(data_bytes(h.lanes, present, h.block_size, h.dtype));
     uint8_t* p = b->data();
     store_header(p, r);
     st64(p + kHeaderBytes, s.present);

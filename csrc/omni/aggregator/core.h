@@ -14,8 +14,8 @@
 namespace hvd_sparse::omni {
 
 struct CoreOptions {
-  int workers = 0;       // 0: jobs of any size; else only jobs of exactly this many workers
-  double idle = 120;     // seconds after which an idle tensor or job is forgotten
+  int workers = 0;    // 0: jobs of any size; else only jobs of exactly this many workers
+  double idle = 120;  // seconds after which an idle tensor or job is forgotten
   size_t max_slot_bytes = size_t(2) << 30;  // cap on the accumulators' memory
   size_t max_jobs = 256;
 };

@@ -55,8 +55,7 @@ struct TransportCounters {
 };
 
 inline double monotonic_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 class Transport {
@@ -91,7 +90,9 @@ struct AtomicCounters {
 #undef HS_LOAD
     return c;
   }
-  static void add(std::atomic<uint64_t>& c, uint64_t v) { c.fetch_add(v, std::memory_order_relaxed); }
+  static void add(std::atomic<uint64_t>& c, uint64_t v) {
+    c.fetch_add(v, std::memory_order_relaxed);
+  }
 };
 
 }  // namespace hvd_sparse::omni

@@ -33,8 +33,10 @@ template <typename V>
 void quantize(uint8_t* q, const uint8_t* v, size_t n, const Pow2 up) {
   for (size_t i = 0; i < n; ++i) {
     const double r = std::nearbyint(up(double(V::get(v, i))));
-    const int32_t x = r >= double(INT32_MAX) ? INT32_MAX : r <= double(INT32_MIN) ? INT32_MIN
-                      : r == r ? int32_t(r) : 0;
+    const int32_t x = r >= double(INT32_MAX)   ? INT32_MAX
+                      : r <= double(INT32_MIN) ? INT32_MIN
+                      : r == r                 ? int32_t(r)
+                                               : 0;
     Value<kFixed32>::put(q, i, x);
   }
 }
@@ -60,8 +62,8 @@ Engine::Engine(std::vector<AggregatorPath> aggs, const EngineOptions& o, Transpo
       payload_(o.payload) {
   if (aggs_.empty()) throw std::runtime_error("omnireduce: no aggregators");
   if (o.nworkers < 1 || o.nworkers > kMaxWorkers || o.worker >= o.nworkers)
-    throw std::runtime_error("omnireduce: bad worker id " + std::to_string(o.worker) +
-                                " of " + std::to_string(o.nworkers));
+    throw std::runtime_error("omnireduce: bad worker id " + std::to_string(o.worker) + " of " +
+                             std::to_string(o.nworkers));
 }
 
 void Engine::prepare(TensorW& t, const uint8_t* mask) const {
@@ -72,13 +74,13 @@ void Engine::prepare(TensorW& t, const uint8_t* mask) const {
   if (bs < 1 || bs > 65535 ||
       bs * t.wsize + kHeaderBytes + kBitmapBytes + kLaneBytes > size_t(kMaxDatagram))
     throw std::runtime_error("omnireduce: block_size " + std::to_string(bs) +
-                                " does not fit in one datagram");
+                             " does not fit in one datagram");
   const int64_t nb = num_blocks(t.numel, int64_t(bs));
   if (nb < 1 || nb >= int64_t(kInf))
     throw std::runtime_error("omnireduce: tensor size out of range");
   t.nblocks = uint32_t(nb);
-  const uint64_t slots = groups_ ? std::min<uint64_t>(groups_, o_.slots_per_agg)
-                                 : uint64_t(o_.slots_per_agg);
+  const uint64_t slots =
+      groups_ ? std::min<uint64_t>(groups_, o_.slots_per_agg) : uint64_t(o_.slots_per_agg);
   const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.wsize), uint64_t(payload_),
                             uint64_t(aggs_.size()) * slots);
   t.lanes = geo.lanes;
@@ -98,7 +100,10 @@ void Engine::prepare(TensorW& t, const uint8_t* mask) const {
   }
   t.start.assign(L + 1, 0);
   for (uint32_t b = 0; b < t.nblocks; ++b)
-    if (m[b]) { t.start[b % L + 1]++; t.nnz_local++; }
+    if (m[b]) {
+      t.start[b % L + 1]++;
+      t.nnz_local++;
+    }
   for (uint32_t j = 0; j < L; ++j) t.start[j + 1] += t.start[j];
   t.pos.resize(t.nnz_local);
   std::vector<uint32_t> fill(t.start.begin(), t.start.end() - 1);
@@ -227,10 +232,17 @@ void Engine::build_data(TensorW& t, SlotW& s) {
   s.pkt.resize(data_bytes(t.lanes, present, t.bs, t.wire));
   uint8_t* p = s.pkt.data();
   Header h = make_header(kData, o_.token, o_.worker, o_.nworkers);
-  h.dtype = t.wire; h.slot = s.g; h.tensor = t.id; h.round = s.round;
+  h.dtype = t.wire;
+  h.slot = s.g;
+  h.tensor = t.id;
+  h.round = s.round;
   h.flags = s.round & 1 ? kFlagShadow : 0;
-  h.lanes = uint16_t(t.lanes); h.block_size = uint16_t(t.bs); h.nblocks = t.nblocks;
-  h.nslots = t.nslots; h.meta = t.meta; h.present = present;
+  h.lanes = uint16_t(t.lanes);
+  h.block_size = uint16_t(t.bs);
+  h.nblocks = t.nblocks;
+  h.nslots = t.nslots;
+  h.meta = t.meta;
+  h.present = present;
   store_header(p, h);
   st64(p + kHeaderBytes, bitmap);
   uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
@@ -291,7 +303,10 @@ void Engine::write_block(TensorW& t, uint64_t b, const uint8_t* v) {
 void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, double now) {
   // The header matches the tensor (on_packet), so this is the slot's lane table at its lanes'
   // positions, checked as every receiver checks one.
-  if (!lanes_valid(h, p, s.cur.data())) { c_.malformed++; return; }
+  if (!lanes_valid(h, p, s.cur.data())) {
+    c_.malformed++;
+    return;
+  }
   const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
   const uint64_t bitmap = ld64(p + kHeaderBytes);
   const uint8_t* v = lane + size_t(t.lanes) * kLaneBytes;
@@ -363,25 +378,42 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
   c_.rx_packets++;
   c_.rx_bytes += len;
   Header h = load_header(p);
-  if (check_structure(h, len) || h.token != o_.token) { c_.malformed++; return; }
+  if (check_structure(h, len) || h.token != o_.token) {
+    c_.malformed++;
+    return;
+  }
   // Registration replies: REGACK, or an ERROR refusing the job (never a tensor's error).
   if (h.type == kRegAck || (h.type == kError && h.round == kErrJob) ||
-      (h.type == kError && registering_ &&
-       (h.round == kErrCapacity || h.round == kErrUnsupported)))
+      (h.type == kError && registering_ && (h.round == kErrCapacity || h.round == kErrUnsupported)))
     return on_registration(h, from);
   auto it = by_id_.find(h.tensor);
   // None: a late duplicate of a finished tensor.
-  if (it == by_id_.end()) { c_.stale++; return; }
+  if (it == by_id_.end()) {
+    c_.stale++;
+    return;
+  }
   TensorW& t = *it->second;
-  if (h.slot >= t.nslots) { c_.malformed++; return; }
+  if (h.slot >= t.nslots) {
+    c_.malformed++;
+    return;
+  }
   SlotW& s = t.slots[h.slot];
   if (h.type == kError)
     return fail(t, error_text(h.round) + " (reported by aggregator " + aggs_[s.agg].name + ")");
-  if (h.type != kResult) { c_.malformed++; return; }
-  if (h.dtype != t.wire || h.lanes != t.lanes || h.block_size != t.bs ||
-      h.nblocks != t.nblocks || h.nslots != t.nslots) { c_.malformed++; return; }
+  if (h.type != kResult) {
+    c_.malformed++;
+    return;
+  }
+  if (h.dtype != t.wire || h.lanes != t.lanes || h.block_size != t.bs || h.nblocks != t.nblocks ||
+      h.nslots != t.nslots) {
+    c_.malformed++;
+    return;
+  }
   // A duplicate or a retransmitted result.
-  if (s.done || h.round != s.round) { c_.stale++; return; }
+  if (s.done || h.round != s.round) {
+    c_.stale++;
+    return;
+  }
   on_result(t, s, h, p, now);
 }
 
@@ -394,14 +426,13 @@ void Engine::on_registration(const Header& h, const Endpoint& from) {
       on_regack(load_regack(h));
       continue;
     }
-    reg_error_ = "omnireduce: aggregator " + aggs_[k].name + " refused the job: " +
-                 (h.round == kErrJob
-                      ? "the worker count differs from its --workers, or the job is not "
-                        "installed"
-                  : h.round == kErrCapacity
-                      ? "it serves as many jobs as it can hold"
-                      : "more workers than it can count (a switch counts " +
-                            std::to_string(kSwitchMaxWorkers) + ")");
+    reg_error_ =
+        "omnireduce: aggregator " + aggs_[k].name + " refused the job: " +
+        (h.round == kErrJob ? "the worker count differs from its --workers, or the job is not "
+                              "installed"
+         : h.round == kErrCapacity ? "it serves as many jobs as it can hold"
+                                   : "more workers than it can count (a switch counts " +
+                                         std::to_string(kSwitchMaxWorkers) + ")");
   }
 }
 
@@ -423,12 +454,13 @@ std::string Engine::error_text(uint32_t code) const {
       return "fixed-point overflow: a sum left the int32 range (the ranks disagree on the "
              "tensor's scale)";
     case kErrUnsupported: {
-      const uint64_t bytes = geometry_.slot_bytes() ? geometry_.slot_bytes()
-                                                    : RegAck{0, kSwitchValuesPerPass,
-                                                             kSwitchCellsPerSlot}.slot_bytes();
+      const uint64_t bytes =
+          geometry_.slot_bytes()
+              ? geometry_.slot_bytes()
+              : RegAck{0, kSwitchValuesPerPass, kSwitchCellsPerSlot}.slot_bytes();
       return "the switch cannot aggregate it (it sums only fixed point, and at most " +
-             (bytes % 1024 ? std::to_string(bytes) + " bytes" : std::to_string(bytes / 1024) +
-                                                                    " KiB") +
+             (bytes % 1024 ? std::to_string(bytes) + " bytes"
+                           : std::to_string(bytes / 1024) + " KiB") +
              " of values per packet)";
     }
     default: return "aggregator out of memory";
@@ -443,11 +475,16 @@ void Engine::check_timers(double now) {
       if (now - s.progress_at > o_.timeout) {
         const AggregatorPath& a = aggs_[s.agg];
         failed.emplace_back(t, "no result from aggregator " + a.name + " for " +
-            std::to_string(int(o_.timeout)) + " s (slot " + std::to_string(s.g) + ", round " +
-            std::to_string(s.round) + (s.inflight ? ", sent" : s.queued ? ", waiting for the "
-            "window" : ", not sent") + ", " + std::to_string(a.inflight) + " in flight of a " +
-            "window of " + std::to_string(int(a.cwnd)) + "): the aggregator is down or a peer "
-            "rank has not submitted this tensor");
+                                   std::to_string(int(o_.timeout)) + " s (slot " +
+                                   std::to_string(s.g) + ", round " + std::to_string(s.round) +
+                                   (s.inflight ? ", sent"
+                                    : s.queued ? ", waiting for the "
+                                                 "window"
+                                               : ", not sent") +
+                                   ", " + std::to_string(a.inflight) + " in flight of a " +
+                                   "window of " + std::to_string(int(a.cwnd)) +
+                                   "): the aggregator is down or a peer "
+                                   "rank has not submitted this tensor");
         break;
       }
       if (s.inflight && now - s.sent_at > s.rto) {
@@ -463,7 +500,6 @@ void Engine::check_timers(double now) {
   }
   for (auto& [t, why] : failed) fail(*t, why);
 }
-
 
 void Engine::tick(double now) {
   if (now - last_timers_ > 1e-3) {

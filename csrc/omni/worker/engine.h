@@ -39,12 +39,12 @@ namespace hvd_sparse::omni {
 struct AggregatorPath {
   Endpoint addr;
   std::string name;
-  double srtt = 0, rttvar = 0;  // round time and its deviation, from unretransmitted rounds
+  double srtt = 0, rttvar = 0;       // round time and its deviation, from unretransmitted rounds
   double cwnd = 8, ssthresh = 4096;  // the initial window, and slow start up to the maximum
-  int64_t inflight = 0;         // DATA packets sent and not yet answered
-  double last_cut = 0;          // when the window was last halved
-  double answered_sent_at = 0;  // latest send time of an answered round
-  double next_send = 0;         // pacing: earliest time of the next send
+  int64_t inflight = 0;              // DATA packets sent and not yet answered
+  double last_cut = 0;               // when the window was last halved
+  double answered_sent_at = 0;       // latest send time of an answered round
+  double next_send = 0;              // pacing: earliest time of the next send
   uint64_t cuts = 0;
   std::deque<std::pair<uint64_t, uint32_t>> ready;  // (tensor, slot) waiting for the window
 };
@@ -67,8 +67,8 @@ struct TensorW {
   std::string name;
   std::shared_ptr<void> hold;  // keeps the caller's buffers alive; released by the caller
   const uint8_t* in = nullptr;
-  uint8_t* out = nullptr;      // the input itself, or zeros: only blocks some worker sends are written
-  uint8_t dtype = 0;           // the tensor's own dtype (input and output)
+  uint8_t* out = nullptr;  // the input itself, or zeros: only blocks some worker sends are written
+  uint8_t dtype = 0;       // the tensor's own dtype (input and output)
   int64_t numel = 0;
   uint32_t bs = 0, meta = 0;
   double scale = 1.0;
@@ -77,8 +77,8 @@ struct TensorW {
   bool fixed = false;
   int exponent = 0;
 
-  uint8_t wire = 0;            // the dtype of DATA and RESULT: `dtype`, or kFixed32
-  int esize = 4, wsize = 4;    // bytes per element of the tensor, and on the wire
+  uint8_t wire = 0;          // the dtype of DATA and RESULT: `dtype`, or kFixed32
+  int esize = 4, wsize = 4;  // bytes per element of the tensor, and on the wire
   uint32_t nblocks = 0, nslots = 0, lanes = 0;
   std::vector<uint32_t> start, pos;  // CSR: non-zero positions of each stream
   std::vector<SlotW> slots;
