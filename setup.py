@@ -49,6 +49,8 @@ BINARIES = {"hvd-sparse-aggregator": ["csrc/omni/aggregator/main.cpp",
 DPDK_SOURCES = ["csrc/omni/transport/dpdk/transport.cpp"]
 # Built only with DPDK: the emulated switch (its ports are DPDK ports).
 SWITCH = ("switch_emu/bin/hvd-sparse-switch", ["switch_emu/csrc/main.cpp",
+                                               "switch_emu/csrc/ports.cpp",
+                                               "switch_emu/csrc/control.cpp",
                                                "switch_emu/csrc/pipeline.cpp"])
 
 
@@ -138,7 +140,7 @@ setup(
         CppExtension(
             "hvd_sparse._C",
             ["csrc/module.cpp", "csrc/codec.cpp", "csrc/fresh_zeros.cpp", "csrc/sparsify.cpp",
-             "csrc/rows.cpp", "csrc/cuda_host.cpp", "csrc/omni/worker/binding.cpp",
+             "csrc/rows.cpp", "csrc/cuda/host.cpp", "csrc/omni/worker/binding.cpp",
              "csrc/omni/worker/worker.cpp", "csrc/omni/worker/engine.cpp",
              "csrc/omni/transport/udp/transport.cpp", "csrc/omni/aggregator/binding.cpp",
              "csrc/omni/aggregator/core.cpp", "switch_emu/csrc/binding.cpp",

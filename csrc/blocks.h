@@ -20,10 +20,23 @@ inline const char* dtype_name(uint8_t d) { return d < kNumDTypes ? kDTypeNames[d
 
 // Unsigned word of an element's width and the mask that drops its sign bit: an element is zero
 // iff (bits & mag) == 0, so +0 and -0 are zero while NaN, Inf and denormals are not.
-template <int W> struct Word;
-template <> struct Word<2> { using U = uint16_t; static constexpr U mag = 0x7fffu; };
-template <> struct Word<4> { using U = uint32_t; static constexpr U mag = 0x7fffffffu; };
-template <> struct Word<8> { using U = uint64_t; static constexpr U mag = 0x7fffffffffffffffull; };
+template <int W>
+struct Word;
+template <>
+struct Word<2> {
+  using U = uint16_t;
+  static constexpr U mag = 0x7fffu;
+};
+template <>
+struct Word<4> {
+  using U = uint32_t;
+  static constexpr U mag = 0x7fffffffu;
+};
+template <>
+struct Word<8> {
+  using U = uint64_t;
+  static constexpr U mag = 0x7fffffffffffffffull;
+};
 
 // OR of the bit patterns of n elements (widened to 64 bits). OR-reducing the whole block (no
 // early exit) keeps the loop branch-free so the compiler vectorizes it; zero blocks must be read

@@ -1,10 +1,10 @@
 // Block codec and collective segments (hvd_sparse._C). Every per-element and per-block loop of
 // the allgather and Zen schemes lives here; Python only moves the resulting byte buffers through
 // Horovod's collectives.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/extension.h>
 
 #include <algorithm>
 #include <atomic>
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "parallel.h"
 #include "segment.h"
 #include "torch_dtype.h"
 
@@ -25,21 +26,6 @@ namespace hvd_sparse {
 int g_threads = 0;  // 0: torch's intra-op thread count
 
 namespace {
-
-// Runs f over [begin, end) in contiguous chunks of at least `grain`, on up to g_threads threads.
-template <typename F>
-void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  if (begin >= end) return;
-  const int64_t threads = g_threads > 0 ? g_threads : at::get_num_threads();
-  const int64_t chunks = std::min<int64_t>(threads, (end - begin + grain - 1) / grain);
-  if (chunks <= 1) return f(begin, end);
-  const int64_t step = (end - begin + chunks - 1) / chunks;
-#pragma omp parallel for num_threads(chunks) schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) {
-    int64_t b0 = begin + c * step;
-    if (b0 < end) f(b0, std::min(end, b0 + step));
-  }
-}
 
 // A contiguous CPU tensor seen as raw blocks.
 struct Flat {
@@ -54,8 +40,12 @@ Flat flat_of(const at::Tensor& t, int64_t bs) {
   TORCH_CHECK(t.is_contiguous(), "hvd_sparse codec: tensor must be contiguous");
   TORCH_CHECK(bs > 0 && bs <= (1 << 24), "hvd_sparse codec: block size out of range");
   uint8_t d = dtype_code(t.scalar_type());
-  return {static_cast<const uint8_t*>(t.data_ptr()), t.numel(), bs, num_blocks(t.numel(), bs),
-          dtype_size(d), d};
+  return {static_cast<const uint8_t*>(t.data_ptr()),
+          t.numel(),
+          bs,
+          num_blocks(t.numel(), bs),
+          dtype_size(d),
+          d};
 }
 
 // A block is non-zero when any element has a magnitude bit set. clear_signed_zeros: rewrite the
@@ -130,7 +120,8 @@ SegHeader make_header(const Flat& f, uint8_t kind, uint64_t count, uint32_t part
 std::vector<std::vector<uint32_t>> partition_positions(int64_t nblocks, uint32_t nparts) {
   std::vector<std::vector<uint32_t>> pos(nparts);
   for (auto& p : pos) p.reserve(static_cast<size_t>(nblocks / nparts + 16));
-  for (int64_t b = 0; b < nblocks; ++b) pos[partition_of(b, nparts)].push_back(static_cast<uint32_t>(b));
+  for (int64_t b = 0; b < nblocks; ++b)
+    pos[partition_of(b, nparts)].push_back(static_cast<uint32_t>(b));
   return pos;
 }
 
@@ -160,7 +151,8 @@ struct Expect {
 // write, so a bad buffer never changes the output.
 std::vector<Seg> parse(const at::Tensor& buf, int64_t nsegs, const Expect& ex, int64_t want_part,
                        bool part_is_rank) {
-  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(), "segment buffer must be uint8");
+  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(),
+              "segment buffer must be uint8");
   const uint8_t* base = buf.data_ptr<uint8_t>();
   const uint64_t size = static_cast<uint64_t>(buf.numel());
   const int64_t nblocks = num_blocks(ex.numel, ex.bs);
@@ -195,7 +187,8 @@ std::vector<Seg> parse(const at::Tensor& buf, int64_t nsegs, const Expect& ex, i
       bad(s, "unknown segment kind");
     }
     uint64_t nbytes = segment_bytes(h->kind, h->count, npos, ex.bs, dtype_size(ex.dtype));
-    if (h->nbytes != nbytes || nbytes > size - off) bad(s, "segment size is inconsistent or truncated");
+    if (h->nbytes != nbytes || nbytes > size - off)
+      bad(s, "segment size is inconsistent or truncated");
     const uint8_t* body = base + off + sizeof(SegHeader);
     if (h->kind == kIndexList) {
       g.idx = reinterpret_cast<const uint32_t*>(body);
@@ -235,7 +228,8 @@ void add_block<double, double>(double* out, const uint8_t* src, int64_t n) {
 // span of blocks at a time in a local buffer; parallel over disjoint block ranges. Returns the
 // number of blocks written.
 template <typename A, typename V>
-int64_t sum_segments(const std::vector<Seg>& segs, V* out, int64_t numel, int64_t bs, double scale) {
+int64_t sum_segments(const std::vector<Seg>& segs, V* out, int64_t numel, int64_t bs,
+                     double scale) {
   const int64_t nblocks = num_blocks(numel, bs);
   const int64_t bytes = bs * static_cast<int64_t>(sizeof(V));
   const int64_t span = std::max<int64_t>(1, 16384 / bs);  // local buffer: 64-128 KiB
@@ -246,7 +240,8 @@ int64_t sum_segments(const std::vector<Seg>& segs, V* out, int64_t numel, int64_
     std::vector<uint8_t> seen(static_cast<size_t>(span));
     std::vector<const uint32_t*> next(segs.size());  // per segment: its first block not yet summed
     for (size_t s = 0; s < segs.size(); ++s)
-      next[s] = std::lower_bound(segs[s].idx, segs[s].idx + segs[s].h->count, static_cast<uint32_t>(c0));
+      next[s] =
+          std::lower_bound(segs[s].idx, segs[s].idx + segs[s].h->count, static_cast<uint32_t>(c0));
     int64_t count = 0;
     for (int64_t b0 = c0; b0 < c1; b0 += span) {
       const int64_t b1 = std::min(c1, b0 + span);
@@ -311,15 +306,18 @@ std::tuple<at::Tensor, at::Tensor> pack(const at::Tensor& t, int64_t bs,
   Flat f = flat_of(t, bs);
   auto idx = nonzero_list(mask ? *mask : mask_of(f), f.nblocks);
   auto vals = at::empty({static_cast<int64_t>(idx.size()), bs}, t.options());
-  copy_blocks(f, idx.data(), static_cast<int64_t>(idx.size()), static_cast<uint8_t*>(vals.data_ptr()));
+  copy_blocks(f, idx.data(), static_cast<int64_t>(idx.size()),
+              static_cast<uint8_t*>(vals.data_ptr()));
   auto out_idx = at::empty({static_cast<int64_t>(idx.size())}, at::kInt);
   std::memcpy(out_idx.data_ptr(), idx.data(), idx.size() * 4);
   return {out_idx, vals};
 }
 
 void unpack(at::Tensor& out, const at::Tensor& idx, const at::Tensor& vals, int64_t bs) {
-  TORCH_CHECK(out.is_contiguous() && vals.is_contiguous() && idx.is_contiguous(), "unpack: contiguous tensors");
-  TORCH_CHECK(idx.scalar_type() == at::kInt && vals.scalar_type() == out.scalar_type(), "unpack: dtypes");
+  TORCH_CHECK(out.is_contiguous() && vals.is_contiguous() && idx.is_contiguous(),
+              "unpack: contiguous tensors");
+  TORCH_CHECK(idx.scalar_type() == at::kInt && vals.scalar_type() == out.scalar_type(),
+              "unpack: dtypes");
   TORCH_CHECK(vals.numel() == idx.numel() * bs, "unpack: vals must be [len(idx), block_size]");
   const int64_t numel = out.numel(), nblocks = num_blocks(numel, bs), k = idx.numel();
   const int32_t* ix = idx.data_ptr<int32_t>();
@@ -362,8 +360,8 @@ at::Tensor encode(const at::Tensor& t, int64_t bs, uint64_t meta, c10::optional<
 // Validates nsegs concatenated segments and writes their scaled sum into out (the tensor's
 // dtype, numel elements) in every block they carry; out must be +0 in all other blocks (see
 // sum_segments). Returns (counts, nnz_local, union).
-py::tuple decode_sum(const at::Tensor& buf, at::Tensor& out, int64_t bs, uint64_t meta, int64_t dtype,
-                     int64_t numel, int64_t nsegs, bool part_is_rank, double scale) {
+py::tuple decode_sum(const at::Tensor& buf, at::Tensor& out, int64_t bs, uint64_t meta,
+                     int64_t dtype, int64_t numel, int64_t nsegs, bool part_is_rank, double scale) {
   Expect ex{static_cast<uint8_t>(dtype), bs, numel, meta};
   TORCH_CHECK(out.is_contiguous() && out.numel() == numel, "decode_sum: output size");
   TORCH_CHECK(out.device().is_cpu() && dtype_code(out.scalar_type()) == ex.dtype,
@@ -386,8 +384,9 @@ py::tuple decode_sum(const at::Tensor& buf, at::Tensor& out, int64_t bs, uint64_
 
 // Splits the non-zero blocks of t by partition_of(): one segment per destination rank, in rank
 // order. Returns the buffer and the byte size of each rank's segment (the alltoall splits).
-std::tuple<at::Tensor, std::vector<int64_t>> zen_encode(const at::Tensor& t, int64_t bs, int64_t nparts,
-                                                        uint64_t meta, c10::optional<at::Tensor> mask) {
+std::tuple<at::Tensor, std::vector<int64_t>> zen_encode(const at::Tensor& t, int64_t bs,
+                                                        int64_t nparts, uint64_t meta,
+                                                        c10::optional<at::Tensor> mask) {
   TORCH_CHECK(nparts >= 1, "zen_encode: nparts must be >= 1");
   Flat f = flat_of(t, bs);
   auto idx = nonzero_list(mask ? *mask : mask_of(f), f.nblocks);
@@ -419,16 +418,17 @@ std::tuple<at::Tensor, std::vector<int64_t>> zen_encode(const at::Tensor& t, int
     fill[p]++;
   }
   par_for(0, static_cast<int64_t>(idx.size()), std::max<int64_t>(1, (1 << 18) / bytes),
-                   [&](int64_t k0, int64_t k1) {
-                     for (int64_t k = k0; k < k1; ++k) copy_blocks(f, &idx[k], 1, slot[k]);
-                   });
+          [&](int64_t k0, int64_t k1) {
+            for (int64_t k = k0; k < k1; ++k) copy_blocks(f, &idx[k], 1, slot[k]);
+          });
   return {buf, splits};
 }
 
 // Sums the segments every rank sent for partition `part` and returns the result as one segment
 // (index list or partition bitmap, whichever is smaller) for the final allgather.
-at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t dtype, int64_t numel,
-                      int64_t nsegs, int64_t part, int64_t nparts, int64_t nnz_local) {
+at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t dtype,
+                      int64_t numel, int64_t nsegs, int64_t part, int64_t nparts,
+                      int64_t nnz_local) {
   Expect ex{static_cast<uint8_t>(dtype), bs, numel, meta};
   at::Tensor out;
   {
@@ -458,7 +458,10 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
       int64_t j = 0, k = 0;
       for (int64_t b = 0; b < nblocks && j < U; ++b) {
         if (partition_of(b, nparts) != part) continue;
-        if (uni[j] == b) { body[k >> 3] |= uint8_t(1u << (k & 7)); ++j; }
+        if (uni[j] == b) {
+          body[k >> 3] |= uint8_t(1u << (k & 7));
+          ++j;
+        }
         ++k;
       }
     }
@@ -474,7 +477,8 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
           for (const Seg& g : segs) {
             const uint32_t* end = g.idx + g.h->count;
             const uint32_t* q = std::lower_bound(g.idx, end, uni[u]);
-            if (q != end && *q == uni[u]) add_block<A, V>(acc.data(), g.vals + (q - g.idx) * bs * width, bs);
+            if (q != end && *q == uni[u])
+              add_block<A, V>(acc.data(), g.vals + (q - g.idx) * bs * width, bs);
           }
           V* dst = reinterpret_cast<V*>(vals) + u * bs;
           for (int64_t i = 0; i < bs; ++i) dst[i] = static_cast<V>(acc[i]);
@@ -494,22 +498,25 @@ int64_t count_partition(int64_t nblocks, int64_t part, int64_t nparts) {
 
 void register_codec(py::module_& m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
-  m.def("block_mask", &block_mask, "uint8 mask of non-zero blocks", py::arg("t"), py::arg("block_size"),
-        py::arg("clear_signed_zeros") = false, nogil());
+  m.def("block_mask", &block_mask, "uint8 mask of non-zero blocks", py::arg("t"),
+        py::arg("block_size"), py::arg("clear_signed_zeros") = false, nogil());
   m.def("pack", &pack, py::arg("t"), py::arg("block_size"), py::arg("mask") = py::none(), nogil());
-  m.def("unpack", &unpack, py::arg("out"), py::arg("idx"), py::arg("vals"), py::arg("block_size"), nogil());
-  m.def("encode", &encode, py::arg("t"), py::arg("block_size"), py::arg("meta"), py::arg("mask") = py::none(),
+  m.def("unpack", &unpack, py::arg("out"), py::arg("idx"), py::arg("vals"), py::arg("block_size"),
         nogil());
-  m.def("decode_sum", &decode_sum, py::arg("buf"), py::arg("out"), py::arg("block_size"), py::arg("meta"),
-        py::arg("dtype"), py::arg("numel"), py::arg("nsegs"), py::arg("part_is_rank") = false,
-        py::arg("scale") = 1.0);
-  m.def("zen_encode", &zen_encode, py::arg("t"), py::arg("block_size"), py::arg("nparts"), py::arg("meta"),
+  m.def("encode", &encode, py::arg("t"), py::arg("block_size"), py::arg("meta"),
         py::arg("mask") = py::none(), nogil());
-  m.def("zen_reduce", &zen_reduce, py::arg("buf"), py::arg("block_size"), py::arg("meta"), py::arg("dtype"),
-        py::arg("numel"), py::arg("nsegs"), py::arg("part"), py::arg("nparts"), py::arg("nnz_local"));
+  m.def("decode_sum", &decode_sum, py::arg("buf"), py::arg("out"), py::arg("block_size"),
+        py::arg("meta"), py::arg("dtype"), py::arg("numel"), py::arg("nsegs"),
+        py::arg("part_is_rank") = false, py::arg("scale") = 1.0);
+  m.def("zen_encode", &zen_encode, py::arg("t"), py::arg("block_size"), py::arg("nparts"),
+        py::arg("meta"), py::arg("mask") = py::none(), nogil());
+  m.def("zen_reduce", &zen_reduce, py::arg("buf"), py::arg("block_size"), py::arg("meta"),
+        py::arg("dtype"), py::arg("numel"), py::arg("nsegs"), py::arg("part"), py::arg("nparts"),
+        py::arg("nnz_local"));
   m.def("partition_of", [](int64_t b, int64_t n) { return partition_of(b, n); });
   m.def("count_partition", &count_partition);
-  m.def("set_threads", [](int n) { g_threads = n; }, "codec threads (0: torch's setting)");
+  m.def(
+      "set_threads", [](int n) { g_threads = n; }, "codec threads (0: torch's setting)");
   m.attr("SEGMENT_HEADER_BYTES") = sizeof(SegHeader);
 }
 

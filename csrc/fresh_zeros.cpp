@@ -78,8 +78,8 @@ void give_back(void* p, size_t len) {
 void* map_fresh(size_t len) {
   // Map one huge page more and trim both ends: the kernel backs only 2 MiB-aligned ranges with
   // huge pages.
-  void* raw = mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
+  void* raw =
+      mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   TORCH_CHECK(raw != MAP_FAILED, "fresh_zeros: mmap of ", len, " bytes: ", std::strerror(errno));
   const uintptr_t base = reinterpret_cast<uintptr_t>(raw);
   const uintptr_t start = (base + kHugePage - 1) & ~(kHugePage - 1);
@@ -98,12 +98,10 @@ at::Tensor fresh_zeros(int64_t numel, at::ScalarType dtype) {
   if (bytes < kMinBytes) return at::zeros({numel}, at::TensorOptions().dtype(dtype));
   const size_t len = (bytes + kHugePage - 1) / kHugePage * kHugePage;
   void* p = take_cached(len);
-  if (p != nullptr)
-    std::memset(p, 0, bytes);
-  else
-    p = map_fresh(len);
-  return at::from_blob(p, {numel}, [len](void* q) { give_back(q, len); },
-                       at::TensorOptions().dtype(dtype));
+  if (p != nullptr) std::memset(p, 0, bytes);
+  else p = map_fresh(len);
+  return at::from_blob(
+      p, {numel}, [len](void* q) { give_back(q, len); }, at::TensorOptions().dtype(dtype));
 }
 
 void register_fresh_zeros(pybind11::module_& m) {

@@ -54,7 +54,8 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Te
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "sum_rows: rows must be a contiguous int64 vector");
   TORCH_CHECK(values.dim() >= 1 && values.size(0) == rows.size(0) && values.is_contiguous() &&
-              values.device().is_cpu(), "sum_rows: values must be contiguous, one row per index");
+                  values.device().is_cpu(),
+              "sum_rows: values must be contiguous, one row per index");
   const int64_t n = rows.size(0), width = n ? values.numel() / n : 0;
   Groups g = group_rows(rows.data_ptr<int64_t>(), n, nrows);
   const int64_t u = int64_t(g.row.size());
@@ -70,17 +71,17 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Te
     const A s = A(scale);
     for_chunks(u, chunk_count(u * std::max<int64_t>(1, width), 1 << 16),
                [&](int64_t, int64_t lo, int64_t hi) {
-      std::vector<A> acc(static_cast<size_t>(width), A(0));
-      for (int64_t k = lo; k < hi; ++k) {
-        std::fill(acc.begin(), acc.end(), A(0));
-        for (int64_t j = g.first[k]; j < g.first[k + 1]; ++j) {
-          const scalar_t* src = v + g.order[j] * width;
-          for (int64_t c = 0; c < width; ++c) acc[c] += A(src[c]);
-        }
-        scalar_t* dst = o + k * width;
-        for (int64_t c = 0; c < width; ++c) dst[c] = scalar_t(acc[c] * s);
-      }
-    });
+                 std::vector<A> acc(static_cast<size_t>(width), A(0));
+                 for (int64_t k = lo; k < hi; ++k) {
+                   std::fill(acc.begin(), acc.end(), A(0));
+                   for (int64_t j = g.first[k]; j < g.first[k + 1]; ++j) {
+                     const scalar_t* src = v + g.order[j] * width;
+                     for (int64_t c = 0; c < width; ++c) acc[c] += A(src[c]);
+                   }
+                   scalar_t* dst = o + k * width;
+                   for (int64_t c = 0; c < width; ++c) dst[c] = scalar_t(acc[c] * s);
+                 }
+               });
   });
   return {out_rows, out};
 }
@@ -88,7 +89,8 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Te
 }  // namespace hvd_sparse
 
 void register_rows(pybind11::module_& m) {
-  m.def("sum_rows", &hvd_sparse::sum_rows, "distinct rows of a COO gradient and their summed values",
-        pybind11::arg("rows"), pybind11::arg("values"), pybind11::arg("nrows"),
-        pybind11::arg("scale") = 1.0, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("sum_rows", &hvd_sparse::sum_rows,
+        "distinct rows of a COO gradient and their summed values", pybind11::arg("rows"),
+        pybind11::arg("values"), pybind11::arg("nrows"), pybind11::arg("scale") = 1.0,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -15,8 +15,8 @@ enum SegKind : uint8_t { kIndexList = 0, kPartitionBitmap = 1 };
 struct SegHeader {
   uint32_t magic;
   uint8_t version;
-  uint8_t dtype;       // DType code of the values
-  uint8_t kind;        // SegKind
+  uint8_t dtype;  // DType code of the values
+  uint8_t kind;   // SegKind
   uint8_t reserved;
   uint32_t block_size;
   uint32_t count;      // blocks carried

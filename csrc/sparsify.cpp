@@ -20,7 +20,8 @@ namespace {
 constexpr int64_t kGrain = 1 << 16;  // elements per chunk below which threads do not pay
 
 void check_float(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, ": tensor must be contiguous on the CPU");
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what,
+              ": tensor must be contiguous on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, what,
               ": tensor must be float32 or float64, got ", t.scalar_type());
 }
@@ -28,10 +29,8 @@ void check_float(const at::Tensor& t, const char* what) {
 template <typename F>
 void dispatch(const at::Tensor& t, const char* what, F&& f) {
   check_float(t, what);
-  if (t.scalar_type() == at::kFloat)
-    f(t.data_ptr<float>());
-  else
-    f(t.data_ptr<double>());
+  if (t.scalar_type() == at::kFloat) f(t.data_ptr<float>());
+  else f(t.data_ptr<double>());
 }
 
 // splitmix64: a cheap, seedable generator, so samples are reproducible across runs and ranks.
@@ -250,7 +249,8 @@ std::tuple<at::Tensor, int64_t, int64_t> partition_counts(const at::Tensor& x, i
   const int64_t n = x.numel(), np = bounds.numel() - 1, nblocks = (n + bs - 1) / bs;
   const int64_t* bd = bounds.data_ptr<int64_t>();
   TORCH_CHECK(bd[0] == 0 && bd[np] == nblocks, "partition_counts: bounds must span all blocks");
-  for (int64_t q = 0; q < np; ++q) TORCH_CHECK(bd[q] <= bd[q + 1], "partition_counts: bounds must ascend");
+  for (int64_t q = 0; q < np; ++q)
+    TORCH_CHECK(bd[q] <= bd[q + 1], "partition_counts: bounds must ascend");
   auto counts = at::zeros({np}, at::kLong);
   int64_t* cnt = counts.data_ptr<int64_t>();
   int64_t nnz = 0, bad = 0;
@@ -340,7 +340,8 @@ int64_t momentum_accumulate_(at::Tensor& u, at::Tensor& v, const at::Tensor& g, 
 void extract_(at::Tensor& src, at::Tensor& dst, const at::Tensor& idx, int64_t bs, bool clear) {
   TORCH_CHECK(src.numel() == dst.numel() && src.scalar_type() == dst.scalar_type(),
               "extract_: src and dst must match in size and dtype");
-  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && bs > 0, "extract_: int64 idx");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && bs > 0,
+              "extract_: int64 idx");
   check_float(dst, "extract_");
   const int64_t n = src.numel(), k = idx.numel(), units = (n + bs - 1) / bs;
   const int64_t* ix = idx.data_ptr<int64_t>();
@@ -372,7 +373,8 @@ void extract_(at::Tensor& src, at::Tensor& dst, const at::Tensor& idx, int64_t b
 
 // Zeroes the selected units of t (DGC's momentum factor masking).
 void zero_units_(at::Tensor& t, const at::Tensor& idx, int64_t bs) {
-  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && bs > 0, "zero_units_: int64 idx");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && bs > 0,
+              "zero_units_: int64 idx");
   const int64_t n = t.numel(), k = idx.numel(), units = (n + bs - 1) / bs;
   const int64_t* ix = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < k; ++i)

@@ -17,8 +17,8 @@ inline uint8_t dtype_code(at::ScalarType s) {
     case at::kDouble: return kF64;
     case at::kHalf: return kF16;
     case at::kBFloat16: return kBF16;
-    default: throw std::invalid_argument(std::string("hvd_sparse: unsupported dtype ") +
-                                         c10::toString(s));
+    default:
+      throw std::invalid_argument(std::string("hvd_sparse: unsupported dtype ") + c10::toString(s));
   }
 }
 

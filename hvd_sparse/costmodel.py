@@ -30,6 +30,8 @@ log = logging.getLogger("hvd_sparse")
 
 # A software aggregator's layout by default: (payload bytes per packet, slots per aggregator)
 OMNI_LAYOUT = (Config.payload_bytes, Config.slots)
+# ... and a switch's: what one slot holds (int32), as many slots
+SWITCH_LAYOUT = (protocol.SWITCH_CELLS_PER_SLOT * protocol.SWITCH_VALUES_PER_PASS * 4, Config.slots)
 SEGMENT = SEGMENT_HEADER_BYTES + 8  # a segment's header, and its index list's alignment
 MARGIN = 0.8  # a sparse scheme must be predicted this much faster than dense
 # ... and receive at most this share of dense's bytes. The probe's small collectives miss the
@@ -58,7 +60,7 @@ class NetModel:
     # per byte on the busiest worker link (no aggregator link carries n copies), and its
     # layout. Values are FIXED32 on the wire. None: no switch.
     switch: tuple[float, float, float] | None = None
-    switch_layout: tuple[int, int] = (8192, 64)
+    switch_layout: tuple[int, int] = SWITCH_LAYOUT
 
     @staticmethod
     def default(layout: tuple[int, int] | None = None,
@@ -68,7 +70,7 @@ class NetModel:
                         omnireduce=(5e-4, 2e-5, 1e-9) if layout else None,
                         omni_layout=layout or OMNI_LAYOUT,
                         switch=(5e-4, 2e-5, 1e-9) if switch_layout else None,
-                        switch_layout=switch_layout or (8192, 64))
+                        switch_layout=switch_layout or SWITCH_LAYOUT)
 
     @staticmethod
     def for_link(rate_bps: float, n: int, base: NetModel, aggregators: int | None = None,
@@ -110,7 +112,7 @@ def _fit(small: tuple[float, float], big: tuple[float, float]) -> tuple[float, f
 
 def probe(omni: Callable[[int], float] | None = None,
           layout: tuple[int, int] = OMNI_LAYOUT, switch: Callable[[int], float] | None = None,
-          switch_layout: tuple[int, int] = (8192, 64)) -> NetModel:
+          switch_layout: tuple[int, int] = SWITCH_LAYOUT) -> NetModel:
     """Times the real collectives at two sizes (collective: every rank must call it);
     ``omni(numel, density)`` times one aggregation of a float32 tensor with that fraction of
     blocks non-zero (the same on every rank), when there are aggregators laid out as ``layout``;
@@ -238,7 +240,8 @@ def _cache_path(cache_dir: str, aggregators: str) -> Path:
 def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None = None,
                   layout: tuple[int, int] = OMNI_LAYOUT, aggregators: str = "",
                   switch: Callable[[int], float] | None = None,
-                  switch_layout: tuple[int, int] = (8192, 64), switch_name: str = "") -> NetModel:
+                  switch_layout: tuple[int, int] = SWITCH_LAYOUT,
+                  switch_name: str = "") -> NetModel:
     """The job's network model, identical on every rank (rank 0's cache or a fresh probe).
     ``aggregators`` and ``switch_name`` describe what the cached ``omni`` and ``switch``
     timings belong to."""

@@ -22,8 +22,6 @@ from collections import defaultdict
 import horovod.torch as hvd
 import torch
 
-from switch_emu.control import CELLS_PER_SLOT, VALUES_PER_PASS
-
 from . import protocol
 from ._C import OmniWorker
 from .aggregator import LocalAggregators
@@ -32,9 +30,6 @@ from .errors import HvdSparseError
 from .fixedpoint import exponent
 
 log = logging.getLogger("hvd_sparse")
-
-# What one switch slot holds: CELLS_PER_SLOT passes of VALUES_PER_PASS int32 (8 KiB)
-SWITCH_SLOT_BYTES = CELLS_PER_SLOT * VALUES_PER_PASS * 4
 
 
 class Session:
@@ -46,27 +41,29 @@ class Session:
         self.cfg, self.addrs, self.local, self.switch = cfg, addrs, local, switch
         # Block values per packet: the configured fusion, cut so that a whole packet (header,
         # bitmap, up to MAX_LANES lane entries) fits one frame of the path: an IP fragment
-        # lost on a busy link loses the whole datagram; and, to a switch, what one slot holds.
+        # lost on a busy link loses the whole datagram. (A switch's REGACK cuts it further, to
+        # what one of its slots holds: the worker engine does that at register.)
         max_datagram = max_datagram or protocol.MAX_DATAGRAM
-        self.payload = max(1, min(cfg.payload_bytes, max_datagram - protocol.HEADER_BYTES
-                                  - protocol.BITMAP_BYTES
-                                  - protocol.MAX_LANES * protocol.LANE_BYTES))
-        if switch:
-            self.payload = min(self.payload, SWITCH_SLOT_BYTES)
+        payload = max(1, min(cfg.payload_bytes, max_datagram - protocol.HEADER_BYTES
+                             - protocol.BITMAP_BYTES - protocol.MAX_LANES * protocol.LANE_BYTES))
         # A switch sums one tensor at a time (see Turns)
         self.turns = Turns() if switch else None
         # The engine's own no-progress timeout fires a little before the caller's, so the error
         # names the aggregator rather than only the tensor.
-        self.worker = OmniWorker(addrs, token, hvd.rank(), hvd.size(),
-                                    payload_bytes=self.payload,
-                                    slots_per_aggregator=cfg.slots, rto=cfg.rto,
-                                    timeout=cfg.timeout * 0.9, seed=hvd.rank())
+        self.worker = OmniWorker(addrs, token, hvd.rank(), hvd.size(), payload_bytes=payload,
+                                 slots_per_aggregator=cfg.slots, rto=cfg.rto,
+                                 timeout=cfg.timeout * 0.9, seed=hvd.rank())
         self._calls: dict[str, int] = defaultdict(int)
 
     def tensor_id(self, name: str) -> int:
         self._calls[name] += 1
         digest = hashlib.blake2b(f"{name}#{self._calls[name]}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") | 1  # never 0: ids name tensors, 0 names none
+
+    @property
+    def payload(self) -> int:
+        """Bytes of block values per packet, as the worker engine sends them."""
+        return self.worker.payload_bytes()
 
     def layout(self) -> tuple[int, int]:
         """(payload bytes per packet, slots over all aggregators): what sets a tensor's rounds."""

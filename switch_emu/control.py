@@ -21,11 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from hvd_sparse import protocol
+
 from . import binary, program
 
 CONTROL = "/run/hvd-sparse/switch.sock"
-CELLS_PER_SLOT = 32  # a slot's largest packet, in passes: 8 KiB of int32, an MTU 9000 frame
-VALUES_PER_PASS = 64  # int32 values one pass sums (256 B, what a Tofino stage touches)
+# The switch geometry, defined once in csrc/omni/protocol.h (hvd_sparse.protocol)
+CELLS_PER_SLOT = protocol.SWITCH_CELLS_PER_SLOT  # a slot's largest packet, in passes: 8 KiB
+VALUES_PER_PASS = protocol.SWITCH_VALUES_PER_PASS  # int32 values one pass sums (256 B)
 
 
 class ControlError(RuntimeError):
@@ -70,7 +73,8 @@ class Client:
 
 
 def command(eal: str, names: list[str], *, aggregate: str | None = None,
-            control: str | Path | None = None, slots: int = 8192, auto_groups: int = 0,
+            control: str | Path | None = None, slots: int = protocol.SWITCH_CELLS,
+            auto_groups: int = 0,
             hold: float = 2.0, ready_file: str | Path | None = None,
             limits: program.Limits | None = None) -> list[str]:
     """The switch's command line. With ``aggregate`` the aggregation program is loaded first:
@@ -111,7 +115,8 @@ def main(argv: list[str]) -> int:
     st = sp.add_parser("start", help="run the switch in the foreground on these interfaces")
     st.add_argument("--port", action="append", required=True, help="an interface (repeat)")
     st.add_argument("--aggregate", help="IP:PORT the switch owns and aggregates at")
-    st.add_argument("--slots", type=int, default=8192, help="aggregation cells (pool size)")
+    st.add_argument("--slots", type=int, default=protocol.SWITCH_CELLS,
+                    help="aggregation cells (pool size)")
     st.add_argument("--auto-groups", type=int, default=16,
                     help="slot groups for a job that registers without being installed "
                          "(0: jobs must be installed)")

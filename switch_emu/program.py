@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hvd_sparse import protocol
+
 # Register operations a stateful ALU can do: integer only (no floating point in a switch).
 INTEGER_OPS = frozenset({"read", "write", "add", "sub", "min", "max", "or", "and",
                          "add_saturate", "cond_write"})
@@ -32,7 +34,8 @@ class Limits:
     register_bits: int = 64          # one register entry, touched once per pass (2 x 32 bits)
     entries_per_register: int = 16_384  # entries of one ALU's register array (SwitchML's pool)
     payload_per_pass: int = 256      # bytes of payload one pass may touch (64 int32)
-    max_workers: int = 32            # a job's workers: the seen-bitmap is one 32-bit register
+    # a job's workers: the seen-bitmap is one 32-bit register
+    max_workers: int = protocol.SWITCH_MAX_WORKERS
     recirculation_ports: int = 1     # per pipe: how many extra passes the pipe can absorb
     ports: int = 32                  # front-panel ports per pipe
 
@@ -163,7 +166,8 @@ def load(program: Program, limits: Limits | None = None) -> Resources:
                      values_per_pass=program.values_per_pass, per_stage=per_stage)
 
 
-def aggregation_program(slots: int = 8192, values_per_pass: int = 64) -> Program:
+def aggregation_program(slots: int = protocol.SWITCH_CELLS,
+                        values_per_pass: int = protocol.SWITCH_VALUES_PER_PASS) -> Program:
     """hvd-sparse's in-network aggregation, one pass per ``values_per_pass`` int32 values.
 
     Every register array is indexed by ``pool index = slot * 2 + (round & 1)``: two entries
@@ -185,7 +189,8 @@ def aggregation_program(slots: int = 8192, values_per_pass: int = 64) -> Program
         Stage(actions=tuple(Action(f"values{i}", "add_saturate", "two int32 sums")
                             for i in range(j, min(j + 4, pairs))))
         for j in range(0, pairs, 4))
-    registers = (Register("round", 32, entries), Register("seen", 32, entries),
+    registers = (Register("round", 32, entries),
+                 Register("seen", protocol.SWITCH_MAX_WORKERS, entries),  # a bit per worker
                  Register("count", 32, entries), Register("next_min", 32, entries),
                  Register("overflow", 32, entries), *value_regs)
     stages = (

@@ -195,6 +195,15 @@ def test_junk_while_a_job_runs_changes_nothing():
     assert c["mismatch"] == 0 and c["tensors"] == 1, c
 
 
+def test_regack_carries_no_slot_geometry():
+    """A software aggregator's REGACK: no slot groups, no per-slot cap (nslots, block_size and
+    lanes 0; docs/PROTOCOL.md "Jobs")."""
+    reply = _C.AggregatorCore().handle(wire.header(type=T["REGISTER"], token=5, worker=0,
+                                                   nworkers=1), ("10.0.0.1", 5000), 0.0)
+    p = wire.parse(reply[0][1])
+    assert (p["type"], p["nslots"], p["block_size"], p["lanes"]) == (T["REGACK"], 0, 0, 0)
+
+
 def test_mismatched_workers_get_an_error():
     ws, _ = job(2, numel=64 * 10, bs=64, lanes=2, nslots=3, dtype=0, density=1.0, seed=2)
     other = SimWorker(1, 2, 0x77, np.ones(64 * 11, np.float32), 64, 2, 3, 0)  # one more block

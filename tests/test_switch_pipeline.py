@@ -4,8 +4,13 @@ would send. Workers are test_aggregator_core's protocol simulation (independent 
 worker engine), sending FIXED32 values; sums are compared with numpy's int64 sums."""
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import numpy as np
 import pytest
+import torch
 from test_aggregator import KINDS, junk_packets
 from test_aggregator import Job as FuzzJob
 from test_aggregator_core import SimWorker, simulate
@@ -185,3 +190,76 @@ def test_junk_never_changes_a_sum():
     c = sw.counters()
     assert c["unknown_job"] == sum(1 for e, _ in built if e == "unknown"), c
     assert c["malformed"] >= sum(1 for e, _ in built if e == "malformed"), c
+
+
+def test_regack_carries_the_slot_geometry():
+    """A switch's REGACK: the job's groups in nslots, its values per pass in block_size and its
+    cells per slot in lanes (docs/PROTOCOL.md "Jobs"), as configured, else protocol.h's."""
+    for kw, want in (({}, (protocol.SWITCH_VALUES_PER_PASS, protocol.SWITCH_CELLS_PER_SLOT)),
+                     ({"values_per_pass": 32, "cells_per_slot": 8}, (32, 8))):
+        ws = [SimWorker(r, 2, 0x77, np.zeros(4, np.int32), 4, 1, 1, FIX) for r in range(2)]
+        got = register(_C.SwitchPipeline(auto_groups=16, **kw), ws)
+        assert [(p["type"], p["nslots"], p["block_size"], p["lanes"]) for p in got] == \
+            [(T["REGACK"], 16, *want)] * 2
+    with pytest.raises(ValueError, match="16 bits"):
+        _C.SwitchPipeline(cells=1 << 17, cells_per_slot=1 << 16)
+
+
+class Relay:
+    """A socket-free core behind a real UDP socket, on a thread: what the C++ worker engine
+    registers and streams with."""
+
+    def __init__(self, core) -> None:
+        self.core, self.stop = core, False
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.05)
+        self.addr = self.sock.getsockname()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop:
+            try:
+                data, sender = self.sock.recvfrom(65536)
+            except TimeoutError:
+                continue
+            for to, b in self.core.handle(data, sender, time.monotonic()):
+                self.sock.sendto(b, to)
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+@pytest.mark.parametrize("core,geometry", [
+    (lambda: _C.AggregatorCore(), (0, 0)),
+    (lambda: _C.SwitchPipeline(auto_groups=4),
+     (protocol.SWITCH_VALUES_PER_PASS, protocol.SWITCH_CELLS_PER_SLOT)),
+    (lambda: _C.SwitchPipeline(auto_groups=4, values_per_pass=32, cells_per_slot=8), (32, 8)),
+], ids=["software", "switch", "small switch"])
+def test_the_regack_geometry_reaches_the_worker(core, geometry):
+    """The C++ worker engine reads the geometry from its REGACK and caps its payload at what a
+    slot holds (values per pass x cells per slot x 4 bytes; uncapped from software): the
+    small switch (1 KiB slots) then sums a fixed-point tensor it would refuse at the configured
+    payload (64 lanes of 32 values: 64 passes, 8 cells)."""
+    relay = Relay(core())
+    payload = 64512
+    w = _C.OmniWorker([relay.addr], 0x6E0, 0, 1, payload_bytes=payload, timeout=10.0)
+    try:
+        assert w.slot_geometry() == (0, 0) and w.payload_bytes() == payload  # not registered
+        w.register(10.0)
+        values_per_pass, cells_per_slot = geometry
+        assert w.slot_geometry() == geometry
+        assert w.payload_bytes() == min(payload, 4 * values_per_pass * cells_per_slot or payload)
+        if geometry == (32, 8):
+            x = (torch.arange(32 * 8 * 3, dtype=torch.float32) % 7) - 3
+            out = torch.zeros_like(x)
+            ticket = w.submit(1, x, out, 32, 0, None, "x", 1.0, 0)
+            assert w.wait(ticket, 10.0)
+            stats = w.finish(ticket)
+            assert torch.equal(out, x) and stats["lanes"] == 8, stats
+    finally:
+        w.close()
+        relay.close()

@@ -28,9 +28,13 @@ void dispatch(const at::Tensor& t, F&& f) {
 }
 
 template <typename T>
-T* ptr(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+T* ptr(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
 
-void ok(cudaError_t e) { TORCH_CHECK(e == cudaSuccess, "hvd_sparse._cuda: ", cudaGetErrorString(e)); }
+void ok(cudaError_t e) {
+  TORCH_CHECK(e == cudaSuccess, "hvd_sparse._cuda: ", cudaGetErrorString(e));
+}
 
 at::Tensor scratch(int64_t n, const at::Tensor& like) {
   return at::empty({static_cast<int64_t>(hc::scan_temp_bytes(n))}, like.options().dtype(at::kByte));
@@ -50,7 +54,8 @@ std::tuple<at::Tensor, at::Tensor> mask_scan(const at::Tensor& x, int64_t bs) {
     using T = decltype(tag);
     ok(hc::block_bitmap(ptr<T>(x), n, bs, ptr<int32_t>(flags), s));
   });
-  ok(hc::scan_flags(ptr<int32_t>(flags), nb, ptr<int64_t>(offsets), temp.data_ptr(), temp.numel(), s));
+  ok(hc::scan_flags(ptr<int32_t>(flags), nb, ptr<int64_t>(offsets), temp.data_ptr(), temp.numel(),
+                    s));
   return {flags, offsets};
 }
 

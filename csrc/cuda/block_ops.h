@@ -1,5 +1,5 @@
 // Per-block logic of the CUDA packing kernels, written once for device and host. nvcc compiles
-// it into the kernels (csrc/cuda/*.cu); the host build (csrc/cuda_host.cpp) compiles the same
+// it into the kernels (csrc/cuda/*.cu); the host build (csrc/cuda/host.cpp) compiles the same
 // functions so the tests can check them against the CPU codec without a GPU.
 #pragma once
 #include <stdint.h>
@@ -18,12 +18,18 @@ __host__ __device__ inline int64_t block_len(int64_t numel, int64_t bs, int64_t 
 // Bit pattern of an element without its sign: zero iff the element is +0 or -0, so NaN, Inf and
 // denormals count as non-zero, exactly like the CPU codec (csrc/blocks.h).
 __host__ __device__ inline uint32_t magnitude_bits(float v) {
-  union { float f; uint32_t u; } c;
+  union {
+    float f;
+    uint32_t u;
+  } c;
   c.f = v;
   return c.u & 0x7fffffffu;
 }
 __host__ __device__ inline uint64_t magnitude_bits(double v) {
-  union { double f; uint64_t u; } c;
+  union {
+    double f;
+    uint64_t u;
+  } c;
   c.f = v;
   return c.u & 0x7fffffffffffffffull;
 }
@@ -31,13 +37,19 @@ __host__ __device__ inline uint64_t magnitude_bits(double v) {
 // float16 and bfloat16 as their bits: the kernels test and copy them, and only the unpack's add
 // widens them to float (correctly rounded: float carries more than twice their precision, so
 // rounding twice is rounding once), as c10::Half's += does in the CPU codec.
-struct F16 { uint16_t bits; };
-struct BF16 { uint16_t bits; };
+struct F16 {
+  uint16_t bits;
+};
+struct BF16 {
+  uint16_t bits;
+};
 __host__ __device__ inline uint32_t magnitude_bits(F16 v) { return v.bits & 0x7fffu; }
 __host__ __device__ inline uint32_t magnitude_bits(BF16 v) { return v.bits & 0x7fffu; }
 
 template <typename T>
-__host__ __device__ inline T add(T a, T b) { return a + b; }
+__host__ __device__ inline T add(T a, T b) {
+  return a + b;
+}
 template <>
 __host__ __device__ inline F16 add(F16 a, F16 b) {
   return {omni::float_to_f16(omni::f16_to_float(a.bits) + omni::f16_to_float(b.bits))};

@@ -39,8 +39,8 @@ cudaError_t unpack_add(T* out, int64_t numel, int64_t bs, const int32_t* idx, co
 // Ascending indices i with |x[i]| >= thr: flags, exclusive prefix sum into offsets (n + 1
 // entries, the last is the count), scatter of i to out[offsets[i]] (out holds n entries).
 template <typename T>
-cudaError_t select_ge(const T* x, int64_t n, T thr, int32_t* flags, int64_t* offsets,
-                      int64_t* out, void* temp, size_t temp_bytes, cudaStream_t s);
+cudaError_t select_ge(const T* x, int64_t n, T thr, int32_t* flags, int64_t* offsets, int64_t* out,
+                      void* temp, size_t temp_bytes, cudaStream_t s);
 
 }  // namespace cuda
 }  // namespace hvd_sparse

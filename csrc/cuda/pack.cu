@@ -1,7 +1,7 @@
 // Block bitmap and compaction of non-zero blocks: one warp per block for the bitmap, a prefix
 // sum for the output slots, one thread per packed element for the copy (float16 and bfloat16
 // as their bits: nothing here computes with them). The per-block logic is
-// block_ops.h, which the host build (csrc/cuda_host.cpp) tests against the CPU codec.
+// block_ops.h, which the host build (host.cpp) tests against the CPU codec.
 #include "block_ops.h"
 #include "launch.h"
 #include "scan.cuh"
@@ -19,7 +19,8 @@ inline unsigned grid_for(int64_t items, int per_block) {
 
 // Each warp ORs a block's magnitude bits: lanes stride over the block, then a warp vote.
 template <typename T>
-__global__ void bitmap_kernel(const T* x, int64_t numel, int64_t bs, int64_t nblocks, int32_t* flags) {
+__global__ void bitmap_kernel(const T* x, int64_t numel, int64_t bs, int64_t nblocks,
+                              int32_t* flags) {
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int lane = threadIdx.x % 32;
   for (int64_t b = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; b < nblocks; b += warps) {
@@ -36,7 +37,8 @@ template <typename T>
 __global__ void pack_kernel(const T* x, int64_t numel, int64_t bs, int64_t nblocks,
                             const int32_t* flags, const int64_t* offsets, int32_t* idx, T* vals) {
   const int64_t total = nblocks * bs, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total; t += stride) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
+       t += stride) {
     const int64_t b = t / bs, j = t % bs;
     if (!flags[b]) continue;
     if (j == 0) idx[offsets[b]] = static_cast<int32_t>(b);
@@ -76,8 +78,8 @@ cudaError_t pack_blocks(const T* x, int64_t numel, int64_t bs, const int32_t* fl
   return cudaGetLastError();
 }
 
-#define INSTANTIATE(T)                                                                          \
-  template cudaError_t block_bitmap<T>(const T*, int64_t, int64_t, int32_t*, cudaStream_t);     \
+#define INSTANTIATE(T)                                                                            \
+  template cudaError_t block_bitmap<T>(const T*, int64_t, int64_t, int32_t*, cudaStream_t);       \
   template cudaError_t pack_blocks<T>(const T*, int64_t, int64_t, const int32_t*, const int64_t*, \
                                       int32_t*, T*, cudaStream_t);
 INSTANTIATE(float)

@@ -12,7 +12,8 @@ template <typename T>
 __global__ void unpack_kernel(T* out, int64_t numel, int64_t bs, const int32_t* idx, const T* vals,
                               int64_t count) {
   const int64_t total = count * bs, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total; t += stride) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
+       t += stride) {
     const int64_t k = t / bs;
     unpack_add_element(out, numel, bs, idx[k], k, t % bs, vals);
   }
@@ -30,8 +31,8 @@ cudaError_t unpack_add(T* out, int64_t numel, int64_t bs, const int32_t* idx, co
   return cudaGetLastError();
 }
 
-#define INSTANTIATE(T)                                                                         \
-  template cudaError_t unpack_add<T>(T*, int64_t, int64_t, const int32_t*, const T*, int64_t,   \
+#define INSTANTIATE(T)                                                                        \
+  template cudaError_t unpack_add<T>(T*, int64_t, int64_t, const int32_t*, const T*, int64_t, \
                                      cudaStream_t);
 INSTANTIATE(float)
 INSTANTIATE(double)

@@ -10,10 +10,20 @@
 
 namespace hvd_sparse::omni {
 
-__host__ __device__ inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-__host__ __device__ inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+__host__ __device__ inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+__host__ __device__ inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 
-__host__ __device__ inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+__host__ __device__ inline float bf16_to_float(uint16_t h) {
+  return bits_to_float(uint32_t(h) << 16);
+}
 
 __host__ __device__ inline uint16_t float_to_bf16(float f) {
   uint32_t u = float_to_bits(f);
@@ -35,11 +45,11 @@ __host__ __device__ inline float f16_to_float(uint16_t h) {
 
 __host__ __device__ inline uint16_t float_to_f16(float f) {
   uint32_t u = float_to_bits(f), sign = (u >> 16) & 0x8000, a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00);     // NaN
-  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00);    // rounds to Inf
-  if (a < 0x38800000u) {                                   // subnormal or zero in f16
-    float m = bits_to_float(a) * 16777216.0f;              // value in units of 2^-24
-    uint32_t q = uint32_t(m);                              // exact: scaling by 2^24
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00);   // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00);  // rounds to Inf
+  if (a < 0x38800000u) {                                 // subnormal or zero in f16
+    float m = bits_to_float(a) * 16777216.0f;            // value in units of 2^-24
+    uint32_t q = uint32_t(m);                            // exact: scaling by 2^24
     float frac = m - float(q);
     if (frac > 0.5f || (frac == 0.5f && (q & 1))) ++q;
     return uint16_t(sign | q);

@@ -26,10 +26,10 @@ enum Type : uint8_t {
 };
 
 enum ErrorCode : uint32_t {
-  kErrMismatch = 1,   // workers disagree on the tensor (dtype, block count, shape, layout)
-  kErrJob = 2,        // REGISTER disagrees with the job (worker count) or too many jobs
-  kErrCapacity = 3,   // the aggregator is out of slot memory
-  kErrOverflow = 4,   // a FIXED32 sum left the int32 range: the tensor falls back, never wraps
+  kErrMismatch = 1,     // workers disagree on the tensor (dtype, block count, shape, layout)
+  kErrJob = 2,          // REGISTER disagrees with the job (worker count) or too many jobs
+  kErrCapacity = 3,     // the aggregator is out of slot memory
+  kErrOverflow = 4,     // a FIXED32 sum left the int32 range: the tensor falls back, never wraps
   kErrUnsupported = 5,  // a switch cannot aggregate this job or tensor (dtype, workers, size)
 };
 
@@ -47,31 +47,42 @@ enum Flags : uint8_t {
 };
 
 constexpr uint32_t kInf = 0xFFFFFFFFu;  // lane position "none": no further non-zero block
-constexpr int kMaxLanes = 64;            // lanes per packet (fusion), bounded by the bitmap
+constexpr int kMaxLanes = 64;           // lanes per packet (fusion), bounded by the bitmap
 constexpr int kMaxWorkers = 1024;
-constexpr int kMaxDatagram = 65507;      // UDP over IPv4
+constexpr int kMaxDatagram = 65507;  // UDP over IPv4
+// The UDP port aggregators and the switch listen on in the docs, the testbed and the images.
+constexpr uint16_t kAggregatorPort = 9999;
+
+// The switch (docs/PROTOCOL.md "In-network aggregation"): the geometry the emulator's data
+// plane runs with unless told otherwise (switch_emu/csrc/pipeline.h) and its program declares
+// (switch_emu/program.py). A switch's REGACK tells its workers the geometry it actually has
+// (RegAck, below), so a real switch may differ.
+constexpr uint32_t kSwitchValuesPerPass = 64;  // int32 values one pass sums (256 B)
+constexpr uint32_t kSwitchCellsPerSlot = 32;   // cells (passes) a slot holds: 8 KiB of values
+constexpr uint32_t kSwitchMaxWorkers = 32;     // workers per job: the seen-bitmap's 32 bits
+constexpr uint32_t kSwitchCells = 8192;        // the register pool's cells (SwitchML's slots)
 
 // The fixed header, 56 bytes: the one list of its fields (name, type, offset; offsets are part
 // of the spec, docs/PROTOCOL.md). The struct, load_header/store_header and the field table that
 // Python reads (hvd_sparse._protocol.FIELDS) are all generated from it.
-#define HVD_SPARSE_HEADER_FIELDS(X)                                                         \
-  X(magic, uint32_t, 0)                                                                     \
-  X(version, uint8_t, 4)                                                                    \
-  X(type, uint8_t, 5)                                                                       \
-  X(dtype, uint8_t, 6)       /* wire dtype: 0 float32, 1 float64, 2 float16, 3 bfloat16, 4 fixed32 */\
-  X(flags, uint8_t, 7)                                                                      \
-  X(token, uint64_t, 8)      /* job token (random, shared by the job's ranks) */            \
-  X(worker, uint16_t, 16)                                                                   \
-  X(nworkers, uint16_t, 18)                                                                 \
-  X(slot, uint32_t, 20)      /* slot of the tensor, 0 .. nslots-1 */                        \
-  X(tensor, uint64_t, 24)    /* tensor id (hash of the name and its call count) */          \
-  X(round, uint32_t, 32)     /* round of the slot (kError: the ErrorCode) */                \
-  X(lanes, uint16_t, 36)     /* lanes per slot (block fusion), 1 .. kMaxLanes */            \
-  X(block_size, uint16_t, 38) /* elements per block */                                      \
-  X(nblocks, uint32_t, 40)   /* blocks of the tensor */                                     \
-  X(nslots, uint32_t, 44)    /* slots of the tensor over all aggregators */                 \
-  X(meta, uint32_t, 48)      /* hash of the tensor's shape and dtype */                     \
-  X(present, uint32_t, 52)   /* DATA/RESULT: blocks carried (popcount of the bitmap) */
+#define HVD_SPARSE_HEADER_FIELDS(X)                                                             \
+  X(magic, uint32_t, 0)                                                                         \
+  X(version, uint8_t, 4)                                                                        \
+  X(type, uint8_t, 5)                                                                           \
+  X(dtype, uint8_t, 6) /* wire dtype: 0 float32, 1 float64, 2 float16, 3 bfloat16, 4 fixed32 */ \
+  X(flags, uint8_t, 7)                                                                          \
+  X(token, uint64_t, 8) /* job token (random, shared by the job's ranks) */                     \
+  X(worker, uint16_t, 16)                                                                       \
+  X(nworkers, uint16_t, 18)                                                                     \
+  X(slot, uint32_t, 20)       /* slot of the tensor, 0 .. nslots-1 */                           \
+  X(tensor, uint64_t, 24)     /* tensor id (hash of the name and its call count) */             \
+  X(round, uint32_t, 32)      /* round of the slot (kError: the ErrorCode) */                   \
+  X(lanes, uint16_t, 36)      /* lanes per slot (block fusion), 1 .. kMaxLanes */               \
+  X(block_size, uint16_t, 38) /* elements per block */                                          \
+  X(nblocks, uint32_t, 40)    /* blocks of the tensor */                                        \
+  X(nslots, uint32_t, 44)     /* slots of the tensor over all aggregators */                    \
+  X(meta, uint32_t, 48)       /* hash of the tensor's shape and dtype */                        \
+  X(present, uint32_t, 52)    /* DATA/RESULT: blocks carried (popcount of the bitmap) */
 
 struct Header {
 #define HVD_SPARSE_FIELD(name, type, offset) type name;
@@ -104,7 +115,6 @@ static_assert(header_packed(), "header fields must be contiguous and fill kHeade
 // `lanes` entries {uint32 offset, uint32 next}, then `present` blocks of `block_size` values.
 constexpr size_t kBitmapBytes = 8;
 constexpr size_t kLaneBytes = 8;
-
 
 inline size_t data_bytes(uint32_t lanes, uint32_t present, uint32_t bs, uint8_t dtype) {
   return kHeaderBytes + kBitmapBytes + size_t(lanes) * kLaneBytes +
@@ -146,11 +156,20 @@ inline uint32_t ld32(const uint8_t* p) {
   return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | p[3];
 }
 inline uint64_t ld64(const uint8_t* p) { return uint64_t(ld32(p)) << 32 | ld32(p + 4); }
-inline void st16(uint8_t* p, uint16_t v) { p[0] = uint8_t(v >> 8); p[1] = uint8_t(v); }
-inline void st32(uint8_t* p, uint32_t v) {
-  p[0] = uint8_t(v >> 24); p[1] = uint8_t(v >> 16); p[2] = uint8_t(v >> 8); p[3] = uint8_t(v);
+inline void st16(uint8_t* p, uint16_t v) {
+  p[0] = uint8_t(v >> 8);
+  p[1] = uint8_t(v);
 }
-inline void st64(uint8_t* p, uint64_t v) { st32(p, uint32_t(v >> 32)); st32(p + 4, uint32_t(v)); }
+inline void st32(uint8_t* p, uint32_t v) {
+  p[0] = uint8_t(v >> 24);
+  p[1] = uint8_t(v >> 16);
+  p[2] = uint8_t(v >> 8);
+  p[3] = uint8_t(v);
+}
+inline void st64(uint8_t* p, uint64_t v) {
+  st32(p, uint32_t(v >> 32));
+  st32(p + 4, uint32_t(v));
+}
 
 // Big-endian load and store of one header field, by its type.
 inline uint64_t load_be(const uint8_t* p, size_t n) {
@@ -178,9 +197,31 @@ inline void store_header(uint8_t* p, const Header& h) {
 
 inline Header make_header(uint8_t type, uint64_t token, uint16_t worker, uint16_t nworkers) {
   Header h{};
-  h.magic = kMagic; h.version = kVersion; h.type = type;
-  h.token = token; h.worker = worker; h.nworkers = nworkers;
+  h.magic = kMagic;
+  h.version = kVersion;
+  h.type = type;
+  h.token = token;
+  h.worker = worker;
+  h.nworkers = nworkers;
   return h;
+}
+
+// What a REGACK tells a worker (docs/PROTOCOL.md "Jobs"): in `nslots` the slot groups the job
+// owns on a switch, in `block_size` the int32 values one of its passes sums and in `lanes` the
+// cells (passes) one slot holds. A software aggregator sends 0 in all three: no per-job slot
+// limit and no per-slot cap.
+struct RegAck {
+  uint32_t groups = 0, values_per_pass = 0, cells_per_slot = 0;
+  // Bytes of block values one packet may carry so that a slot holds it (0: no cap). A lane
+  // takes whole passes, so the block size decides what fits within it.
+  uint64_t slot_bytes() const { return uint64_t(values_per_pass) * cells_per_slot * 4; }
+};
+constexpr uint32_t kMaxRegAckGeometry = 0xFFFF;  // values_per_pass, cells_per_slot: 16 bits
+inline RegAck load_regack(const Header& h) { return {h.nslots, h.block_size, h.lanes}; }
+inline void store_regack(Header& h, const RegAck& a) {
+  h.nslots = a.groups;
+  h.block_size = uint16_t(a.values_per_pass);
+  h.lanes = uint16_t(a.cells_per_slot);
 }
 
 // Structural checks every receiver applies before looking at state: a packet that fails them

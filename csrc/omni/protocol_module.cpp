@@ -126,9 +126,8 @@ PyObject* py_stream_length(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "stream_length(): nslots and lanes must be > 0");
     return nullptr;
   }
-  return PyLong_FromUnsignedLong(omni::stream_length(uint32_t(a[0]), uint32_t(a[1]),
-                                                     uint32_t(a[2]), uint32_t(a[3]),
-                                                     uint32_t(a[4])));
+  return PyLong_FromUnsignedLong(omni::stream_length(uint32_t(a[0]), uint32_t(a[1]), uint32_t(a[2]),
+                                                     uint32_t(a[3]), uint32_t(a[4])));
 }
 
 PyObject* py_stream_block(PyObject*, PyObject* args) {
@@ -136,9 +135,8 @@ PyObject* py_stream_block(PyObject*, PyObject* args) {
   static const unsigned long long bounds[] = {kU32, kU32, kU32, kU32, kU32};
   unsigned long long a[5];
   if (!unsigned_args(args, "stream_block", names, bounds, a, 5)) return nullptr;
-  return PyLong_FromUnsignedLongLong(omni::stream_block(uint32_t(a[0]), uint32_t(a[1]),
-                                                        uint32_t(a[2]), uint32_t(a[3]),
-                                                        uint32_t(a[4])));
+  return PyLong_FromUnsignedLongLong(omni::stream_block(
+      uint32_t(a[0]), uint32_t(a[1]), uint32_t(a[2]), uint32_t(a[3]), uint32_t(a[4])));
 }
 
 PyMethodDef kMethods[] = {
@@ -170,6 +168,11 @@ PyMODINIT_FUNC PyInit__protocol() {
       PyModule_AddIntConstant(m, "MAX_LANES", omni::kMaxLanes) == 0 &&
       PyModule_AddIntConstant(m, "MAX_WORKERS", omni::kMaxWorkers) == 0 &&
       PyModule_AddIntConstant(m, "MAX_DATAGRAM", omni::kMaxDatagram) == 0 &&
+      PyModule_AddIntConstant(m, "AGGREGATOR_PORT", omni::kAggregatorPort) == 0 &&
+      PyModule_AddIntConstant(m, "SWITCH_VALUES_PER_PASS", omni::kSwitchValuesPerPass) == 0 &&
+      PyModule_AddIntConstant(m, "SWITCH_CELLS_PER_SLOT", omni::kSwitchCellsPerSlot) == 0 &&
+      PyModule_AddIntConstant(m, "SWITCH_MAX_WORKERS", omni::kSwitchMaxWorkers) == 0 &&
+      PyModule_AddIntConstant(m, "SWITCH_CELLS", omni::kSwitchCells) == 0 &&
       add(m, "TYPES", name_table(kTypes)) && add(m, "FLAGS", name_table(kFlags)) &&
       add(m, "ERRORS", name_table(kErrors)) && add(m, "FIELDS", fields()) &&
       add(m, "DTYPES", dtypes(hvd_sparse::kNumDTypes)) &&

@@ -25,8 +25,7 @@
 namespace {
 
 double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 int udp_socket() {
@@ -66,7 +65,11 @@ int main(int argc, char** argv) {
     else if (a == "--senders") senders = std::atoi(argv[i + 1]);
     else if (a == "--bytes") bytes = std::strtoul(argv[i + 1], nullptr, 10);
     else if (a == "--seconds") seconds = std::atof(argv[i + 1]);
-    else { std::fprintf(stderr, "usage: %s [--senders N] [--bytes B] [--seconds S] [--to ADDR:PORT]\n", argv[0]); return 2; }
+    else {
+      std::fprintf(stderr, "usage: %s [--senders N] [--bytes B] [--seconds S] [--to ADDR:PORT]\n",
+                   argv[0]);
+      return 2;
+    }
   }
   if (senders < 1 || bytes < 1 || bytes > 65507 || seconds <= 0) return 2;
   using namespace hvd_sparse::omni;
@@ -75,7 +78,8 @@ int main(int argc, char** argv) {
     dst.sin_family = AF_INET;
     const size_t colon = to.rfind(':');
     if (colon == std::string::npos ||
-        inet_pton(AF_INET, to.substr(0, colon).c_str(), &dst.sin_addr) != 1) return 2;
+        inet_pton(AF_INET, to.substr(0, colon).c_str(), &dst.sin_addr) != 1)
+      return 2;
     dst.sin_port = htons(uint16_t(std::atoi(to.c_str() + colon + 1)));
     std::vector<pid_t> kids;
     for (int s = 0; s < senders; ++s) {
@@ -107,9 +111,14 @@ int main(int argc, char** argv) {
     packets += in.size();
   }
   double took = now_s() - start;
-  for (pid_t p : kids) { kill(p, SIGTERM); waitpid(p, nullptr, 0); }
-  std::printf("{\"senders\": %d, \"bytes\": %zu, \"seconds\": %.3f, \"packets\": %llu, "
-              "\"received_bytes\": %llu, \"goodput_Bps\": %.0f}\n", senders, bytes, took,
-              (unsigned long long)packets, (unsigned long long)received, received / took);
+  for (pid_t p : kids) {
+    kill(p, SIGTERM);
+    waitpid(p, nullptr, 0);
+  }
+  std::printf(
+      "{\"senders\": %d, \"bytes\": %zu, \"seconds\": %.3f, \"packets\": %llu, "
+      "\"received_bytes\": %llu, \"goodput_Bps\": %.0f}\n",
+      senders, bytes, took, (unsigned long long)packets, (unsigned long long)received,
+      received / took);
   return 0;
 }

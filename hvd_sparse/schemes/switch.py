@@ -19,7 +19,7 @@ import horovod.torch as hvd
 from .. import protocol
 from ..engine import Stage
 from ..job import Job
-from ..session import CELLS_PER_SLOT, VALUES_PER_PASS, Session
+from ..session import Session
 from . import dense, omnireduce
 from .common import agree, failed_anywhere, output, stream
 
@@ -46,10 +46,12 @@ def unsupported(job: Job, session: Session | None) -> str:
         return "no switch"
     if not job.global_set:
         return "process set"
-    # A packet's values (int32) must fit one slot's cells, a pass per VALUES_PER_PASS of a lane
+    # A packet's values (int32) must fit one slot's cells, a pass per `values` of a lane: the
+    # switch's geometry, from its REGACK
+    values, cells = session.worker.slot_geometry()
     lanes = protocol.layout(1, job.block_size, 4, session.payload, 1)[0]
-    if lanes * math.ceil(job.block_size / VALUES_PER_PASS) > CELLS_PER_SLOT:
-        return f"block size {job.block_size} (a switch slot holds {CELLS_PER_SLOT} passes)"
+    if values and lanes * math.ceil(job.block_size / values) > cells:
+        return f"block size {job.block_size} (a switch slot holds {cells} passes)"
     return ""
 
 

@@ -35,7 +35,7 @@ from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_layers
 
 from .. import protocol
-from .testbed.topology import AGGREGATOR_PORT  # torch-free
+from ..protocol import AGGREGATOR_PORT
 
 _PLAIN = {1: ByteField, 2: ShortField, 4: IntField, 8: LongField}
 _HEX = {1: XByteField, 2: XShortField, 4: XIntField, 8: XLongField}

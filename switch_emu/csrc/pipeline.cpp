@@ -11,13 +11,16 @@
 #include <unordered_map>
 
 #include "../../csrc/omni/protocol.h"
+#include "../../csrc/omni/values.h"
 
 namespace hvd_sparse::omni {
 namespace {
 
 uint64_t mix(uint64_t x) {  // splitmix64's finalizer: a tensor id spread over the groups
-  x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27; x *= 0x94D049BB133111EBull;
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
 
@@ -27,10 +30,12 @@ struct SetRegs {
   uint64_t present = 0;  // lanes some worker contributed to
   bool overflow = false;
 };
+constexpr uint32_t kSeenBits = 8 * sizeof(SetRegs::seen);  // workers a job can have, at most
+static_assert(kSwitchMaxWorkers <= kSeenBits, "the default worker limit exceeds the seen-bitmap");
 
 // Per group: the tag binding it to one (tensor, slot), and that slot's parameters.
 struct GroupRegs {
-  uint64_t tag = 0;  // 0: free
+  uint64_t tag = 0;    // 0: free
   uint32_t round = 0;  // the round in progress (after the last one: its number + 1)
   bool done = false;
   uint32_t error = 0;  // a dead slot: every DATA gets this ERROR back
@@ -49,8 +54,13 @@ struct Pipeline::Impl {
         values_(size_t(groups_) * o.cells_per_slot * 2 * o.values_per_pass) {
     if (o.values_per_pass == 0 || o.cells_per_slot == 0 || groups_ == 0)
       throw std::invalid_argument("switch pipeline: empty register pool");
-    if (o.max_workers > 32)
-      throw std::invalid_argument("switch pipeline: the seen-bitmap has 32 bits");
+    if (o.max_workers > kSeenBits)
+      throw std::invalid_argument("switch pipeline: the seen-bitmap has " +
+                                  std::to_string(kSeenBits) + " bits");
+    if (o.values_per_pass > kMaxRegAckGeometry || o.cells_per_slot > kMaxRegAckGeometry)
+      throw std::invalid_argument(
+          "switch pipeline: a REGACK carries values per pass and cells "
+          "per slot in 16 bits");
   }
 
   struct {
@@ -65,7 +75,8 @@ struct Pipeline::Impl {
     if (jobs_.count(token)) throw std::runtime_error("job already installed");
     if (nworkers == 0 || nworkers > o_.max_workers)
       throw std::runtime_error(std::to_string(nworkers) + " workers: a switch job has at most " +
-                               std::to_string(o_.max_workers) + " (a 32-bit seen-bitmap)");
+                               std::to_string(o_.max_workers) + " (a " + std::to_string(kSeenBits) +
+                               "-bit seen-bitmap)");
     if (groups == 0) throw std::runtime_error("a job needs at least one slot group");
     uint32_t at = 0;  // first fit among the installed ranges, sorted by start
     for (auto& [first, tok] : ranges_) {
@@ -77,8 +88,13 @@ struct Pipeline::Impl {
                                " slot groups asked, " + std::to_string(free_groups()) + " of " +
                                std::to_string(groups_) + " free");
     SwitchJob j;
-    j.token = token; j.nworkers = nworkers; j.first = at; j.groups = groups;
-    j.automatic = automatic; j.addr.resize(nworkers); j.touched = now;
+    j.token = token;
+    j.nworkers = nworkers;
+    j.first = at;
+    j.groups = groups;
+    j.automatic = automatic;
+    j.addr.resize(nworkers);
+    j.touched = now;
     for (uint32_t g = at; g < at + groups; ++g) g_[g] = GroupRegs{};
     ranges_[at] = token;
     jobs_.emplace(token, std::move(j));
@@ -121,18 +137,33 @@ struct Pipeline::Impl {
               std::vector<Out>& out) {
     c.packets++;
     c.passes++;  // the parser and the job table: every packet's first pass
-    if (len < kHeaderBytes) { c.malformed++; return; }
+    if (len < kHeaderBytes) {
+      c.malformed++;
+      return;
+    }
     const Header h = load_header(p);
-    if (check_structure(h, len)) { c.malformed++; return; }
+    if (check_structure(h, len)) {
+      c.malformed++;
+      return;
+    }
     if (h.type == kRegister) return on_register(h, from, now, out);
     auto jt = jobs_.find(h.token);
-    if (jt == jobs_.end()) { c.unknown_job++; return; }
+    if (jt == jobs_.end()) {
+      c.unknown_job++;
+      return;
+    }
     SwitchJob& job = jt->second;
-    if (h.nworkers != job.nworkers) { c.malformed++; return; }
+    if (h.nworkers != job.nworkers) {
+      c.malformed++;
+      return;
+    }
     switch (h.type) {
       case kData:
         // Results go to the multicast group REGISTER programmed: a worker not in it is junk.
-        if (!job.addr[h.worker].port) { c.malformed++; return; }
+        if (!job.addr[h.worker].port) {
+          c.malformed++;
+          return;
+        }
         job.touched = now;
         return on_data(job, h, p, now, out);
       case kRelease: job.touched = now; return on_release(job, h);
@@ -146,13 +177,16 @@ struct Pipeline::Impl {
   }
 
   static uint32_t full(const SwitchJob& j) {
-    return j.nworkers == 32 ? ~0u : (1u << j.nworkers) - 1;
+    return j.nworkers == kSeenBits ? ~0u : (1u << j.nworkers) - 1;
   }
 
-  void reply(const Endpoint& to, uint8_t type, const Header& h, uint16_t nworkers,
-             uint32_t code, std::vector<Out>& out, uint32_t nslots = 0) {
+  void reply(const Endpoint& to, uint8_t type, const Header& h, uint16_t nworkers, uint32_t code,
+             std::vector<Out>& out, const RegAck& ack = {}) {
     Header r = make_header(type, h.token, h.worker, nworkers);
-    r.tensor = h.tensor; r.slot = h.slot; r.round = code; r.nslots = nslots;
+    r.tensor = h.tensor;
+    r.slot = h.slot;
+    r.round = code;
+    store_regack(r, ack);
     auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
     store_header(b->data(), r);
     out.push_back({to, b});
@@ -186,15 +220,21 @@ struct Pipeline::Impl {
       it->second.addr[h.worker] = from;
       it->second.touched = now;
     }
-    // REGACK tells the workers how many groups the job owns: no tensor uses more slots.
-    reply(from, err ? kError : kRegAck, h, h.nworkers, err, out, err ? 0 : it->second.groups);
+    // REGACK tells the workers how many groups the job owns (no tensor uses more slots) and
+    // what a slot holds (no packet carries more).
+    if (err) return reply(from, kError, h, h.nworkers, err, out);
+    reply(from, kRegAck, h, h.nworkers, 0, out,
+          RegAck{it->second.groups, o_.values_per_pass, o_.cells_per_slot});
   }
 
   void on_release(SwitchJob& job, const Header& h) {
     GroupRegs& g = g_[group_of(job, h)];
     if (g.tag != tag_of(h) || !g.done) return;
     g.released |= 1u << h.worker;
-    if (g.released == full(job)) { g.tag = 0; c.released++; }
+    if (g.released == full(job)) {
+      g.tag = 0;
+      c.released++;
+    }
   }
 
   static uint64_t tag_of(const Header& h) {
@@ -206,6 +246,9 @@ struct Pipeline::Impl {
 
   uint32_t chunks(uint32_t bs) const { return (bs + o_.values_per_pass - 1) / o_.values_per_pass; }
   uint32_t* offsets(uint32_t g, int set) { return &lanes_[(size_t(g) * 2 + set) * kMaxLanes]; }
+  const uint32_t* offsets(uint32_t g, int set) const {
+    return &lanes_[(size_t(g) * 2 + set) * kMaxLanes];
+  }
   int32_t* cell(uint32_t g, uint32_t c_in_group, int set) {
     return &values_[((size_t(g) * o_.cells_per_slot + c_in_group) * 2 + set) * o_.values_per_pass];
   }
@@ -232,63 +275,123 @@ struct Pipeline::Impl {
       std::fill(cell(gi, k, set), cell(gi, k, set) + o_.values_per_pass, 0);
   }
 
-  void on_data(SwitchJob& job, const Header& h, const uint8_t* p, double now,
-               std::vector<Out>& out) {
-    const uint32_t passes = h.lanes * chunks(h.block_size);
-    const uint32_t gi = group_of(job, h);
-    GroupRegs& g = g_[gi];
-    const uint64_t tag = tag_of(h);
-    if (h.dtype != kFixed32 || passes > o_.cells_per_slot) {
+  // What a DATA is, judged before it touches any register.
+  enum class Data {
+    kJunk,         // fails the parser's checks (its first pass): dropped
+    kUnsupported,  // a well-formed round 0 the switch cannot sum or hold: ERROR UNSUPPORTED
+    kMalformed,    // fails a check further down the pipe: dropped
+    kStale,        // of a round neither current nor previous, or for an unbound slot: dropped
+    kBusy,         // a round 0 whose group another slot holds: dropped, its worker resends
+    kBind,         // a valid round 0 at a free (or reclaimable) group: binds it, then adds
+    kMismatch,     // a well-formed round 0 of another layout than the group's: the slot dies
+    kDead,         // for a slot that failed: its error again
+    kRetransmit,   // of the previous round: its sender lost that RESULT, rebuilt from the set
+    kDuplicate,    // its sender is already in this round's seen-bitmap: ignored
+    kAdd,          // a valid DATA of the round in progress: its values are added
+  };
+  // Where a DATA goes: its group, the passes it takes, the tag of its (tensor, slot).
+  struct Where {
+    uint32_t gi, passes;
+    uint64_t tag;
+  };
+
+  static bool same_layout(const Header& h, const Header& q) {
+    return h.lanes == q.lanes && h.block_size == q.block_size && h.nblocks == q.nblocks &&
+           h.nslots == q.nslots && h.meta == q.meta;
+  }
+
+  // Every structural and semantic check of a DATA against the registers, changing nothing.
+  Data validate(const Header& h, const uint8_t* p, const Where& at, double now) const {
+    if (h.dtype != kFixed32 || at.passes > o_.cells_per_slot)
       // What the switch cannot sum (floating point) or hold (a packet beyond the slot's
       // cells): the tensor goes elsewhere. Only a well-formed first round says so (junk must
-      // not kill a tensor); no state is touched.
-      if (h.round != 0 || !lanes_valid(h, p, nullptr)) { c.malformed++; return; }
-      c.unsupported++;
-      for (uint16_t w = 0; w < job.nworkers; ++w)
-        if (job.addr[w].port) reply(job.addr[w], kError, h, job.nworkers, kErrUnsupported, out);
-      return;
-    }
-    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) { c.malformed++; return; }
-    c.passes += passes - 1;  // stage 0 ran in the first pass; the rest recirculate
-    c.recirculations += passes - 1;
-    if (g.tag != tag) {
-      // Stage 0: bind a free group (or one completed and unreleased for `hold` seconds) to
-      // this slot's round 0; anything else for an unbound slot is stale, or waits.
+      // not kill a tensor).
+      return h.round == 0 && lanes_valid(h, p, nullptr) ? Data::kUnsupported : Data::kJunk;
+    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) return Data::kJunk;
+    const GroupRegs& g = g_[at.gi];
+    if (g.tag != at.tag) {
+      // Stage 0: only a round 0 binds a group: a free one, or one completed and unreleased
+      // for `hold` seconds; anything else for an unbound slot is stale, or waits.
       const bool reclaim = g.tag != 0 && g.done && now - g.touched > o_.hold;
-      if (h.round != 0) { c.stale++; return; }
-      if (g.tag != 0 && !reclaim) { c.busy++; return; }
-      if (!lanes_valid(h, p, nullptr)) { c.malformed++; return; }
-      if (reclaim) c.reclaimed++;
-      g = GroupRegs{};
-      g.tag = tag;
-      g.params = h;
-      uint32_t cur[kMaxLanes];
-      for (uint32_t l = 0; l < h.lanes; ++l)
-        cur[l] = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes) ? 0 : kInf;
-      open_set(gi, 0, 0, cur, h.lanes, h.block_size);
+      if (h.round != 0) return Data::kStale;
+      if (g.tag != 0 && !reclaim) return Data::kBusy;
+      return lanes_valid(h, p, nullptr) ? Data::kBind : Data::kMalformed;
     }
-    g.touched = now;
-    const Header& q = g.params;
-    if (h.lanes != q.lanes || h.block_size != q.block_size || h.nblocks != q.nblocks ||
-        h.nslots != q.nslots || h.meta != q.meta) {
-      if (h.round != 0 || !lanes_valid(h, p, nullptr)) { c.malformed++; return; }
-      c.mismatch++;
-      if (!g.error) return fail_slot(job, g, h, kErrMismatch, out);
-    }
-    if (g.error) return reply(job.addr[h.worker], kError, h, job.nworkers, g.error, out);
+    if (!same_layout(h, g.params))
+      return h.round == 0 && lanes_valid(h, p, nullptr) ? Data::kMismatch : Data::kMalformed;
+    if (g.error) return Data::kDead;
     const int set = h.round & 1;
-    SetRegs& s = g.set[set];
-    if (h.round + 1 == g.round && s.round == h.round) {  // the sender lost this RESULT
-      if (!lanes_valid(h, p, offsets(gi, set))) { c.malformed++; return; }
-      c.retransmits++;
-      out.push_back({job.addr[h.worker], result(job, gi, h, set)});
+    if (h.round + 1 == g.round && g.set[set].round == h.round)  // the sender lost this RESULT
+      return lanes_valid(h, p, offsets(at.gi, set)) ? Data::kRetransmit : Data::kMalformed;
+    if (g.done || h.round != g.round) return Data::kStale;
+    // Stage 1: the seen-bitmap (a retransmission of a round this worker is in).
+    if (g.set[set].seen >> h.worker & 1) return Data::kDuplicate;
+    return lanes_valid(h, p, offsets(at.gi, set)) ? Data::kAdd : Data::kMalformed;
+  }
+
+  void on_data(SwitchJob& job, const Header& h, const uint8_t* p, double now,
+               std::vector<Out>& out) {
+    const Where at{group_of(job, h), h.lanes * chunks(h.block_size), tag_of(h)};
+    GroupRegs& g = g_[at.gi];
+    const bool bound = g.tag == at.tag;
+    const Data d = validate(h, p, at, now);
+    if (d == Data::kJunk) {
+      c.malformed++;
       return;
     }
-    if (g.done || h.round != g.round) { c.stale++; return; }
-    // Stage 1: the seen-bitmap (a retransmission of a round this worker is in), the count
-    // and, per lane, the look-ahead minimum.
-    if (s.seen >> h.worker & 1) { c.duplicates++; return; }
-    if (!lanes_valid(h, p, offsets(gi, set))) { c.malformed++; return; }
+    if (d == Data::kUnsupported) return refuse(job, h, out);
+    c.passes += at.passes - 1;  // stage 0 ran in the first pass; the rest recirculate
+    c.recirculations += at.passes - 1;
+    if (bound) g.touched = now;
+    switch (d) {
+      case Data::kMalformed: c.malformed++; return;
+      case Data::kStale: c.stale++; return;
+      case Data::kBusy: c.busy++; return;
+      case Data::kMismatch:
+        c.mismatch++;
+        if (!g.error) return fail_slot(job, g, h, kErrMismatch, out);
+        [[fallthrough]];
+      case Data::kDead: return reply(job.addr[h.worker], kError, h, job.nworkers, g.error, out);
+      case Data::kRetransmit:
+        c.retransmits++;
+        out.push_back({job.addr[h.worker], result(job, at.gi, h, h.round & 1)});
+        return;
+      case Data::kDuplicate: c.duplicates++; return;
+      case Data::kBind: bind(at, h, now); [[fallthrough]];
+      case Data::kAdd: return accumulate(job, at.gi, h, p, out);
+      default: return;  // kJunk, kUnsupported: above
+    }
+  }
+
+  // ERROR UNSUPPORTED to every worker of the job; no register is touched.
+  void refuse(SwitchJob& job, const Header& h, std::vector<Out>& out) {
+    c.unsupported++;
+    for (uint16_t w = 0; w < job.nworkers; ++w)
+      if (job.addr[w].port) reply(job.addr[w], kError, h, job.nworkers, kErrUnsupported, out);
+  }
+
+  // Stage 0 binds the group to this slot's round 0: tag, layout, and set 0 at the lanes'
+  // first positions.
+  void bind(const Where& at, const Header& h, double now) {
+    GroupRegs& g = g_[at.gi];
+    if (g.tag != 0) c.reclaimed++;
+    g = GroupRegs{};
+    g.tag = at.tag;
+    g.params = h;
+    g.touched = now;
+    uint32_t cur[kMaxLanes];
+    for (uint32_t l = 0; l < h.lanes; ++l)
+      cur[l] = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes) ? 0 : kInf;
+    open_set(at.gi, 0, 0, cur, h.lanes, h.block_size);
+  }
+
+  // A validated DATA of the round in progress: per lane the look-ahead minimum (stage 1) and
+  // the values (stages 2..: one pass per values_per_pass, saturating adds); the last worker's
+  // completes the round.
+  void accumulate(SwitchJob& job, uint32_t gi, const Header& h, const uint8_t* p,
+                  std::vector<Out>& out) {
+    const int set = h.round & 1;
+    SetRegs& s = g_[gi].set[set];
     const uint64_t bitmap = ld64(p + kHeaderBytes);
     const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
     const uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
@@ -297,12 +400,9 @@ struct Pipeline::Impl {
     for (uint32_t l = 0; l < h.lanes; ++l) {
       nm[l] = std::min(nm[l], ld32(lane + l * kLaneBytes + 4));
       if (!(bitmap >> l & 1)) continue;
-      // Stages 2..: one pass per values_per_pass values, saturating adds.
       for (uint32_t i = 0; i < bs; ++i) {
-        int32_t x;
-        std::memcpy(&x, v + 4 * size_t(i), 4);
         int32_t& a = cell(gi, l * chunks(bs) + i / vpp, set)[i % vpp];
-        const int64_t sum = int64_t(a) + x;
+        const int64_t sum = int64_t(a) + Value<kFixed32>::get(v, i);
         if (sum > INT32_MAX || sum < INT32_MIN) s.overflow = true;
         a = int32_t(std::clamp<int64_t>(sum, INT32_MIN, INT32_MAX));
       }
@@ -310,21 +410,27 @@ struct Pipeline::Impl {
     }
     s.present |= bitmap;
     s.seen |= 1u << h.worker;
-    if (++s.count < job.nworkers) return;
-    // The last worker's pass: the round is complete. Multicast its RESULT (or, for a
-    // saturated sum, ERROR OVERFLOW) and open the other set for the next round.
+    if (++s.count == job.nworkers) complete(job, gi, h, out);
+  }
+
+  // The last worker's pass: the round is complete. Multicast its RESULT (or, for a saturated
+  // sum, ERROR OVERFLOW) and open the other set for the next round.
+  void complete(SwitchJob& job, uint32_t gi, const Header& h, std::vector<Out>& out) {
+    GroupRegs& g = g_[gi];
+    const int set = h.round & 1;
     c.results++;
-    if (s.overflow) {
+    if (g.set[set].overflow) {
       c.overflow++;
       return fail_slot(job, g, h, kErrOverflow, out);
     }
     auto r = result(job, gi, h, set);
     for (uint16_t w = 0; w < job.nworkers; ++w) out.push_back({job.addr[w], r});
+    const uint32_t* nm = next_min(gi, set);
     bool last = true;
     for (uint32_t l = 0; l < h.lanes; ++l) last = last && nm[l] == kInf;
     g.round = h.round + 1;
     if (last) g.done = true;
-    else open_set(gi, set ^ 1, g.round, nm, h.lanes, bs);
+    else open_set(gi, set ^ 1, g.round, nm, h.lanes, h.block_size);
   }
 
   // The RESULT of the round held in `set`: the deparser writes the registers into the packet.
@@ -336,10 +442,17 @@ struct Pipeline::Impl {
     bool last = true;
     for (uint32_t l = 0; l < h.lanes; ++l) last = last && nm[l] == kInf;
     Header r = make_header(kResult, h.token, 0, job.nworkers);
-    r.dtype = kFixed32; r.slot = h.slot; r.tensor = h.tensor; r.round = s.round;
+    r.dtype = kFixed32;
+    r.slot = h.slot;
+    r.tensor = h.tensor;
+    r.round = s.round;
     r.flags = uint8_t((s.round & 1 ? kFlagShadow : 0) | (last ? kFlagLast : 0));
-    r.lanes = h.lanes; r.block_size = h.block_size; r.nblocks = h.nblocks; r.nslots = h.nslots;
-    r.meta = h.meta; r.present = present;
+    r.lanes = h.lanes;
+    r.block_size = h.block_size;
+    r.nblocks = h.nblocks;
+    r.nslots = h.nslots;
+    r.meta = h.meta;
+    r.present = present;
     auto b = std::make_shared<std::vector<uint8_t>>(
         data_bytes(h.lanes, present, h.block_size, kFixed32));
     uint8_t* p = b->data();

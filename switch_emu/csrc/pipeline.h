@@ -13,12 +13,14 @@
 //   or, with `auto_groups`, at its first REGISTER);
 // - a packet of n values takes ceil(n / values_per_pass) passes (at least one per lane: a pass
 //   runs one lane's look-ahead minimum); every pass after the first is a recirculation;
-// - at most `max_workers` (32) workers per job: the seen-bitmap is one 32-bit register;
+// - at most `max_workers` workers per job: the seen-bitmap is one 32-bit register;
 // - a group is bound to a (tensor, slot) by a tag register when round 0 arrives at a free
 //   group (the group index is a hash of the tensor id plus the slot within the job's range):
 //   another tensor's round 0 finding it bound is dropped ("busy") and resent by its worker's
 //   timer. Workers free a group with a per-slot RELEASE after its last RESULT; a completed
-//   group whose RELEASEs were lost is reclaimed after `hold` seconds.
+//   group whose RELEASEs were lost is reclaimed after `hold` seconds;
+// - a REGACK tells each worker the job's groups and the slot geometry (values per pass, cells
+//   per slot), so that it sends no packet larger than a slot holds.
 //
 // No I/O and no clock here: packets in, packets out (switch_emu/csrc/main.cpp frames them),
 // time passed in. hvd_sparse._C.SwitchPipeline drives it from tests.
@@ -29,23 +31,27 @@
 #include <utility>
 #include <vector>
 
-#include "../../csrc/omni/aggregator/core.h"  // Out, Endpoint
+#include "../../csrc/omni/aggregation.h"
+#include "../../csrc/omni/protocol.h"
 
 namespace hvd_sparse::omni {
 
+// Defaults: the switch geometry of protocol.h.
 struct PipelineOptions {
-  uint32_t cells = 8192;          // pool cells (program.py: aggregation slots)
-  uint32_t values_per_pass = 64;  // int32 values one pass sums (256 B)
-  uint32_t cells_per_slot = 32;   // a protocol slot's cells: its largest packet, in passes
-  uint32_t max_workers = 32;
-  uint32_t auto_groups = 0;       // groups for a job that REGISTERs uninstalled (0: refuse it)
-  double hold = 2.0;              // seconds before a completed, unreleased group is reclaimed
-  double idle = 120.0;            // an auto-installed job idle this long is removed
+  uint32_t cells = kSwitchCells;                    // pool cells (program.py: aggregation slots)
+  uint32_t values_per_pass = kSwitchValuesPerPass;  // int32 values one pass sums
+  uint32_t cells_per_slot = kSwitchCellsPerSlot;    // a slot's cells: its largest packet, in passes
+  uint32_t max_workers = kSwitchMaxWorkers;         // at most the seen-bitmap's bits
+  uint32_t auto_groups = 0;  // groups for a job that REGISTERs uninstalled (0: refuse it)
+  double hold = 2.0;         // seconds before a completed, unreleased group is reclaimed
+  double idle = 120.0;       // an auto-installed job idle this long is removed
 };
 
+// clang-format off
 #define HS_PIPELINE_COUNTERS(X) X(packets) X(passes) X(recirculations) X(results)          \
   X(retransmits) X(duplicates) X(stale) X(busy) X(malformed) X(unknown_job) X(mismatch)   \
   X(overflow) X(unsupported) X(reclaimed) X(released) X(jobs) X(refused)
+// clang-format on
 
 struct SwitchJob {
   uint64_t token = 0;
@@ -57,25 +63,25 @@ struct SwitchJob {
   double touched = 0;
 };
 
-class Pipeline {
+class Pipeline final : public Aggregation {
  public:
   explicit Pipeline(const PipelineOptions& o);
-  ~Pipeline();
+  ~Pipeline() override;
 
   // Control plane. install() takes a range of `groups` slot groups (first fit) for the job and
   // returns its first group; it throws std::runtime_error naming the limit it would exceed.
   uint32_t install(uint64_t token, uint16_t nworkers, uint32_t groups, double now);
   bool remove(uint64_t token);
   std::vector<SwitchJob> jobs() const;
-  void expire(double now);  // removes idle auto-installed jobs
+  void expire(double now) override;  // removes idle auto-installed jobs
 
   // Data plane: one datagram from `from` at time `now`; appends the datagrams to send.
   void handle(const uint8_t* p, size_t len, const Endpoint& from, double now,
-              std::vector<Out>& out);
+              std::vector<Out>& out) override;
+  std::vector<std::pair<const char*, uint64_t>> counters() const override;
 
   const PipelineOptions& options() const;
   uint32_t occupied() const;  // groups bound to a slot now
-  std::vector<std::pair<const char*, uint64_t>> counters() const;
 
  private:
   struct Impl;

@@ -10,8 +10,8 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "../halfconv.h"
 #include "../protocol.h"
+#include "../values.h"
 
 namespace hvd_sparse::omni {
 namespace {
@@ -60,16 +60,28 @@ struct AggregatorCore::Impl {
 
   void handle(const uint8_t* p, size_t len, const Endpoint& from, double now,
               std::vector<Out>& out) {
-    if (len < kHeaderBytes) { c.malformed++; return; }
+    if (len < kHeaderBytes) {
+      c.malformed++;
+      return;
+    }
     Header h = load_header(p);
-    if (check_structure(h, len)) { c.malformed++; return; }
+    if (check_structure(h, len)) {
+      c.malformed++;
+      return;
+    }
     std::lock_guard<std::mutex> lock(mu_);
     now_ = now;
     if (h.type == kRegister) return on_register(h, from, out);
     auto jt = jobs_.find(h.token);
-    if (jt == jobs_.end()) { c.unknown_job++; return; }
+    if (jt == jobs_.end()) {
+      c.unknown_job++;
+      return;
+    }
     Job& job = jt->second;
-    if (h.nworkers != job.nworkers) { c.malformed++; return; }
+    if (h.nworkers != job.nworkers) {
+      c.malformed++;
+      return;
+    }
     // A worker's address and the job's liveness change only with packets found valid: junk
     // carrying the token must not redirect a worker's results (see accept()).
     switch (h.type) {
@@ -77,8 +89,14 @@ struct AggregatorCore::Impl {
       case kRelease: job.touched = now_; return on_release(job, h);
       case kBye:
         job.touched = now_;
-        if (!job.bye[h.worker]) { job.bye[h.worker] = 1; ++job.nbye; }
-        if (job.nbye == job.nworkers) { c.released += job.tensors.size(); jobs_.erase(jt); }
+        if (!job.bye[h.worker]) {
+          job.bye[h.worker] = 1;
+          ++job.nbye;
+        }
+        if (job.nbye == job.nworkers) {
+          c.released += job.tensors.size();
+          jobs_.erase(jt);
+        }
         return;
       default: c.malformed++; return;  // aggregator-bound types only
     }
@@ -89,8 +107,10 @@ struct AggregatorCore::Impl {
     const double t = now_ = now;
     for (auto j = jobs_.begin(); j != jobs_.end();) {
       for (auto it = j->second.tensors.begin(); it != j->second.tensors.end();) {
-        if (t - it->second.touched > o_.idle) { it = drop_tensor(j->second, it); c.expired++; }
-        else ++it;
+        if (t - it->second.touched > o_.idle) {
+          it = drop_tensor(j->second, it);
+          c.expired++;
+        } else ++it;
       }
       if (t - j->second.touched > o_.idle && j->second.tensors.empty()) j = jobs_.erase(j);
       else ++j;
@@ -133,7 +153,10 @@ struct AggregatorCore::Impl {
     Tensor& t = it->second;
     if (test_bit(t.released, h.worker)) return;
     set_bit(t.released, h.worker);
-    if (++t.nreleased == job.nworkers) { drop_tensor(job, it); c.released++; }
+    if (++t.nreleased == job.nworkers) {
+      drop_tensor(job, it);
+      c.released++;
+    }
   }
 
   std::unordered_map<uint64_t, Tensor>::iterator drop_tensor(
@@ -144,7 +167,9 @@ struct AggregatorCore::Impl {
 
   void send_error(Job& job, const Header& h, uint32_t code, std::vector<Out>& out) {
     Header e = make_header(kError, h.token, 0, job.nworkers);
-    e.tensor = h.tensor; e.slot = h.slot; e.round = code;
+    e.tensor = h.tensor;
+    e.slot = h.slot;
+    e.round = code;
     auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
     store_header(b->data(), e);
     for (uint16_t w = 0; w < job.nworkers; ++w)
@@ -157,91 +182,129 @@ struct AggregatorCore::Impl {
     job.addr[h.worker] = from;
   }
 
-  void on_data(Job& job, const Header& h, const uint8_t* p, const Endpoint& from,
-               std::vector<Out>& out) {
-    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) { c.malformed++; return; }
+  // What a DATA is, judged before it touches any state.
+  enum class Data {
+    kMalformed,   // fails a check: dropped
+    kStale,       // of a round neither current nor previous, or of a slot not open: dropped
+    kMismatch,    // a well-formed round 0 of another layout: the tensor dies
+    kDead,        // of a tensor that failed: its error again
+    kDuplicate,   // its sender already sent this round (a retransmission): ignored
+    kRetransmit,  // of the previous round: its sender lost that RESULT, which goes back
+    kOpen,        // a valid round 0 of a slot not open yet: opens it (and its tensor), then adds
+    kAdd,         // a valid DATA of the round in progress: its blocks are added
+  };
+  struct Target {
+    Tensor* t = nullptr;
+    Slot* s = nullptr;
+  };
+
+  static bool same_layout(const Header& h, const Header& q) {
+    return h.dtype == q.dtype && h.lanes == q.lanes && h.block_size == q.block_size &&
+           h.nblocks == q.nblocks && h.nslots == q.nslots && h.meta == q.meta;
+  }
+
+  // Every structural and semantic check of a DATA, against the job's state, changing nothing.
+  // `at` gets the tensor and slot it is for, where they exist.
+  static Data validate(Job& job, const Header& h, const uint8_t* p, Target& at) {
+    if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) return Data::kMalformed;
     auto it = job.tensors.find(h.tensor);
     if (it != job.tensors.end()) {
-      Tensor& t = it->second;
-      const Header& q = t.params;
-      if (!t.error && (h.dtype != q.dtype || h.lanes != q.lanes || h.block_size != q.block_size ||
-                       h.nblocks != q.nblocks || h.nslots != q.nslots || h.meta != q.meta)) {
-        // Ranks that disagree on a tensor send well-formed first rounds of their own layouts;
-        // anything else is junk and must not kill the tensor.
-        if (h.round != 0 || !lanes_valid(h, p, nullptr)) { c.malformed++; return; }
-        t.error = kErrMismatch;
-        c.mismatch++;
-      }
-      if (t.error) return send_error(job, h, t.error, out);
+      at.t = &it->second;
+      // Ranks that disagree on a tensor send well-formed first rounds of their own layouts;
+      // anything else is junk and must not kill the tensor.
+      if (!at.t->error && !same_layout(h, at.t->params))
+        return h.round == 0 && lanes_valid(h, p, nullptr) ? Data::kMismatch : Data::kMalformed;
+      if (at.t->error) return Data::kDead;
+      auto st = at.t->slots.find(h.slot);
+      if (st != at.t->slots.end()) at.s = &st->second;
     }
-    Slot* sp = nullptr;
-    if (it != job.tensors.end()) {
-      auto st = it->second.slots.find(h.slot);
-      if (st != it->second.slots.end()) sp = &st->second;
-    }
-    if (!sp) {
-      // A tensor and each of its slots start at round 0 (else: expired, or junk); nothing is
-      // created for a packet that is not a valid first round.
-      if (h.round != 0) { c.stale++; return; }
-      if (!lanes_valid(h, p, nullptr)) { c.malformed++; return; }
-      if (it == job.tensors.end()) {
-        Tensor t;
-        t.params = h;
-        t.released.assign((job.nworkers + 63) / 64, 0);
-        it = job.tensors.emplace(h.tensor, std::move(t)).first;
-        c.tensors++;
-      }
-      Tensor& t = it->second;
-      size_t bytes = size_t(h.lanes) * h.block_size * sizeof(double);
-      if (slot_bytes_ + bytes > o_.max_slot_bytes) {
-        t.error = kErrCapacity;
-        return send_error(job, h, t.error, out);
-      }
-      Slot s;
-      s.cur.resize(h.lanes);
-      for (uint32_t l = 0; l < h.lanes; ++l)
-        s.cur[l] = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes) ? 0 : kInf;
-      s.next.assign(h.lanes, kInf);
-      s.acc.assign(size_t(h.lanes) * h.block_size, 0.0);
-      s.seen.assign((job.nworkers + 63) / 64, 0);
-      slot_bytes_ += bytes;
-      sp = &t.slots.emplace(h.slot, std::move(s)).first->second;
-    }
-    Tensor& t = it->second;
-    Slot& s = *sp;
+    // A tensor and each of its slots start at round 0 (else: expired, or junk).
+    if (!at.s)
+      return h.round != 0                 ? Data::kStale
+             : lanes_valid(h, p, nullptr) ? Data::kOpen
+                                          : Data::kMalformed;
+    const Slot& s = *at.s;
     if (s.last && h.round + 1 == s.round) {  // the sender lost our previous RESULT
       // Its lane table must be the one of that round (the stored RESULT's offsets).
       uint32_t prev[kMaxLanes];
       const uint8_t* lt = s.last->data() + kHeaderBytes + kBitmapBytes;
       for (uint32_t l = 0; l < h.lanes; ++l) prev[l] = ld32(lt + l * kLaneBytes);
-      if (!lanes_valid(h, p, prev)) { c.malformed++; return; }
-      c.retransmits++;
-      accept(job, t, h, from);
-      out.push_back({from, s.last});
-      return;
+      return lanes_valid(h, p, prev) ? Data::kRetransmit : Data::kMalformed;
     }
-    if (s.done || h.round != s.round) { c.stale++; return; }
-    if (test_bit(s.seen, h.worker)) {  // a retransmission: the worker waits for a slow peer
-      c.duplicates++;
-      job.touched = t.touched = now_;
-      return;
-    }
-    // Validate the lane table against this round before changing anything.
-    if (!lanes_valid(h, p, s.cur.data())) { c.malformed++; return; }
-    accept(job, t, h, from);
+    if (s.done || h.round != s.round) return Data::kStale;
+    if (test_bit(s.seen, h.worker)) return Data::kDuplicate;  // the worker waits for a peer
+    return lanes_valid(h, p, s.cur.data()) ? Data::kAdd : Data::kMalformed;
+  }
 
+  void on_data(Job& job, const Header& h, const uint8_t* p, const Endpoint& from,
+               std::vector<Out>& out) {
+    Target at;
+    switch (validate(job, h, p, at)) {
+      case Data::kMalformed: c.malformed++; return;
+      case Data::kStale: c.stale++; return;
+      case Data::kMismatch:
+        at.t->error = kErrMismatch;
+        c.mismatch++;
+        return send_error(job, h, at.t->error, out);
+      case Data::kDead: return send_error(job, h, at.t->error, out);
+      case Data::kDuplicate:
+        c.duplicates++;
+        job.touched = at.t->touched = now_;
+        return;
+      case Data::kRetransmit:
+        c.retransmits++;
+        accept(job, *at.t, h, from);
+        out.push_back({from, at.s->last});
+        return;
+      case Data::kOpen:
+        if (!open(job, h, at, out)) return;
+        [[fallthrough]];
+      case Data::kAdd: accept(job, *at.t, h, from); return accumulate(job, *at.t, h, *at.s, p, out);
+    }
+  }
+
+  // Opens the slot of a valid round 0 (and its tensor, for the first): false when the
+  // accumulators' memory is full, which fails the tensor.
+  bool open(Job& job, const Header& h, Target& at, std::vector<Out>& out) {
+    if (!at.t) {
+      Tensor t;
+      t.params = h;
+      t.released.assign((job.nworkers + 63) / 64, 0);
+      at.t = &job.tensors.emplace(h.tensor, std::move(t)).first->second;
+      c.tensors++;
+    }
+    const size_t bytes = size_t(h.lanes) * h.block_size * sizeof(double);
+    if (slot_bytes_ + bytes > o_.max_slot_bytes) {
+      at.t->error = kErrCapacity;
+      send_error(job, h, at.t->error, out);
+      return false;
+    }
+    Slot s;
+    s.cur.resize(h.lanes);
+    for (uint32_t l = 0; l < h.lanes; ++l)
+      s.cur[l] = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes) ? 0 : kInf;
+    s.next.assign(h.lanes, kInf);
+    s.acc.assign(size_t(h.lanes) * h.block_size, 0.0);
+    s.seen.assign((job.nworkers + 63) / 64, 0);
+    slot_bytes_ += bytes;
+    at.s = &at.t->slots.emplace(h.slot, std::move(s)).first->second;
+    return true;
+  }
+
+  // A validated DATA of the round in progress: its lanes' nexts into the minimums, its blocks
+  // into the sums (in float64: the order packets arrive in then barely matters, and every
+  // worker receives the same rounded result anyway); the last worker's completes the round.
+  void accumulate(Job& job, Tensor& t, const Header& h, Slot& s, const uint8_t* p,
+                  std::vector<Out>& out) {
     const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
     const uint64_t bitmap = ld64(p + kHeaderBytes);
-    // Accumulate in double: the order packets arrive in then barely matters, and every worker
-    // receives the same rounded result anyway.
     const uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
     const size_t bs = h.block_size;
     for (uint32_t l = 0; l < h.lanes; ++l) {
       uint32_t nxt = ld32(lane + l * kLaneBytes + 4);
       if (nxt < s.next[l]) s.next[l] = nxt;
       if (!(bitmap >> l & 1)) continue;
-      double* a = s.acc.data() + l * bs;
-      add_block(a, v, bs, h.dtype);
+      add_values(s.acc.data() + l * bs, v, bs, h.dtype);  // fixed32 sums are exact (< 2^53)
       v += bs * wire_size(h.dtype);
     }
     s.present |= bitmap;
@@ -250,33 +313,12 @@ struct AggregatorCore::Impl {
     complete(job, t, h, s, out);
   }
 
-  // Sums of int32 (fixed32) in a double are exact: |sum| <= 1024 * 2^31 < 2^53.
-  static void add_block(double* a, const uint8_t* v, size_t bs, uint8_t dtype) {
-    switch (dtype) {
-      case kFixed32: { int32_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 4 * i, 4); a[i] += x; } break; }
-      case kF32: { float x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 4 * i, 4); a[i] += x; } break; }
-      case kF64: { double x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 8 * i, 8); a[i] += x; } break; }
-      case kF16: { uint16_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 2 * i, 2); a[i] += f16_to_float(x); } break; }
-      default: { uint16_t x; for (size_t i = 0; i < bs; ++i) { std::memcpy(&x, v + 2 * i, 2); a[i] += bf16_to_float(x); } break; }
-    }
-  }
-
-  static void store_block(uint8_t* v, const double* a, size_t bs, uint8_t dtype) {
-    switch (dtype) {
-      case kF32: for (size_t i = 0; i < bs; ++i) { float x = float(a[i]); std::memcpy(v + 4 * i, &x, 4); } break;
-      case kF64: std::memcpy(v, a, bs * 8); break;
-      case kFixed32: for (size_t i = 0; i < bs; ++i) { int32_t x = int32_t(a[i]); std::memcpy(v + 4 * i, &x, 4); } break;
-      case kF16: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_f16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
-      default: for (size_t i = 0; i < bs; ++i) { uint16_t x = float_to_bf16(to_float_odd(a[i])); std::memcpy(v + 2 * i, &x, 2); } break;
-    }
-  }
-
   // A fixed32 sum outside the int32 range (some worker ignored the agreed exponent): the whole
   // tensor fails rather than any rank receiving a wrapped or saturated value.
   static bool overflows(const Slot& s, uint32_t lanes, size_t bs) {
     for (uint32_t l = 0; l < lanes; ++l) {
       if (!(s.present >> l & 1)) continue;
-      for (const double* a = s.acc.data() + l * bs, *e = a + bs; a != e; ++a)
+      for (const double *a = s.acc.data() + l * bs, *e = a + bs; a != e; ++a)
         if (*a < double(INT32_MIN) || *a > double(INT32_MAX)) return true;
     }
     return false;
@@ -294,12 +336,19 @@ struct AggregatorCore::Impl {
     bool last = true;
     for (uint32_t n : s.next) last = last && n == kInf;
     Header r = make_header(kResult, h.token, 0, job.nworkers);
-    r.dtype = h.dtype; r.slot = h.slot; r.tensor = h.tensor; r.round = s.round;
+    r.dtype = h.dtype;
+    r.slot = h.slot;
+    r.tensor = h.tensor;
+    r.round = s.round;
     r.flags = uint8_t((s.round & 1 ? kFlagShadow : 0) | (last ? kFlagLast : 0));
-    r.lanes = h.lanes; r.block_size = h.block_size; r.nblocks = h.nblocks; r.nslots = h.nslots;
-    r.meta = h.meta; r.present = present;
-    auto b = std::make_shared<std::vector<uint8_t>>(
-        data_bytes(h.lanes, present, h.block_size, h.dtype));
+    r.lanes = h.lanes;
+    r.block_size = h.block_size;
+    r.nblocks = h.nblocks;
+    r.nslots = h.nslots;
+    r.meta = h.meta;
+    r.present = present;
+    auto b =
+        std::make_shared<std::vector<uint8_t>>(data_bytes(h.lanes, present, h.block_size, h.dtype));
     uint8_t* p = b->data();
     store_header(p, r);
     st64(p + kHeaderBytes, s.present);
@@ -311,7 +360,7 @@ struct AggregatorCore::Impl {
       st32(lane + l * kLaneBytes + 4, s.next[l]);
       if (!(s.present >> l & 1)) continue;
       double* a = s.acc.data() + l * bs;
-      store_block(v, a, bs, h.dtype);
+      store_values(v, a, bs, h.dtype);
       std::fill(a, a + bs, 0.0);
       v += vb;
     }

@@ -9,41 +9,35 @@
 #include <string>
 #include <vector>
 
-#include "../transport/transport.h"
+#include "../aggregation.h"
 
 namespace hvd_sparse::omni {
 
 struct CoreOptions {
-  int workers = 0;       // 0: jobs of any size; else only jobs of exactly this many workers
-  double idle = 120;     // seconds after which an idle tensor or job is forgotten
+  int workers = 0;    // 0: jobs of any size; else only jobs of exactly this many workers
+  double idle = 120;  // seconds after which an idle tensor or job is forgotten
   size_t max_slot_bytes = size_t(2) << 30;  // cap on the accumulators' memory
   size_t max_jobs = 256;
 };
 
 // What the core counted; printed by the aggregator with its transports' counters.
+// clang-format off
 #define HS_CORE_COUNTERS(X) X(rounds) X(retransmits) X(duplicates) X(stale) X(malformed) \
   X(unknown_job) X(mismatch) X(overflow) X(jobs) X(tensors) X(released) X(expired)
+// clang-format on
 
-// A packet to send: shared, since one RESULT goes to every worker of the job.
-struct Out {
-  Endpoint to;
-  std::shared_ptr<const std::vector<uint8_t>> bytes;
-};
-
-class AggregatorCore {
+class AggregatorCore final : public Aggregation {
  public:
   explicit AggregatorCore(const CoreOptions& o);
-  ~AggregatorCore();
+  ~AggregatorCore() override;
 
-  // Handles one datagram from `from` received at time `now` (seconds, any monotonic clock);
-  // appends what must be sent to `out`. Thread-safe.
+  // Thread-safe (one lock).
   void handle(const uint8_t* p, size_t len, const Endpoint& from, double now,
-              std::vector<Out>& out);
-  // Forgets tensors and jobs idle for longer than `idle` (workers died, or lost RELEASE/BYE).
-  void expire(double now);
+              std::vector<Out>& out) override;
+  // Forgets tensors and jobs idle for longer than `idle`.
+  void expire(double now) override;
+  std::vector<std::pair<const char*, uint64_t>> counters() const override;
   size_t active_jobs();
-  // (name, value) of every counter.
-  std::vector<std::pair<const char*, uint64_t>> counters() const;
 
  private:
   struct Impl;

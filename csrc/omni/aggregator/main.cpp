@@ -2,7 +2,9 @@
 // round's sum to every worker (docs/PROTOCOL.md). A plain process without torch:
 //
 //   hvd-sparse-aggregator --bind 0.0.0.0:9999 --workers 4 [--threads 1] [--stats 10]
-//   hvd-sparse-aggregator --transport dpdk --dpdk "--no-huge --no-pci --vdev=net_af_packet0,iface=eth0" --bind 10.77.0.101:9999
+//   hvd-sparse-aggregator --transport dpdk --dpdk "--no-huge --no-pci
+//   --vdev=net_af_packet0,iface=eth0" --bind 10.77.0.101:9999
+// (9999 is the port of the docs, the testbed and the images: protocol.h's kAggregatorPort.)
 //
 // This file is the process: options, transports, one thread per queue, counters, exit. The
 // protocol is core.cpp's; the I/O is the transport's (../transport/).
@@ -72,8 +74,9 @@ std::vector<std::unique_ptr<Transport>> open_transports(const Options& o) {
       fail("--transport dpdk needs an explicit --bind ADDR:PORT (it answers ARP for ADDR)");
     ts = open_dpdk({o.dpdk_args, at, o.threads});
 #else
-    fail("this aggregator was built without DPDK (libdpdk-dev and pkg-config were not found "
-         "when it was compiled): install them and rebuild (make build), or use --transport udp");
+    fail(
+        "this aggregator was built without DPDK (libdpdk-dev and pkg-config were not found "
+        "when it was compiled): install them and rebuild (make build), or use --transport udp");
 #endif
   } else {
     fail("unknown --transport " + o.transport + " (udp or dpdk)");
@@ -85,7 +88,7 @@ std::vector<std::unique_ptr<Transport>> open_transports(const Options& o) {
 }
 
 // One queue: receive a batch, let the core handle it, send what it returns.
-void serve(AggregatorCore& core, Transport& t) {
+void serve(Aggregation& core, Transport& t) {
   std::vector<Datagram> in, send;
   std::vector<Out> out;
   while (!g_stop.load(std::memory_order_relaxed)) {
@@ -102,8 +105,7 @@ void serve(AggregatorCore& core, Transport& t) {
   }
 }
 
-std::string stats_json(AggregatorCore& core,
-                       const std::vector<std::unique_ptr<Transport>>& ts) {
+std::string stats_json(const Aggregation& core, const std::vector<std::unique_ptr<Transport>>& ts) {
   TransportCounters tc;
   for (auto& t : ts) tc += t->counters();
   std::string s = "{";
@@ -118,7 +120,8 @@ std::string stats_json(AggregatorCore& core,
 }
 
 void usage() {
-  std::fprintf(stderr,
+  std::fprintf(
+      stderr,
       "usage: hvd-sparse-aggregator --bind ADDR:PORT [--workers N] [--threads T]\n"
       "         [--transport udp|dpdk] [--dpdk \"EAL ARGS\"]\n"
       "         [--stats SECONDS] [--idle SECONDS] [--parent-pid PID] [--port-file PATH]\n"
@@ -135,13 +138,19 @@ Options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto val = [&]() -> std::string {
-      if (i + 1 >= argc) { usage(); std::exit(2); }
+      if (i + 1 >= argc) {
+        usage();
+        std::exit(2);
+      }
       return argv[++i];
     };
     if (a == "--bind") {
       std::string v = val();
       auto colon = v.rfind(':');
-      if (colon == std::string::npos) { usage(); std::exit(2); }
+      if (colon == std::string::npos) {
+        usage();
+        std::exit(2);
+      }
       o.host = v.substr(0, colon);
       o.port = std::atoi(v.c_str() + colon + 1);
     } else if (a == "--workers") o.core.workers = std::atoi(val().c_str());
@@ -157,10 +166,19 @@ Options parse(int argc, char** argv) {
     else if (a == "--dup-rate") o.loss.dup_in = std::atof(val().c_str());
     else if (a == "--reorder-rate") o.loss.reorder = std::atof(val().c_str());
     else if (a == "--seed") o.seed = std::strtoull(val().c_str(), nullptr, 10);
-    else if (a == "-h" || a == "--help") { usage(); std::exit(0); }
-    else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(); std::exit(2); }
+    else if (a == "-h" || a == "--help") {
+      usage();
+      std::exit(0);
+    } else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      usage();
+      std::exit(2);
+    }
   }
-  if (o.core.workers < 0 || o.core.workers > kMaxWorkers) { usage(); std::exit(2); }
+  if (o.core.workers < 0 || o.core.workers > kMaxWorkers) {
+    usage();
+    std::exit(2);
+  }
   return o;
 }
 
@@ -176,7 +194,7 @@ int main(int argc, char** argv) {
     prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (getppid() != o.parent) return 0;
   }
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
@@ -214,8 +232,14 @@ int main(int argc, char** argv) {
     usleep(50 * 1000);
     double t = monotonic_s();
     if (g_dump.exchange(false)) dump();
-    if (o.stats_every > 0 && t - last_stats >= o.stats_every) { dump(); last_stats = t; }
-    if (t - last_expire >= 1.0) { core.expire(ts[0]->now()); last_expire = t; }
+    if (o.stats_every > 0 && t - last_stats >= o.stats_every) {
+      dump();
+      last_stats = t;
+    }
+    if (t - last_expire >= 1.0) {
+      core.expire(ts[0]->now());
+      last_expire = t;
+    }
     if (o.parent && getppid() != o.parent) g_stop = true;
   }
   for (auto& th : threads) th.join();

@@ -14,7 +14,9 @@ struct LossRates {
   double drop_in = 0, drop_out = 0;  // probability a received / sent datagram vanishes
   double dup_in = 0, dup_out = 0;    // ... is delivered / sent twice
   double reorder = 0;                // ... of a received batch swaps with a random other
-  bool any() const { return drop_in > 0 || drop_out > 0 || dup_in > 0 || dup_out > 0 || reorder > 0; }
+  bool any() const {
+    return drop_in > 0 || drop_out > 0 || dup_in > 0 || dup_out > 0 || reorder > 0;
+  }
 };
 
 class Lossy : public Transport {
@@ -26,9 +28,15 @@ class Lossy : public Transport {
     inner_->recv(got_, max);
     in.clear();
     for (const Datagram& d : got_) {
-      if (hit(r_.drop_in)) { AtomicCounters::add(c_.injected_drops, 1); continue; }
+      if (hit(r_.drop_in)) {
+        AtomicCounters::add(c_.injected_drops, 1);
+        continue;
+      }
       in.push_back(d);
-      if (hit(r_.dup_in)) { AtomicCounters::add(c_.injected_dups, 1); in.push_back(d); }
+      if (hit(r_.dup_in)) {
+        AtomicCounters::add(c_.injected_dups, 1);
+        in.push_back(d);
+      }
     }
     if (r_.reorder > 0)
       for (size_t i = 0; i < in.size(); ++i)
@@ -39,9 +47,15 @@ class Lossy : public Transport {
   void send(const Datagram* out, size_t n) override {
     out_.clear();
     for (size_t i = 0; i < n; ++i) {
-      if (hit(r_.drop_out)) { AtomicCounters::add(c_.injected_drops, 1); continue; }
+      if (hit(r_.drop_out)) {
+        AtomicCounters::add(c_.injected_drops, 1);
+        continue;
+      }
       out_.push_back(out[i]);
-      if (hit(r_.dup_out)) { AtomicCounters::add(c_.injected_dups, 1); out_.push_back(out[i]); }
+      if (hit(r_.dup_out)) {
+        AtomicCounters::add(c_.injected_dups, 1);
+        out_.push_back(out[i]);
+      }
     }
     inner_->send(out_.data(), out_.size());
   }

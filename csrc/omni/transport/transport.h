@@ -38,8 +38,10 @@ struct Datagram {
 // What a transport counted. rx_ignored: frames that were not UDP datagrams for us (ARP, other
 // ports, IP fragments); tx_dropped: datagrams the link or queue could not take (loss recovery
 // resends them).
+// clang-format off
 #define HS_TRANSPORT_COUNTERS(X) X(rx_packets) X(rx_bytes) X(tx_packets) X(tx_bytes) \
   X(tx_dropped) X(rx_ignored) X(injected_drops) X(injected_dups)
+// clang-format on
 struct TransportCounters {
 #define HS_DECL(n) uint64_t n = 0;
   HS_TRANSPORT_COUNTERS(HS_DECL)
@@ -53,8 +55,7 @@ struct TransportCounters {
 };
 
 inline double monotonic_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 class Transport {
@@ -89,7 +90,9 @@ struct AtomicCounters {
 #undef HS_LOAD
     return c;
   }
-  static void add(std::atomic<uint64_t>& c, uint64_t v) { c.fetch_add(v, std::memory_order_relaxed); }
+  static void add(std::atomic<uint64_t>& c, uint64_t v) {
+    c.fetch_add(v, std::memory_order_relaxed);
+  }
 };
 
 }  // namespace hvd_sparse::omni

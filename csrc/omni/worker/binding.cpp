@@ -39,7 +39,8 @@ class PyWorker {
                  std::optional<at::Tensor> mask, const std::string& name, double scale,
                  std::optional<int64_t> exponent) {
     TORCH_CHECK(input.is_contiguous() && output.is_contiguous() && input.device().is_cpu() &&
-                output.device().is_cpu(), "omnireduce: tensors must be contiguous CPU tensors");
+                    output.device().is_cpu(),
+                "omnireduce: tensors must be contiguous CPU tensors");
     TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
                 "omnireduce: output must match the input");
     TORCH_CHECK(bs >= 1 && bs <= 65535, "omnireduce: block_size ", bs, " out of range");
@@ -65,7 +66,7 @@ class PyWorker {
     const uint8_t* m = nullptr;
     if (mask) {
       TORCH_CHECK(mask->scalar_type() == at::kByte &&
-                  mask->numel() == num_blocks(input.numel(), bs) && mask->is_contiguous(),
+                      mask->numel() == num_blocks(input.numel(), bs) && mask->is_contiguous(),
                   "omnireduce: mask must be uint8 with one entry per block");
       m = mask->data_ptr<uint8_t>();
     }
@@ -125,25 +126,43 @@ class PyWorker {
 
 void register_omni(py::module_& m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
+  const WorkerOptions d;  // the engine's defaults, which are hvd_sparse.config.Config's
   py::class_<PyWorker>(m, "OmniWorker")
       .def(py::init<const std::vector<std::pair<std::string, int>>&, uint64_t, int, int, int, int,
                     double, double, double, double, uint64_t>(),
            py::arg("aggregators"), py::arg("token"), py::arg("worker"), py::arg("nworkers"),
-           py::arg("payload_bytes") = 16384, py::arg("slots_per_aggregator") = 64,
-           py::arg("rto") = 0.02, py::arg("timeout") = 30.0, py::arg("drop_rate") = 0.0,
+           py::arg("payload_bytes") = d.payload, py::arg("slots_per_aggregator") = d.slots_per_agg,
+           py::arg("rto") = d.rto, py::arg("timeout") = d.timeout, py::arg("drop_rate") = 0.0,
            py::arg("dup_rate") = 0.0, py::arg("seed") = 0)
-      .def("register", [](PyWorker& w, double timeout) { w.worker().register_all(timeout); },
-           py::arg("timeout"), nogil())
+      .def(
+          "register", [](PyWorker& w, double timeout) { w.worker().register_all(timeout); },
+          py::arg("timeout"), nogil())
       .def("submit", &PyWorker::submit, py::arg("tensor_id"), py::arg("input"), py::arg("output"),
            py::arg("block_size"), py::arg("meta"), py::arg("mask") = py::none(),
-           py::arg("name") = "", py::arg("scale") = 1.0, py::arg("exponent") = py::none(),
-           nogil())
-      .def("poll", [](PyWorker& w, int64_t t) { return w.worker().poll(t); }, nogil())
-      .def("wait", [](PyWorker& w, int64_t t, double timeout) { return w.worker().wait(t, timeout); },
-           py::arg("ticket"), py::arg("timeout"), nogil())
+           py::arg("name") = "", py::arg("scale") = 1.0, py::arg("exponent") = py::none(), nogil())
+      .def(
+          "poll", [](PyWorker& w, int64_t t) { return w.worker().poll(t); }, nogil())
+      .def(
+          "wait",
+          [](PyWorker& w, int64_t t, double timeout) { return w.worker().wait(t, timeout); },
+          py::arg("ticket"), py::arg("timeout"), nogil())
       .def("finish", &PyWorker::finish)
       .def("stats", &PyWorker::stats)
-      .def("close", [](PyWorker& w) { w.worker().close(); }, nogil());
+      .def(
+          "payload_bytes", [](PyWorker& w) { return w.worker().payload(); }, nogil(),
+          "Bytes of block values per packet: payload_bytes, capped at what one slot of a "
+          "switch holds once its REGACK said so (register first).")
+      .def(
+          "slot_geometry",
+          [](PyWorker& w) {
+            const RegAck g = w.worker().slot_geometry();
+            return std::make_pair(g.values_per_pass, g.cells_per_slot);
+          },
+          nogil(),
+          "(values_per_pass, cells_per_slot) of a switch's slots, from its REGACK; (0, 0) "
+          "from software aggregators: no per-slot cap.")
+      .def(
+          "close", [](PyWorker& w) { w.worker().close(); }, nogil());
 }
 
 }  // namespace hvd_sparse::omni

@@ -6,7 +6,7 @@
 #include <stdexcept>
 
 #include "../../blocks.h"
-#include "../halfconv.h"
+#include "../values.h"
 
 namespace hvd_sparse::omni {
 
@@ -16,39 +16,6 @@ constexpr double kMaxRto = 1.0;
 constexpr double kKeepalive = 10.0;  // seconds; the aggregator's --idle default is 120
 
 namespace {
-
-// out = v * scale, element by element: float32 and 16-bit values multiply in float32 (as
-// torch's x.mul_(scale) does), float64 in float64.
-void scale_block(uint8_t* o, const uint8_t* v, size_t n, uint8_t dtype, double scale) {
-  const float sf = float(scale);
-  for (size_t i = 0; i < n; ++i) {
-    switch (dtype) {
-      case kF64: { double x; std::memcpy(&x, v + 8 * i, 8); x *= scale; std::memcpy(o + 8 * i, &x, 8); break; }
-      case kF32: { float x; std::memcpy(&x, v + 4 * i, 4); x *= sf; std::memcpy(o + 4 * i, &x, 4); break; }
-      case kF16: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); x = float_to_f16(f16_to_float(x) * sf); std::memcpy(o + 2 * i, &x, 2); break; }
-      default: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); x = float_to_bf16(bf16_to_float(x) * sf); std::memcpy(o + 2 * i, &x, 2); break; }
-    }
-  }
-}
-
-double load(const uint8_t* v, size_t i, uint8_t dtype) {
-  switch (dtype) {
-    case kF64: { double x; std::memcpy(&x, v + 8 * i, 8); return x; }
-    case kF32: { float x; std::memcpy(&x, v + 4 * i, 4); return x; }
-    case kF16: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); return f16_to_float(x); }
-    default: { uint16_t x; std::memcpy(&x, v + 2 * i, 2); return bf16_to_float(x); }
-  }
-}
-
-// Rounds a float64 value once to the tensor's dtype (16-bit ones through round-to-odd float32).
-void store(uint8_t* o, size_t i, double x, uint8_t dtype) {
-  switch (dtype) {
-    case kF64: std::memcpy(o + 8 * i, &x, 8); break;
-    case kF32: { float f = float(x); std::memcpy(o + 4 * i, &f, 4); break; }
-    case kF16: { uint16_t h = float_to_f16(to_float_odd(x)); std::memcpy(o + 2 * i, &h, 2); break; }
-    default: { uint16_t h = float_to_bf16(to_float_odd(x)); std::memcpy(o + 2 * i, &h, 2); break; }
-  }
-}
 
 // x * 2^e, exactly (but for subnormal results, rounded alike): one multiplication where 2^e
 // is a normal double (ldexp per element costs 3x more), ldexp otherwise.
@@ -62,35 +29,41 @@ struct Pow2 {
 // int32 LE q = x * 2^e rounded to nearest, ties to even (nearbyint in the default rounding
 // mode), clamped to the int32 range. NaN (never sent in fixed point: the caller falls back
 // first) becomes 0 rather than undefined behaviour.
-void quantize(uint8_t* q, const uint8_t* v, size_t n, uint8_t dtype, int e) {
-  const Pow2 up(e);
+template <typename V>
+void quantize(uint8_t* q, const uint8_t* v, size_t n, const Pow2 up) {
   for (size_t i = 0; i < n; ++i) {
-    const double r = std::nearbyint(up(load(v, i, dtype)));
-    const int32_t x = r >= double(INT32_MAX) ? INT32_MAX : r <= double(INT32_MIN) ? INT32_MIN
-                      : r == r ? int32_t(r) : 0;
-    std::memcpy(q + 4 * i, &x, 4);
+    const double r = std::nearbyint(up(double(V::get(v, i))));
+    const int32_t x = r >= double(INT32_MAX)   ? INT32_MAX
+                      : r <= double(INT32_MIN) ? INT32_MIN
+                      : r == r                 ? int32_t(r)
+                                               : 0;
+    Value<kFixed32>::put(q, i, x);
   }
+}
+void quantize(uint8_t* q, const uint8_t* v, size_t n, uint8_t dtype, int e) {
+  with_dtype(dtype, [=](auto t) { quantize<decltype(t)>(q, v, n, Pow2(e)); });
 }
 
 // out = q * 2^-e * scale in float64 (exact but for the scale), rounded once to the dtype.
+template <typename V>
+void dequantize(uint8_t* o, const uint8_t* q, size_t n, const Pow2 down, double scale) {
+  for (size_t i = 0; i < n; ++i)
+    V::put_double(o, i, down(double(Value<kFixed32>::get(q, i))) * scale);
+}
 void dequantize(uint8_t* o, const uint8_t* q, size_t n, uint8_t dtype, int e, double scale) {
-  const Pow2 down(-e);
-  for (size_t i = 0; i < n; ++i) {
-    int32_t x;
-    std::memcpy(&x, q + 4 * i, 4);
-    store(o, i, down(double(x)) * scale, dtype);
-  }
+  with_dtype(dtype, [=](auto t) { dequantize<decltype(t)>(o, q, n, Pow2(-e), scale); });
 }
 
 }  // namespace
 
 Engine::Engine(std::vector<AggregatorPath> aggs, const EngineOptions& o, Transport& io,
                std::function<void()> finished)
-    : o_(o), io_(io), finished_(std::move(finished)), rng_(o.seed), aggs_(std::move(aggs)) {
+    : o_(o), io_(io), finished_(std::move(finished)), rng_(o.seed), aggs_(std::move(aggs)),
+      payload_(o.payload) {
   if (aggs_.empty()) throw std::runtime_error("omnireduce: no aggregators");
   if (o.nworkers < 1 || o.nworkers > kMaxWorkers || o.worker >= o.nworkers)
-    throw std::runtime_error("omnireduce: bad worker id " + std::to_string(o.worker) +
-                                " of " + std::to_string(o.nworkers));
+    throw std::runtime_error("omnireduce: bad worker id " + std::to_string(o.worker) + " of " +
+                             std::to_string(o.nworkers));
 }
 
 void Engine::prepare(TensorW& t, const uint8_t* mask) const {
@@ -101,14 +74,14 @@ void Engine::prepare(TensorW& t, const uint8_t* mask) const {
   if (bs < 1 || bs > 65535 ||
       bs * t.wsize + kHeaderBytes + kBitmapBytes + kLaneBytes > size_t(kMaxDatagram))
     throw std::runtime_error("omnireduce: block_size " + std::to_string(bs) +
-                                " does not fit in one datagram");
+                             " does not fit in one datagram");
   const int64_t nb = num_blocks(t.numel, int64_t(bs));
   if (nb < 1 || nb >= int64_t(kInf))
     throw std::runtime_error("omnireduce: tensor size out of range");
   t.nblocks = uint32_t(nb);
-  const uint64_t slots = groups_ ? std::min<uint64_t>(groups_, o_.slots_per_agg)
-                                 : uint64_t(o_.slots_per_agg);
-  const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.wsize), uint64_t(o_.payload),
+  const uint64_t slots =
+      groups_ ? std::min<uint64_t>(groups_, o_.slots_per_agg) : uint64_t(o_.slots_per_agg);
+  const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.wsize), uint64_t(payload_),
                             uint64_t(aggs_.size()) * slots);
   t.lanes = geo.lanes;
   t.nslots = geo.nslots;
@@ -127,7 +100,10 @@ void Engine::prepare(TensorW& t, const uint8_t* mask) const {
   }
   t.start.assign(L + 1, 0);
   for (uint32_t b = 0; b < t.nblocks; ++b)
-    if (m[b]) { t.start[b % L + 1]++; t.nnz_local++; }
+    if (m[b]) {
+      t.start[b % L + 1]++;
+      t.nnz_local++;
+    }
   for (uint32_t j = 0; j < L; ++j) t.start[j + 1] += t.start[j];
   t.pos.resize(t.nnz_local);
   std::vector<uint32_t> fill(t.start.begin(), t.start.end() - 1);
@@ -256,10 +232,17 @@ void Engine::build_data(TensorW& t, SlotW& s) {
   s.pkt.resize(data_bytes(t.lanes, present, t.bs, t.wire));
   uint8_t* p = s.pkt.data();
   Header h = make_header(kData, o_.token, o_.worker, o_.nworkers);
-  h.dtype = t.wire; h.slot = s.g; h.tensor = t.id; h.round = s.round;
+  h.dtype = t.wire;
+  h.slot = s.g;
+  h.tensor = t.id;
+  h.round = s.round;
   h.flags = s.round & 1 ? kFlagShadow : 0;
-  h.lanes = uint16_t(t.lanes); h.block_size = uint16_t(t.bs); h.nblocks = t.nblocks;
-  h.nslots = t.nslots; h.meta = t.meta; h.present = present;
+  h.lanes = uint16_t(t.lanes);
+  h.block_size = uint16_t(t.bs);
+  h.nblocks = t.nblocks;
+  h.nslots = t.nslots;
+  h.meta = t.meta;
+  h.present = present;
   store_header(p, h);
   st64(p + kHeaderBytes, bitmap);
   uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
@@ -314,20 +297,18 @@ void Engine::write_block(TensorW& t, uint64_t b, const uint8_t* v) {
   uint8_t* o = t.out + b * size_t(t.bs) * t.esize;
   if (t.fixed) dequantize(o, v, n, t.dtype, t.exponent, t.scale);
   else if (t.scale == 1.0) std::memcpy(o, v, n * t.esize);
-  else scale_block(o, v, n, t.dtype, t.scale);
+  else scale_values(o, v, n, t.dtype, t.scale);
 }
 
 void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, double now) {
+  // The header matches the tensor (on_packet), so this is the slot's lane table at its lanes'
+  // positions, checked as every receiver checks one.
+  if (!lanes_valid(h, p, s.cur.data())) {
+    c_.malformed++;
+    return;
+  }
   const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
   const uint64_t bitmap = ld64(p + kHeaderBytes);
-  if ((t.lanes < 64 && (bitmap >> t.lanes)) ||
-      uint32_t(__builtin_popcountll(bitmap)) != h.present) { c_.malformed++; return; }
-  for (uint32_t l = 0; l < t.lanes; ++l) {
-    uint32_t off = ld32(lane + l * kLaneBytes), nxt = ld32(lane + l * kLaneBytes + 4);
-    uint32_t len = stream_length(s.g, l, t.nblocks, t.nslots, t.lanes);
-    if (off != s.cur[l] || (off == kInf && ((bitmap >> l & 1) || nxt != kInf)) ||
-        (nxt != kInf && (nxt <= off || nxt >= len))) { c_.malformed++; return; }
-  }
   const uint8_t* v = lane + size_t(t.lanes) * kLaneBytes;
   const size_t vb = size_t(t.bs) * t.wsize;
   bool last = true;
@@ -397,52 +378,93 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
   c_.rx_packets++;
   c_.rx_bytes += len;
   Header h = load_header(p);
-  if (check_structure(h, len) || h.token != o_.token) { c_.malformed++; return; }
-  // Registration replies: REGACK, or an ERROR refusing the job (never a tensor's error).
-  if (h.type == kRegAck || (h.type == kError && h.round == kErrJob) ||
-      (h.type == kError && registering_ &&
-       (h.round == kErrCapacity || h.round == kErrUnsupported))) {
-    for (size_t k = 0; k < aggs_.size(); ++k) {
-      if (acked_.size() <= k) break;
-      if (!(from == aggs_[k].addr)) continue;
-      if (h.type == kRegAck) {
-        acked_[k] = 1;
-        if (h.nslots) groups_ = groups_ ? std::min(groups_, h.nslots) : h.nslots;
-        continue;
-      }
-      reg_error_ = "omnireduce: aggregator " + aggs_[k].name + " refused the job: " +
-                   (h.round == kErrJob
-                        ? "the worker count differs from its --workers, or the job is not "
-                          "installed"
-                    : h.round == kErrCapacity ? "it serves as many jobs as it can hold"
-                                              : "more workers than it can count (a switch "
-                                                "counts 32)");
-    }
+  if (check_structure(h, len) || h.token != o_.token) {
+    c_.malformed++;
     return;
   }
+  // Registration replies: REGACK, or an ERROR refusing the job (never a tensor's error).
+  if (h.type == kRegAck || (h.type == kError && h.round == kErrJob) ||
+      (h.type == kError && registering_ && (h.round == kErrCapacity || h.round == kErrUnsupported)))
+    return on_registration(h, from);
   auto it = by_id_.find(h.tensor);
-  if (it == by_id_.end()) { c_.stale++; return; }  // a late duplicate of a finished tensor
-  TensorW& t = *it->second;
-  if (h.slot >= t.nslots) { c_.malformed++; return; }
-  SlotW& s = t.slots[h.slot];
-  if (h.type == kError) {
-    std::string why =
-        h.round == kErrMismatch
-            ? "tensor mismatch across ranks: the ranks disagree on its shape, dtype or size"
-        : h.round == kErrOverflow
-            ? "fixed-point overflow: a sum left the int32 range (the ranks disagree on the "
-              "tensor's scale)"
-        : h.round == kErrUnsupported
-            ? "the switch cannot aggregate it (it sums only fixed point, and at most 8 KiB "
-              "of values per packet)"
-            : "aggregator out of memory";
-    return fail(t, why + " (reported by aggregator " + aggs_[s.agg].name + ")");
+  // None: a late duplicate of a finished tensor.
+  if (it == by_id_.end()) {
+    c_.stale++;
+    return;
   }
-  if (h.type != kResult) { c_.malformed++; return; }
-  if (h.dtype != t.wire || h.lanes != t.lanes || h.block_size != t.bs ||
-      h.nblocks != t.nblocks || h.nslots != t.nslots) { c_.malformed++; return; }
-  if (s.done || h.round != s.round) { c_.stale++; return; }  // duplicate or retransmitted result
+  TensorW& t = *it->second;
+  if (h.slot >= t.nslots) {
+    c_.malformed++;
+    return;
+  }
+  SlotW& s = t.slots[h.slot];
+  if (h.type == kError)
+    return fail(t, error_text(h.round) + " (reported by aggregator " + aggs_[s.agg].name + ")");
+  if (h.type != kResult) {
+    c_.malformed++;
+    return;
+  }
+  if (h.dtype != t.wire || h.lanes != t.lanes || h.block_size != t.bs || h.nblocks != t.nblocks ||
+      h.nslots != t.nslots) {
+    c_.malformed++;
+    return;
+  }
+  // A duplicate or a retransmitted result.
+  if (s.done || h.round != s.round) {
+    c_.stale++;
+    return;
+  }
   on_result(t, s, h, p, now);
+}
+
+// A REGACK or a refusal from the aggregator at `from`.
+void Engine::on_registration(const Header& h, const Endpoint& from) {
+  for (size_t k = 0; k < aggs_.size() && k < acked_.size(); ++k) {
+    if (!(from == aggs_[k].addr)) continue;
+    if (h.type == kRegAck) {
+      acked_[k] = 1;
+      on_regack(load_regack(h));
+      continue;
+    }
+    reg_error_ =
+        "omnireduce: aggregator " + aggs_[k].name + " refused the job: " +
+        (h.round == kErrJob ? "the worker count differs from its --workers, or the job is not "
+                              "installed"
+         : h.round == kErrCapacity ? "it serves as many jobs as it can hold"
+                                   : "more workers than it can count (a switch counts " +
+                                         std::to_string(kSwitchMaxWorkers) + ")");
+  }
+}
+
+// A switch's REGACK: a tensor lays out no more slots than the job's groups there, and no packet
+// carries more values than one of its slots holds (the smallest, over several switches).
+void Engine::on_regack(const RegAck& a) {
+  if (a.groups) groups_ = groups_ ? std::min(groups_, a.groups) : a.groups;
+  const uint64_t bytes = a.slot_bytes();
+  if (bytes == 0 || (geometry_.slot_bytes() && geometry_.slot_bytes() <= bytes)) return;
+  geometry_ = {0, a.values_per_pass, a.cells_per_slot};
+  payload_ = std::min<int64_t>(o_.payload, int64_t(bytes));
+}
+
+std::string Engine::error_text(uint32_t code) const {
+  switch (code) {
+    case kErrMismatch:
+      return "tensor mismatch across ranks: the ranks disagree on its shape, dtype or size";
+    case kErrOverflow:
+      return "fixed-point overflow: a sum left the int32 range (the ranks disagree on the "
+             "tensor's scale)";
+    case kErrUnsupported: {
+      const uint64_t bytes =
+          geometry_.slot_bytes()
+              ? geometry_.slot_bytes()
+              : RegAck{0, kSwitchValuesPerPass, kSwitchCellsPerSlot}.slot_bytes();
+      return "the switch cannot aggregate it (it sums only fixed point, and at most " +
+             (bytes % 1024 ? std::to_string(bytes) + " bytes"
+                           : std::to_string(bytes / 1024) + " KiB") +
+             " of values per packet)";
+    }
+    default: return "aggregator out of memory";
+  }
 }
 
 void Engine::check_timers(double now) {
@@ -453,11 +475,16 @@ void Engine::check_timers(double now) {
       if (now - s.progress_at > o_.timeout) {
         const AggregatorPath& a = aggs_[s.agg];
         failed.emplace_back(t, "no result from aggregator " + a.name + " for " +
-            std::to_string(int(o_.timeout)) + " s (slot " + std::to_string(s.g) + ", round " +
-            std::to_string(s.round) + (s.inflight ? ", sent" : s.queued ? ", waiting for the "
-            "window" : ", not sent") + ", " + std::to_string(a.inflight) + " in flight of a " +
-            "window of " + std::to_string(int(a.cwnd)) + "): the aggregator is down or a peer "
-            "rank has not submitted this tensor");
+                                   std::to_string(int(o_.timeout)) + " s (slot " +
+                                   std::to_string(s.g) + ", round " + std::to_string(s.round) +
+                                   (s.inflight ? ", sent"
+                                    : s.queued ? ", waiting for the "
+                                                 "window"
+                                               : ", not sent") +
+                                   ", " + std::to_string(a.inflight) + " in flight of a " +
+                                   "window of " + std::to_string(int(a.cwnd)) +
+                                   "): the aggregator is down or a peer "
+                                   "rank has not submitted this tensor");
         break;
       }
       if (s.inflight && now - s.sent_at > s.rto) {
@@ -473,7 +500,6 @@ void Engine::check_timers(double now) {
   }
   for (auto& [t, why] : failed) fail(*t, why);
 }
-
 
 void Engine::tick(double now) {
   if (now - last_timers_ > 1e-3) {

@@ -39,12 +39,12 @@ namespace hvd_sparse::omni {
 struct AggregatorPath {
   Endpoint addr;
   std::string name;
-  double srtt = 0, rttvar = 0;  // round time and its deviation, from unretransmitted rounds
+  double srtt = 0, rttvar = 0;       // round time and its deviation, from unretransmitted rounds
   double cwnd = 8, ssthresh = 4096;  // the initial window, and slow start up to the maximum
-  int64_t inflight = 0;         // DATA packets sent and not yet answered
-  double last_cut = 0;          // when the window was last halved
-  double answered_sent_at = 0;  // latest send time of an answered round
-  double next_send = 0;         // pacing: earliest time of the next send
+  int64_t inflight = 0;              // DATA packets sent and not yet answered
+  double last_cut = 0;               // when the window was last halved
+  double answered_sent_at = 0;       // latest send time of an answered round
+  double next_send = 0;              // pacing: earliest time of the next send
   uint64_t cuts = 0;
   std::deque<std::pair<uint64_t, uint32_t>> ready;  // (tensor, slot) waiting for the window
 };
@@ -67,8 +67,8 @@ struct TensorW {
   std::string name;
   std::shared_ptr<void> hold;  // keeps the caller's buffers alive; released by the caller
   const uint8_t* in = nullptr;
-  uint8_t* out = nullptr;      // the input itself, or zeros: only blocks some worker sends are written
-  uint8_t dtype = 0;           // the tensor's own dtype (input and output)
+  uint8_t* out = nullptr;  // the input itself, or zeros: only blocks some worker sends are written
+  uint8_t dtype = 0;       // the tensor's own dtype (input and output)
   int64_t numel = 0;
   uint32_t bs = 0, meta = 0;
   double scale = 1.0;
@@ -77,8 +77,8 @@ struct TensorW {
   bool fixed = false;
   int exponent = 0;
 
-  uint8_t wire = 0;            // the dtype of DATA and RESULT: `dtype`, or kFixed32
-  int esize = 4, wsize = 4;    // bytes per element of the tensor, and on the wire
+  uint8_t wire = 0;          // the dtype of DATA and RESULT: `dtype`, or kFixed32
+  int esize = 4, wsize = 4;  // bytes per element of the tensor, and on the wire
   uint32_t nblocks = 0, nslots = 0, lanes = 0;
   std::vector<uint32_t> start, pos;  // CSR: non-zero positions of each stream
   std::vector<SlotW> slots;
@@ -90,18 +90,21 @@ struct TensorW {
            union_blocks = 0, nnz_local = 0;
 };
 
+// Defaults: hvd_sparse/config.py's Config (payload_bytes, slots, rto); the binding's are these.
 struct EngineOptions {
   uint64_t token = 0;
   uint16_t worker = 0, nworkers = 1;
-  int64_t payload = 16384;     // bytes of block values per packet
+  int64_t payload = 64512;     // bytes of block values per packet (63 float32 blocks of 256)
   int64_t slots_per_agg = 64;  // packets each tensor keeps in flight per aggregator
-  double rto = 0.02;           // floor of the retransmission timeout
+  double rto = 0.05;           // floor of the retransmission timeout
   double timeout = 30.0;       // no progress for this long fails a tensor
   uint64_t seed = 0;
 };
 
+// clang-format off
 #define HS_WORKER_COUNTERS(X) X(tx_packets) X(tx_bytes) X(rx_packets) X(rx_bytes) \
   X(retransmits) X(malformed) X(stale)
+// clang-format on
 
 class Engine {
  public:
@@ -136,6 +139,11 @@ class Engine {
   void close();
 
   size_t inflight() const { return by_id_.size(); }
+  // Bytes of block values per packet: the configured payload, capped at what one slot of a
+  // switch holds once its REGACK said so.
+  int64_t payload() const { return payload_; }
+  // The slot geometry a switch's REGACK gave (groups left 0), or zeros: no per-slot cap.
+  RegAck slot_geometry() const { return geometry_; }
   const std::vector<AggregatorPath>& aggregators() const { return aggs_; }
   double rto_for(const AggregatorPath& a) const;
   std::vector<std::pair<const char*, uint64_t>> counters() const;
@@ -154,6 +162,9 @@ class Engine {
   void send_control(int agg, uint8_t type, uint64_t tensor, uint32_t slot = 0);
   void write_block(TensorW& t, uint64_t b, const uint8_t* v);
   void on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, double now);
+  void on_registration(const Header& h, const Endpoint& from);
+  void on_regack(const RegAck& a);
+  std::string error_text(uint32_t code) const;
   void complete(TensorW& t);
   void finish(TensorW& t);
   void fail_only(TensorW& t, const std::string& why);
@@ -171,8 +182,11 @@ class Engine {
   std::string reg_error_;
   bool registering_ = false;
   // A switch's REGACK carries how many slot groups the job owns (0 from software aggregators):
-  // a tensor never uses more slots than that, and releases each slot as it completes.
+  // a tensor never uses more slots than that, and releases each slot as it completes. It
+  // carries the slot geometry too, which caps the payload.
   uint32_t groups_ = 0;
+  RegAck geometry_;
+  int64_t payload_;
   double last_timers_ = 0, last_keepalive_ = 0;
   struct {
 #define HS_DECL(n) uint64_t n = 0;

@@ -24,8 +24,7 @@ AggregatorPath resolve(const std::string& host, int port) {
     throw std::runtime_error("omnireduce: cannot resolve aggregator " + host + ": " +
                              gai_strerror(rc));
   AggregatorPath a;
-  a.addr = {reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr.s_addr,
-            htons(uint16_t(port))};
+  a.addr = {reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr.s_addr, htons(uint16_t(port))};
   a.name = host + ":" + std::to_string(port);
   freeaddrinfo(res);
   return a;
@@ -64,7 +63,10 @@ void Worker::register_all(double timeout) {
   }
   struct Done {
     Worker* w;
-    ~Done() { std::lock_guard<std::mutex> lock(w->mu_); w->engine_->end_registration(); }
+    ~Done() {
+      std::lock_guard<std::mutex> lock(w->mu_);
+      w->engine_->end_registration();
+    }
   } done{this};
   const double deadline = monotonic_s() + timeout;
   while (true) {
@@ -73,8 +75,8 @@ void Worker::register_all(double timeout) {
       if (engine_->register_step()) return;
       if (monotonic_s() > deadline)
         throw std::runtime_error("omnireduce: aggregator(s) " + engine_->unregistered() +
-                                 " did not answer registration within " +
-                                 std::to_string(timeout) + " s");
+                                 " did not answer registration within " + std::to_string(timeout) +
+                                 " s");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -125,6 +127,16 @@ Worker::Stats Worker::stats() {
   s.paths = engine_->aggregators();
   for (auto& a : s.paths) s.rto.push_back(engine_->rto_for(a));
   return s;
+}
+
+int64_t Worker::payload() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_->payload();
+}
+
+RegAck Worker::slot_geometry() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_->slot_geometry();
 }
 
 void Worker::close() {

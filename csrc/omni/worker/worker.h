@@ -47,6 +47,9 @@ class Worker {
     std::vector<double> rto;
   };
   Stats stats();
+  // The engine's payload() and slot_geometry(): what registration learnt from a switch.
+  int64_t payload();
+  RegAck slot_geometry();
   // BYE to the aggregators; fails what is in flight; joins the thread. Idempotent.
   void close();
 

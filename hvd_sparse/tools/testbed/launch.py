@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from pyroute2 import netns
 
+from ... import protocol
 from ...aggregator import binary
 from . import links
 from .topology import AGGREGATOR_PORT, Testbed
@@ -64,7 +65,7 @@ def start_switch(tb: Testbed) -> None:
     tb.log_dir().mkdir(parents=True, exist_ok=True)
     ready, log = tb.log_dir() / "switch.ready", tb.log_dir() / "switch.log"
     ready.unlink(missing_ok=True)
-    groups = 8192 // control.CELLS_PER_SLOT
+    groups = protocol.SWITCH_CELLS // protocol.SWITCH_CELLS_PER_SLOT
     cmd = control.command(control.eal_args([h.port for h in tb.hosts], f"{tb.name}-sw"),
                           [h.name for h in tb.hosts], aggregate=tb.switch_address,
                           control=tb.switch_control, auto_groups=groups // 4, ready_file=ready)

@@ -9,10 +9,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ... import runfile
+from ...protocol import AGGREGATOR_PORT
 
 STATE_DIR = Path(os.environ.get("HVD_SPARSE_TESTBED_DIR", "/run/hvd-sparse"))
 SUBNET = "10.77.0"  # every testbed has its own switch, so testbeds never see each other's
-AGGREGATOR_PORT = 9999
 
 
 MAX_RATE = 8 * (2**32 - 1)  # tbf's rate field: 32-bit bytes per second (about 34 Gbit/s)

@@ -29,9 +29,9 @@ inline rte_arp_hdr* arp_of(rte_mbuf* m) {
 }
 
 // An ARP frame from (mac, ip) to `to_mac` about (target, target_ip), or nullptr.
-inline rte_mbuf* arp_frame(rte_mempool* pool, uint16_t op, const rte_ether_addr& mac,
-                           uint32_t ip, const rte_ether_addr& to_mac,
-                           const rte_ether_addr& target, uint32_t target_ip) {
+inline rte_mbuf* arp_frame(rte_mempool* pool, uint16_t op, const rte_ether_addr& mac, uint32_t ip,
+                           const rte_ether_addr& to_mac, const rte_ether_addr& target,
+                           uint32_t target_ip) {
   rte_mbuf* r = rte_pktmbuf_alloc(pool);
   if (!r) return nullptr;
   const uint16_t len = sizeof(rte_ether_hdr) + sizeof(rte_arp_hdr);
@@ -93,8 +93,7 @@ inline bool parse_udp(rte_mbuf* m, Udp* u) {
 // mbuf; the UDP checksum is left 0 ("none", valid over IPv4) for the caller to fill.
 inline rte_udp_hdr* write_udp(rte_mbuf* m, const rte_ether_addr& src_mac,
                               const rte_ether_addr& dst_mac, const Endpoint& from,
-                              const Endpoint& to, const uint8_t* data, size_t len,
-                              uint16_t ip_id) {
+                              const Endpoint& to, const uint8_t* data, size_t len, uint16_t ip_id) {
   auto* eth = reinterpret_cast<rte_ether_hdr*>(rte_pktmbuf_append(m, uint16_t(kHeaders + len)));
   eth->dst_addr = dst_mac;
   eth->src_addr = src_mac;

@@ -18,11 +18,11 @@
 namespace hvd_sparse::omni {
 namespace {
 
-constexpr uint16_t kRing = 1024;                 // descriptors per queue and direction
-constexpr uint16_t kDataRoom = 16384;            // bytes per mbuf: a whole jumbo frame
+constexpr uint16_t kRing = 1024;       // descriptors per queue and direction
+constexpr uint16_t kDataRoom = 16384;  // bytes per mbuf: a whole jumbo frame
 using frames::kHeaders;
-constexpr double kArpRetry = 0.05;               // seconds between ARP requests for one peer
-constexpr uint32_t kSpins = 256;                 // empty polls before an idle queue sleeps
+constexpr double kArpRetry = 0.05;  // seconds between ARP requests for one peer
+constexpr uint32_t kSpins = 256;    // empty polls before an idle queue sleeps
 
 // State every queue shares: the port, its pool, and the neighbour table (a peer's packets may
 // arrive on one queue while another queue sends it a RESULT).
@@ -182,8 +182,8 @@ class DpdkQueue : public Transport {
     }
     rte_mbuf* m = rte_pktmbuf_alloc(port_->pool);
     if (!m) return drop();
-    rte_udp_hdr* udp = frames::write_udp(m, port_->mac, dst, port_->self, d.peer, d.data, d.len,
-                                         ip_id_++);
+    rte_udp_hdr* udp =
+        frames::write_udp(m, port_->mac, dst, port_->self, d.peer, d.data, d.len, ip_id_++);
     auto* ip = reinterpret_cast<const rte_ipv4_hdr*>(udp) - 1;
     udp->dgram_cksum = udp_checksum(ip, udp, d);  // receivers' kernels verify it
     AtomicCounters::add(c_.tx_packets, 1);
@@ -215,7 +215,7 @@ class DpdkQueue : public Transport {
   const uint16_t q_;
   std::vector<rte_mbuf*> held_;  // the datagrams of the last recv() point into these
   uint16_t ip_id_ = 0;
-  uint32_t idle_ = 0;  // empty polls in a row
+  uint32_t idle_ = 0;                // empty polls in a row
   const uint8_t* summed_ = nullptr;  // the payload whose checksum is payload_sum_
   size_t summed_len_ = 0;
   uint32_t payload_sum_ = 0;
@@ -238,30 +238,36 @@ std::vector<std::unique_ptr<Transport>> open_dpdk(const DpdkOptions& o) {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   if (rte_eal_init(int(argv.size()), argv.data()) < 0)
-    fail("EAL initialization failed (" + std::string(rte_strerror(rte_errno)) + "), arguments: " +
-         o.eal_args);
+    fail("EAL initialization failed (" + std::string(rte_strerror(rte_errno)) +
+         "), arguments: " + o.eal_args);
   sched_setaffinity(0, sizeof cpus, &cpus);
   if (rte_eth_dev_count_avail() == 0)
-    fail("no Ethernet port: give one with --dpdk \"--vdev=net_af_packet0,iface=IF ...\" or a PCI "
-         "device");
+    fail(
+        "no Ethernet port: give one with --dpdk \"--vdev=net_af_packet0,iface=IF ...\" or a PCI "
+        "device");
   auto port = std::make_shared<Port>();
   uint16_t pid;
-  RTE_ETH_FOREACH_DEV(pid) { port->id = pid; break; }
+  RTE_ETH_FOREACH_DEV(pid) {
+    port->id = pid;
+    break;
+  }
   port->self = o.bind;
   const uint16_t q = uint16_t(o.queues);
   const unsigned mbufs = q * 2u * kRing + 2047;
-  port->pool = rte_pktmbuf_pool_create("hvd_sparse", mbufs, 256, 0,
-                                       uint16_t(kDataRoom + RTE_PKTMBUF_HEADROOM),
-                                       int(rte_socket_id()));
+  port->pool =
+      rte_pktmbuf_pool_create("hvd_sparse", mbufs, 256, 0,
+                              uint16_t(kDataRoom + RTE_PKTMBUF_HEADROOM), int(rte_socket_id()));
   if (!port->pool) fail("cannot create the mbuf pool: " + std::string(rte_strerror(rte_errno)));
   rte_eth_conf conf{};
   if (q > 1) conf.rxmode.mq_mode = RTE_ETH_MQ_RX_RSS;
   int rc = rte_eth_dev_configure(port->id, q, q, &conf);
-  if (rc < 0) fail("cannot configure port with " + std::to_string(q) + " queues: " + rte_strerror(-rc));
+  if (rc < 0)
+    fail("cannot configure port with " + std::to_string(q) + " queues: " + rte_strerror(-rc));
   for (uint16_t i = 0; i < q; ++i) {
     if ((rc = rte_eth_rx_queue_setup(port->id, i, kRing, rte_eth_dev_socket_id(port->id), nullptr,
                                      port->pool)) < 0 ||
-        (rc = rte_eth_tx_queue_setup(port->id, i, kRing, rte_eth_dev_socket_id(port->id), nullptr)) < 0)
+        (rc = rte_eth_tx_queue_setup(port->id, i, kRing, rte_eth_dev_socket_id(port->id),
+                                     nullptr)) < 0)
       fail("queue " + std::to_string(i) + " setup: " + rte_strerror(-rc));
   }
   if ((rc = rte_eth_dev_start(port->id)) < 0) fail(std::string("port start: ") + rte_strerror(-rc));

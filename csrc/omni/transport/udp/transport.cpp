@@ -51,7 +51,8 @@ size_t UdpTransport::recv(std::vector<Datagram>& in, size_t max) {
   int got = recvmmsg(fd_, rmsg_.data(), unsigned(n), MSG_DONTWAIT, nullptr);
   in.clear();
   for (int i = 0; i < got; ++i) {
-    in.push_back({buf_[i].data(), rmsg_[i].msg_len, {rfrom_[i].sin_addr.s_addr, rfrom_[i].sin_port}});
+    in.push_back(
+        {buf_[i].data(), rmsg_[i].msg_len, {rfrom_[i].sin_addr.s_addr, rfrom_[i].sin_port}});
     AtomicCounters::add(c_.rx_bytes, rmsg_[i].msg_len);
   }
   if (got > 0) AtomicCounters::add(c_.rx_packets, uint64_t(got));

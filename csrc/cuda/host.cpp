@@ -1,13 +1,14 @@
-// Host builds of the CUDA packing kernels' algorithms (csrc/cuda/kernels.cu): the same
-// __host__ __device__ per-block functions (csrc/cuda/block_ops.h), driven by sequential loops
-// in the order the GPU grid would run them (bitmap, exclusive prefix sum, pack by slot).
+// Host builds of the CUDA kernels' algorithms (pack.cu, unpack.cu, threshold.cu in this
+// directory): the same __host__ __device__ per-block functions (block_ops.h), driven by
+// sequential loops in the order the GPU grid would run them (bitmap, exclusive prefix sum, pack
+// by slot). Compiled into hvd_sparse._C (setup.py), not by nvcc.
 // No GPU is lent to this project; the tests compare these against the CPU codec instead.
 #include <torch/extension.h>
 
 #include <type_traits>
 #include <vector>
 
-#include "cuda/block_ops.h"
+#include "block_ops.h"
 
 namespace hvd_sparse {
 namespace {
@@ -91,7 +92,8 @@ at::Tensor host_select_ge(const at::Tensor& x, double thr) {
   dispatch(x, [&](auto* p) {
     using T = std::remove_pointer_t<decltype(p)>;
     if constexpr (std::is_floating_point_v<T>) {
-      for (int64_t i = 0; i < n; ++i) offset[i + 1] = offset[i] + cu::passes(p[i], static_cast<T>(thr));
+      for (int64_t i = 0; i < n; ++i)
+        offset[i + 1] = offset[i] + cu::passes(p[i], static_cast<T>(thr));
       out = at::empty({offset[n]}, at::kLong);
       int64_t* o = out.data_ptr<int64_t>();
       for (int64_t i = 0; i < n; ++i)

@@ -1,0 +1,27 @@
+// The emulated switch's control plane socket (hvd-sparse-switch --control PATH): a local
+// datagram socket, one text command per datagram, one JSON reply to its sender
+// (switch_emu/control.py speaks it). Commands: limits | jobs | stats |
+// install TOKEN WORKERS GROUPS | remove TOKEN | loss PORT|* RATE [udp|all].
+#pragma once
+#include <string>
+
+#include "ports.h"
+
+namespace hvd_sparse::switch_emu {
+
+class Control {
+ public:
+  explicit Control(std::string path);  // binds the socket; exits when it cannot
+  ~Control();
+
+  // Answers every command waiting on the socket (never blocks).
+  void poll(Switch& sw);
+
+ private:
+  static std::string run(Switch& sw, const std::string& line);
+
+  std::string path_;
+  int fd_ = -1;
+};
+
+}  // namespace hvd_sparse::switch_emu
