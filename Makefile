@@ -15,7 +15,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 setup:
 	@bash scripts/setup.sh
 
-$(EXT): setup.py $(shell find csrc switch_emu/csrc -name '*.cpp' -o -name '*.h') | setup
+$(EXT): setup.py $(shell find csrc -name '*.cpp' -o -name '*.h') | setup
 	@echo "[build] hvd_sparse._C"
 	@$(PY) setup.py -q build_ext --inplace > build.log 2>&1 || { tail -40 build.log; exit 1; }
 
@@ -36,7 +36,7 @@ install: $(EXT)
 build: setup $(EXT) install
 
 lint: build
-	@$(VENV)/bin/ruff check hvd_sparse switch_emu tests scripts
+	@$(VENV)/bin/ruff check hvd_sparse tests scripts
 
 test: build lint $(if $(NVCC),cuda-check)
 	@$(PY) -m pytest -q -rs tests
@@ -71,4 +71,4 @@ bench: build
 	@$(PY) scripts/bench_sync.py
 
 clean:
-	rm -rf build build.log $(EXT) hvd_sparse/_protocol.*.so hvd_sparse/bin switch_emu/bin *.egg-info bench_results .pytest_cache
+	rm -rf build build.log $(EXT) hvd_sparse/_protocol.*.so hvd_sparse/bin *.egg-info bench_results .pytest_cache

@@ -48,10 +48,9 @@ BINARIES = {"hvd-sparse-aggregator": ["csrc/omni/aggregator/main.cpp",
                                     "csrc/omni/transport/udp/transport.cpp"]}
 DPDK_SOURCES = ["csrc/omni/transport/dpdk/transport.cpp"]
 # Built only with DPDK: the emulated switch (its ports are DPDK ports).
-SWITCH = ("switch_emu/bin/hvd-sparse-switch", ["switch_emu/csrc/main.cpp",
-                                               "switch_emu/csrc/ports.cpp",
-                                               "switch_emu/csrc/control.cpp",
-                                               "switch_emu/csrc/pipeline.cpp"])
+SWITCH = ("hvd_sparse/bin/hvd-sparse-switch", ["csrc/switch/main.cpp", "csrc/switch/ports.cpp",
+                                               "csrc/switch/control.cpp",
+                                               "csrc/switch/pipeline.cpp"])
 
 
 def dpdk_flags() -> tuple[list[str], list[str]] | None:
@@ -83,8 +82,7 @@ def up_to_date(out: Path, sources: list[str]) -> bool:
     """True when ``out`` is newer than its sources and every header they could include."""
     if not out.exists():
         return False
-    deps = [*(ROOT / s for s in sources), *ROOT.glob("csrc/**/*.h"),
-            *ROOT.glob("switch_emu/csrc/*.h")]
+    deps = [*(ROOT / s for s in sources), *ROOT.glob("csrc/**/*.h")]
     return out.stat().st_mtime >= max(d.stat().st_mtime for d in deps)
 
 
@@ -119,7 +117,7 @@ class Build(BuildExtension):
         out = root / path
         dpdk = dpdk_flags()
         if dpdk is None:
-            print("hvd-sparse: libdpdk not found by pkg-config: switch_emu's switch is not built")
+            print("hvd-sparse: libdpdk not found by pkg-config: the emulated switch is not built")
             return
         if up_to_date(out, sources):
             return
@@ -134,7 +132,7 @@ setup(
     name="hvd-sparse",
     version="0.1.0",
     description="Sparse gradient synchronization for Horovod",
-    packages=find_packages(include=["hvd_sparse", "hvd_sparse.*", "switch_emu", "switch_emu.*"]),
+    packages=find_packages(include=["hvd_sparse", "hvd_sparse.*"]),
     python_requires=">=3.10",
     ext_modules=[
         CppExtension(
@@ -143,8 +141,8 @@ setup(
              "csrc/rows.cpp", "csrc/cuda/host.cpp", "csrc/omni/worker/binding.cpp",
              "csrc/omni/worker/worker.cpp", "csrc/omni/worker/engine.cpp",
              "csrc/omni/transport/udp/transport.cpp", "csrc/omni/aggregator/binding.cpp",
-             "csrc/omni/aggregator/core.cpp", "switch_emu/csrc/binding.cpp",
-             "switch_emu/csrc/pipeline.cpp"],
+             "csrc/omni/aggregator/core.cpp", "csrc/switch/binding.cpp",
+             "csrc/switch/pipeline.cpp"],
             include_dirs=["csrc"],
             extra_compile_args=["-O3", "-std=c++17", "-march=x86-64-v2", "-fopenmp"],
             extra_link_args=["-fopenmp"],
@@ -154,8 +152,7 @@ setup(
                   include_dirs=["csrc"], extra_compile_args=["-O2", "-std=c++17"]),
         *cuda_extensions(),
     ],
-    package_data={"hvd_sparse": [f"bin/{name}" for name in BINARIES],
-                  "switch_emu": ["bin/hvd-sparse-switch"]},
+    package_data={"hvd_sparse": [f"bin/{name}" for name in [*BINARIES, "hvd-sparse-switch"]]},
     entry_points={"console_scripts": ["hvd-sparse=hvd_sparse.tools.cli:main"]},
     cmdclass={"build_ext": Build},
 )

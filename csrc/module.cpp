@@ -9,7 +9,7 @@ namespace omni {
 void register_omni(pybind11::module_& m);             // csrc/omni/worker/binding.cpp
 void register_aggregation(pybind11::module_& m);      // csrc/omni/aggregator/binding.cpp
 void register_aggregator_core(pybind11::module_& m);  // csrc/omni/aggregator/binding.cpp
-void register_switch_pipeline(pybind11::module_& m);  // switch_emu/csrc/binding.cpp
+void register_switch_pipeline(pybind11::module_& m);  // csrc/switch/binding.cpp
 }  // namespace omni
 }  // namespace hvd_sparse
 void register_sparsify(pybind11::module_& m);   // csrc/sparsify.cpp

@@ -16,7 +16,7 @@ call them (the input restored outside the timed region):
   same with ``to_sparse()`` and the final ``to_dense()`` timed, dense in and out as ours;
 * allgather, zen, auto, omnireduce x4 (the 4 aggregator hosts), omnireduce x1 (only a0):
   ``hvd_sparse.allreduce_(t, scheme=...)``;
-* with ``--switch emu`` (switch_emu's switch in place of the bridge): switch, aggregation in
+* with ``--switch emu`` (the emulated switch in place of the bridge): switch, aggregation in
   the switch (scheme "switch"), with the emulator's packets per second and passes per packet.
 
 Per method: the median over --reps of the slowest rank's time; bytes each host received
@@ -217,7 +217,7 @@ def rank_side(args: argparse.Namespace) -> None:
         sessions["switch"] = st.switch
 
     def switch_counters() -> dict:
-        from switch_emu import control
+        from hvd_sparse.tools.switch import control
         return control.Client(tb.switch_control).stats()["aggregation"]
 
     def ours(scheme: str, w: torch.Tensor) -> torch.Tensor:

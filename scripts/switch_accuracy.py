@@ -1,6 +1,6 @@
 """Fixed-point accuracy of aggregation in the emulated switch: scheme "switch" against the
 float64 sum, per dtype and density, beside Horovod's dense allreduce in the same dtype. Needs
-root (a testbed: 4 worker namespaces behind switch_emu's switch, 1 Gbit/s, MTU 9000).
+root (a testbed: 4 worker namespaces behind the emulated switch, 1 Gbit/s, MTU 9000).
 
     .venv/bin/python scripts/switch_accuracy.py [--numel 1048576]
 
@@ -41,7 +41,7 @@ def drive(args: argparse.Namespace) -> int:
     from hvd_sparse.tools.testbed import launch, lifecycle
     from hvd_sparse.tools.testbed.topology import Testbed
 
-    console.rule("testbed: 4 workers behind switch_emu's switch, 1gbit, MTU 9000")
+    console.rule("testbed: 4 workers behind the emulated switch, 1gbit, MTU 9000")
     tb = lifecycle.up(Testbed(args.name, workers=4, aggregators=0, rate="1gbit", mtu=9000,
                               switch="emu"))
     try:

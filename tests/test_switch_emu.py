@@ -1,4 +1,4 @@
-"""switch_emu's switch as the testbed's switch (``--switch emu``, 4 worker hosts, 1 aggregator
+"""the emulated switch as the testbed's switch (``--switch emu``, 4 worker hosts, 1 aggregator
 host): it owns one DPDK port per host and forwards by MAC learning, so MPI and the aggregation
 traffic to other hosts cross it as they would a Linux bridge, and it aggregates the datagrams
 sent to its own address: scheme "switch" of real Horovod jobs, and raw protocol workers. Needs
@@ -16,8 +16,8 @@ from conftest import passed
 from pyroute2 import NetNS
 from test_testbed import run_job, running
 
+from hvd_sparse.tools.switch import control
 from hvd_sparse.tools.testbed import launch, lifecycle, loss, topology
-from switch_emu import control
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The emulated switch's aggregation data plane (switch_emu/csrc/pipeline.cpp) driven packet
+"""The emulated switch's aggregation data plane (csrc/switch/pipeline.cpp) driven packet
 by packet with no port: ``_C.SwitchPipeline.handle(packet, sender)`` returns what the switch
 would send. Workers are test_aggregator_core's protocol simulation (independent of the C++
 worker engine), sending FIXED32 values; sums are compared with numpy's int64 sums."""

@@ -1,13 +1,14 @@
-"""switch_emu.program: the aggregation program fits Tofino 1's limits, and the loader refuses,
-like a P4 compiler, programs that do not (a 13th stage, a 5th ALU in a stage, wide or shared
-registers, floating point, too much payload per pass, too many slots)."""
+"""The emulated switch's program (hvd_sparse.tools.switch.program): the aggregation program
+fits Tofino 1's limits, and the loader refuses, like a P4 compiler, programs that do not (a 13th
+stage, a 5th ALU in a stage, wide or shared registers, floating point, too much payload per
+pass, too many slots)."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from switch_emu.program import (
+from hvd_sparse.tools.switch.program import (
     Action,
     Limits,
     ProgramError,

@@ -1,8 +1,8 @@
 // What sums the workers' packets, whatever does it: the software aggregator's core
 // (aggregator/core.h, AggregatorCore) or the emulated switch's data plane
-// (switch_emu/csrc/pipeline.h, Pipeline). Both speak docs/PROTOCOL.md with no I/O: a datagram
+// (csrc/switch/pipeline.h, Pipeline). Both speak docs/PROTOCOL.md with no I/O: a datagram
 // goes in, the datagrams to send come out. Their processes (aggregator/main.cpp,
-// switch_emu/csrc/main.cpp) and their Python bindings (hvd_sparse._C.Aggregation, the base of
+// csrc/switch/main.cpp) and their Python bindings (hvd_sparse._C.Aggregation, the base of
 // AggregatorCore and SwitchPipeline) drive them through this face.
 #pragma once
 #include <cstddef>

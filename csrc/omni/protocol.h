@@ -54,8 +54,8 @@ constexpr int kMaxDatagram = 65507;  // UDP over IPv4
 constexpr uint16_t kAggregatorPort = 9999;
 
 // The switch (docs/PROTOCOL.md "In-network aggregation"): the geometry the emulator's data
-// plane runs with unless told otherwise (switch_emu/csrc/pipeline.h) and its program declares
-// (switch_emu/program.py). A switch's REGACK tells its workers the geometry it actually has
+// plane runs with unless told otherwise (csrc/switch/pipeline.h) and its program declares
+// (hvd_sparse/tools/switch/program.py). A switch's REGACK tells its workers the geometry it actually has
 // (RegAck, below), so a real switch may differ.
 constexpr uint32_t kSwitchValuesPerPass = 64;  // int32 values one pass sums (256 B)
 constexpr uint32_t kSwitchCellsPerSlot = 32;   // cells (passes) a slot holds: 8 KiB of values

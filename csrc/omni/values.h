@@ -1,7 +1,7 @@
 // Block values, per dtype: loading and storing the elements of a block as they lie in a tensor
 // and on the wire (little-endian, the host's order on every supported platform; any
 // alignment). The one copy of these conversions for the aggregator's float64 sums
-// (aggregator/core.cpp), the switch's int32 adds (switch_emu/csrc/pipeline.cpp) and the
+// (aggregator/core.cpp), the switch's int32 adds (csrc/switch/pipeline.cpp) and the
 // worker's scaling and fixed point (worker/engine.cpp). float16 and bfloat16 go through
 // halfconv.h, which the CUDA kernels share. Torch-free.
 //

@@ -1,6 +1,6 @@
 """Switch: the network sums the tensor. Workers stream non-zero blocks, in fixed point, to a
-switch that aggregates them in its registers and multicasts the sums (switch_emu/, and
-docs/PROTOCOL.md "In-network aggregation").
+switch that aggregates them in its registers and multicasts the sums (the emulated one:
+hvd_sparse/tools/switch/, csrc/switch/; docs/PROTOCOL.md "In-network aggregation").
 
 Per tensor: one tiny max-allreduce agrees on the fixed-point exponent and on the tensor's turn
 (session.Turns: the switch takes one tensor at a time, in the same order on every rank); then

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
         from . import analyze
         sys.exit(analyze.main(args[1:]))
     if args[0] == "switch":
-        from switch_emu import control
+        from hvd_sparse.tools.switch import control
         sys.exit(control.main(args[1:]))
     if args[0] == "dissect":
         from . import dissect

@@ -1,4 +1,4 @@
-"""One job on the netns testbed with switch_emu's switch in place of the bridge (4 worker hosts,
+"""One job on the netns testbed with the emulated switch in place of the bridge (4 worker hosts,
 1 aggregator host), launched by tests/test_switch_emu.py.
 
     switch_cases.py            MPI (Horovod's dense allreduce), allgather and omnireduce through

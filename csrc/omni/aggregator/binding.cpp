@@ -1,7 +1,7 @@
 // hvd_sparse._C.Aggregation, the Python face of aggregation.h that both socket-free cores share
 // (handle, counters, expire), and its software implementation hvd_sparse._C.AggregatorCore, the
 // aggregator's protocol logic with no socket, for tests that drive it packet by packet
-// (tests/test_aggregator_core.py; switch_emu/csrc/binding.cpp binds the switch's).
+// (tests/test_aggregator_core.py; csrc/switch/binding.cpp binds the switch's).
 #include <arpa/inet.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

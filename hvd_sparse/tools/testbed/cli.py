@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--transport", choices=("udp", "dpdk"), default="udp",
                    help="the aggregators' transport (dpdk: an af_packet vdev on the host's veth)")
     u.add_argument("--switch", choices=("bridge", "emu"), default="bridge",
-                   help="the switch: a Linux bridge, or switch_emu's (DPDK, MAC learning)")
+                   help="the switch: a Linux bridge, or the emulated switch (DPDK, MAC learning)")
     u.add_argument("--loss", type=float, default=0.0, help="drop rate on every switch port")
     u.add_argument("--loss-proto", choices=("all", "udp"), default="all",
                    help="drop any frame, or only UDP (keeps MPI's TCP out of it)")

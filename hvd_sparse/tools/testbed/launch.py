@@ -55,12 +55,12 @@ def start_aggregators(tb: Testbed) -> None:
 
 
 def start_switch(tb: Testbed) -> None:
-    """With ``switch="emu"``: switch_emu's switch in the switch namespace, one af_packet port
+    """With ``switch="emu"``: the emulated switch in the switch namespace, one af_packet port
     per host, in place of the bridge, aggregating at ``tb.switch_address``; it runs until
     `down`. Jobs install themselves at their first REGISTER (a quarter of the pool each)."""
     if tb.switch != "emu":
         return
-    from switch_emu import control
+    from hvd_sparse.tools.switch import control
 
     tb.log_dir().mkdir(parents=True, exist_ok=True)
     ready, log = tb.log_dir() / "switch.ready", tb.log_dir() / "switch.log"

@@ -34,7 +34,7 @@ def _cap(ns: NetNS, index: int, rate_bps: int) -> None:
 def create(tb: Testbed) -> None:
     """Builds the testbed's namespaces and links (the caller removes them on failure)."""
     netns.create(tb.switch_ns)
-    bridge = tb.switch == "bridge"  # else switch_emu owns the ports (launch.start_switch)
+    bridge = tb.switch == "bridge"  # else the emulated switch owns the ports (launch.start_switch)
     with NetNS(tb.switch_ns) as sw:
         if bridge:
             sw.link("add", ifname="br0", kind="bridge")
@@ -67,7 +67,7 @@ def create(tb: Testbed) -> None:
 
 def disable_offloads(ns_name: str, ifname: str) -> None:
     """Frames leave ``ifname`` whole and checksummed: no segmentation or checksum offload, no
-    receive coalescing. A packet socket (af_packet, as switch_emu uses) sees frames as the
+    receive coalescing. A packet socket (af_packet, as the emulated switch uses) sees frames as the
     kernel holds them: a 64 KB TSO or GRO super-frame, or a checksum left to an offload that
     veths never do, would reach the next host broken."""
     cmd = ["ip", "netns", "exec", ns_name, "ethtool", "-K", ifname, "tx", "off", "sg", "off",

@@ -31,7 +31,7 @@ def _nft(tb: Testbed, *args: str, script: str | None = None) -> str:
 def apply(tb: Testbed) -> None:
     """Installs the testbed's loss rates (replacing any earlier rules)."""
     if tb.switch == "emu":
-        from switch_emu import control
+        from hvd_sparse.tools.switch import control
         c = control.Client(tb.switch_control)
         c.call(f"loss * {tb.loss} {tb.loss_proto}")
         for h in tb.hosts:
@@ -56,7 +56,7 @@ def apply(tb: Testbed) -> None:
 def dropped(tb: Testbed) -> int:
     """Frames the loss rules have dropped so far."""
     if tb.switch == "emu":
-        from switch_emu import control
+        from hvd_sparse.tools.switch import control
         return sum(p["lost"] for p in control.Client(tb.switch_control).stats()["ports"])
     out = json.loads(_nft(tb, "-j", "list", "table", "bridge", TABLE))
     total = 0

@@ -51,7 +51,7 @@ class Testbed:
     loss: float = 0.0  # drop rate on every switch port
     loss_proto: str = "all"  # "all" or "udp": what the drop rules apply to
     transport: str = "udp"  # the aggregators': kernel sockets, or DPDK on an af_packet vdev
-    switch: str = "bridge"  # the switch: a Linux bridge, or switch_emu's (DPDK, MAC learning)
+    switch: str = "bridge"  # a Linux bridge, or "emu": the emulated switch (DPDK, MAC learning)
     hosts: list[Host] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # aggregator host -> its process
 

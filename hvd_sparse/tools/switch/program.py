@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hvd_sparse import protocol
+from ... import protocol
 
 # Register operations a stateful ALU can do: integer only (no floating point in a switch).
 INTEGER_OPS = frozenset({"read", "write", "add", "sub", "min", "max", "or", "and",

@@ -1,4 +1,4 @@
-// The aggregation program's data plane (switch_emu/program.py declares it as a P4-like
+// The aggregation program's data plane (hvd_sparse/tools/switch/program.py declares it as a P4-like
 // pipeline and checks it against the switch's limits): what the emulated switch does with a
 // datagram addressed to its aggregation endpoint. Same protocol as the software aggregator
 // (docs/PROTOCOL.md), within a switch's means:
@@ -22,7 +22,7 @@
 // - a REGACK tells each worker the job's groups and the slot geometry (values per pass, cells
 //   per slot), so that it sends no packet larger than a slot holds.
 //
-// No I/O and no clock here: packets in, packets out (switch_emu/csrc/main.cpp frames them),
+// No I/O and no clock here: packets in, packets out (csrc/switch/main.cpp frames them),
 // time passed in. hvd_sparse._C.SwitchPipeline drives it from tests.
 #pragma once
 #include <cstdint>
@@ -31,8 +31,8 @@
 #include <utility>
 #include <vector>
 
-#include "../../csrc/omni/aggregation.h"
-#include "../../csrc/omni/protocol.h"
+#include "../omni/aggregation.h"
+#include "../omni/protocol.h"
 
 namespace hvd_sparse::omni {
 

@@ -21,8 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvd_sparse import protocol
-
+from ... import protocol
 from . import binary, program
 
 CONTROL = "/run/hvd-sparse/switch.sock"

@@ -1,6 +1,6 @@
 // The aggregation program's data plane: see pipeline.h. The state is laid out as a switch's
 // register arrays (flat, fixed at start, indexed by group, set and lane or cell); the comments
-// name the stage of switch_emu/program.py each step stands for.
+// name the stage of hvd_sparse/tools/switch/program.py each step stands for.
 #include "pipeline.h"
 
 #include <algorithm>
@@ -10,8 +10,8 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "../../csrc/omni/protocol.h"
-#include "../../csrc/omni/values.h"
+#include "../omni/protocol.h"
+#include "../omni/values.h"
 
 namespace hvd_sparse::omni {
 namespace {

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "../../csrc/omni/transport/dpdk/frames.h"
+#include "../omni/transport/dpdk/frames.h"
 
 namespace hvd_sparse::switch_emu {
 

@@ -1,6 +1,6 @@
 // The emulated switch's control plane socket (hvd-sparse-switch --control PATH): a local
 // datagram socket, one text command per datagram, one JSON reply to its sender
-// (switch_emu/control.py speaks it). Commands: limits | jobs | stats |
+// (hvd_sparse/tools/switch/control.py speaks it). Commands: limits | jobs | stats |
 // install TOKEN WORKERS GROUPS | remove TOKEN | loss PORT|* RATE [udp|all].
 #pragma once
 #include <string>
