@@ -55,8 +55,8 @@ constexpr uint16_t kAggregatorPort = 9999;
 
 // The switch (docs/PROTOCOL.md "In-network aggregation"): the geometry the emulator's data
 // plane runs with unless told otherwise (csrc/switch/pipeline.h) and its program declares
-// (hvd_sparse/tools/switch/program.py). A switch's REGACK tells its workers the geometry it actually has
-// (RegAck, below), so a real switch may differ.
+// (hvd_sparse/tools/switch/program.py). A switch's REGACK tells its workers the geometry it
+// actually has (RegAck, below), so a real switch may differ.
 constexpr uint32_t kSwitchValuesPerPass = 64;  // int32 values one pass sums (256 B)
 constexpr uint32_t kSwitchCellsPerSlot = 32;   // cells (passes) a slot holds: 8 KiB of values
 constexpr uint32_t kSwitchMaxWorkers = 32;     // workers per job: the seen-bitmap's 32 bits
@@ -204,6 +204,25 @@ inline Header make_header(uint8_t type, uint64_t token, uint16_t worker, uint16_
   h.worker = worker;
   h.nworkers = nworkers;
   return h;
+}
+
+// The header of the RESULT that answers a slot's DATA `h`: round `round` (its parity names the
+// shadow set), `present` blocks of `dtype`, flagged last when no lane has a next position.
+inline Header result_header(const Header& h, uint16_t nworkers, uint8_t dtype, uint32_t round,
+                            uint32_t present, bool last) {
+  Header r = make_header(kResult, h.token, 0, nworkers);
+  r.dtype = dtype;
+  r.slot = h.slot;
+  r.tensor = h.tensor;
+  r.round = round;
+  r.flags = uint8_t((round & 1 ? kFlagShadow : 0) | (last ? kFlagLast : 0));
+  r.lanes = h.lanes;
+  r.block_size = h.block_size;
+  r.nblocks = h.nblocks;
+  r.nslots = h.nslots;
+  r.meta = h.meta;
+  r.present = present;
+  return r;
 }
 
 // What a REGACK tells a worker (docs/PROTOCOL.md "Jobs"): in `nslots` the slot groups the job

@@ -3,11 +3,12 @@
 // by MAC learning (unknown and broadcast destinations flood to every other port), so ARP, MPI
 // and Gloo flow as through a Linux bridge (ports.h). With --aggregate IP:PORT the switch also
 // owns that address (it answers ARP for it) and runs the aggregation program (pipeline.h;
-// declared and fitted to the switch's limits by hvd_sparse/tools/switch/program.py) on the datagrams sent
-// to it: each RESULT leaves once per worker, from the port it is learned on (the job's
-// multicast group). A local control socket (--control PATH, text commands, JSON replies;
-// control.h) installs, removes and lists jobs and reads the counters: hvd_sparse/tools/switch/control.py
-// speaks it. This file: the options, the wiring and the polling loop.
+// declared and fitted to the switch's limits by hvd_sparse/tools/switch/program.py) on the
+// datagrams sent to it: each RESULT leaves once per worker, from the port it is learned on (the
+// job's multicast group). A local control socket (--control PATH, text commands, JSON replies;
+// control.h) installs, removes and lists jobs and reads the counters:
+// hvd_sparse/tools/switch/control.py speaks it. This file: the options, the wiring and the polling
+// loop.
 //
 //   hvd-sparse-switch --dpdk "--no-huge --no-pci -m 512 --vdev=net_af_packet0,iface=w0 ..."
 //                     [--names w0,w1,..] [--stats SECONDS] [--ready-file PATH]

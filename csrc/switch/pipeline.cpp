@@ -441,18 +441,7 @@ struct Pipeline::Impl {
     const uint32_t* nm = next_min(gi, set);
     bool last = true;
     for (uint32_t l = 0; l < h.lanes; ++l) last = last && nm[l] == kInf;
-    Header r = make_header(kResult, h.token, 0, job.nworkers);
-    r.dtype = kFixed32;
-    r.slot = h.slot;
-    r.tensor = h.tensor;
-    r.round = s.round;
-    r.flags = uint8_t((s.round & 1 ? kFlagShadow : 0) | (last ? kFlagLast : 0));
-    r.lanes = h.lanes;
-    r.block_size = h.block_size;
-    r.nblocks = h.nblocks;
-    r.nslots = h.nslots;
-    r.meta = h.meta;
-    r.present = present;
+    const Header r = result_header(h, job.nworkers, kFixed32, s.round, present, last);
     auto b = std::make_shared<std::vector<uint8_t>>(
         data_bytes(h.lanes, present, h.block_size, kFixed32));
     uint8_t* p = b->data();

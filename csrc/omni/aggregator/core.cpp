@@ -335,18 +335,7 @@ struct AggregatorCore::Impl {
     const uint32_t present = uint32_t(__builtin_popcountll(s.present));
     bool last = true;
     for (uint32_t n : s.next) last = last && n == kInf;
-    Header r = make_header(kResult, h.token, 0, job.nworkers);
-    r.dtype = h.dtype;
-    r.slot = h.slot;
-    r.tensor = h.tensor;
-    r.round = s.round;
-    r.flags = uint8_t((s.round & 1 ? kFlagShadow : 0) | (last ? kFlagLast : 0));
-    r.lanes = h.lanes;
-    r.block_size = h.block_size;
-    r.nblocks = h.nblocks;
-    r.nslots = h.nslots;
-    r.meta = h.meta;
-    r.present = present;
+    const Header r = result_header(h, job.nworkers, h.dtype, s.round, present, last);
     auto b =
         std::make_shared<std::vector<uint8_t>>(data_bytes(h.lanes, present, h.block_size, h.dtype));
     uint8_t* p = b->data();
