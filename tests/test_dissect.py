@@ -201,6 +201,7 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 30)
         time.sleep(0.05)
 
 
+@pytest.mark.testbed
 @pytest.mark.skipif(os.geteuid() != 0, reason="the testbed needs root")
 def test_captured_testbed_job_is_dissected(tmp_path: Path) -> None:
     name = f"hvx{os.getpid() % 100000}"
