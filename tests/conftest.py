@@ -1,6 +1,6 @@
 """Test tiers: every test gets exactly one of unit, integration, parallel, testbed, gpu
-(pyproject.toml registers them; `pytest -m unit` is make test-fast). Parallel modules and their
-driver: tests/parallel/."""
+(pyproject.toml registers them; `pytest -m unit` is make test-fast). The aggregator fixtures
+(helpers in aggregator_helpers.py). Parallel modules and their driver: tests/parallel/."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,10 @@ FILE_TIERS = {
     "test_dissect.py": "unit", "test_engine.py": "unit", "test_rows.py": "unit",
     "test_sparsifiers.py": "unit", "test_sparsify_ops.py": "unit",
     "test_switch_pipeline.py": "unit", "test_switch_program.py": "unit",
-    "test_aggregator.py": "integration", "test_docker.py": "integration",
+    "test_protocol_doc.py": "unit",
+    "test_aggregator_sums.py": "integration", "test_aggregator_cli.py": "integration",
+    "test_aggregator_loss.py": "integration", "test_aggregator_junk.py": "integration",
+    "test_aggregator_jobs.py": "integration", "test_docker.py": "integration",
     "test_install.py": "integration", "test_torchfree.py": "integration",
     "test_job_faults.py": "parallel",
     "test_testbed.py": "testbed", "test_dpdk.py": "testbed", "test_switch_emu.py": "testbed",
@@ -41,3 +44,61 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif len(set(tiers)) > 1:
             raise pytest.UsageError(f"{item.nodeid}: several tiers {sorted(set(tiers))}")
 
+
+# ------------------------------------------------------------------------------------------
+# Aggregator processes and in-process workers (tests/aggregator_helpers.py)
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def aggs(tmp_path):
+    """start(workers, *flags) -> a running aggregator process; all killed at teardown."""
+    from aggregator_helpers import Agg
+
+    started: list = []
+
+    def start(workers: int, *flags: str):
+        a = Agg(tmp_path / f"agg{len(started)}", workers, flags)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.kill()
+
+
+@pytest.fixture
+def make_workers():
+    """make(aggregators, n, token, register=True, **kw) -> n OmniWorkers (registered); all
+    closed at teardown."""
+    from hvd_sparse import _C
+
+    made: list = []
+
+    def make(agg_list: list, n: int, token: int = 0x5EED, register: bool = True, **kw):
+        ws = [_C.OmniWorker([a.addr for a in agg_list], token, r, n, **kw) for r in range(n)]
+        made.extend(ws)
+        if register:
+            for w in ws:
+                w.register(15.0)
+        return ws
+
+    yield make
+    for w in made:
+        w.close()
+
+
+@pytest.fixture
+def fuzz_job(aggs, make_workers):
+    """The legitimate job of the junk tests (aggregator_helpers.Job) and a socket to fire from:
+    (aggregator, workers, socket, [counter])."""
+    import socket
+
+    from aggregator_helpers import HOST, Job
+
+    agg = aggs(Job.n, "--threads", "2")
+    ws = make_workers([agg], Job.n, token=Job.token, payload_bytes=Job.payload,
+                      slots_per_aggregator=Job.slots)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((HOST, 0))
+    yield agg, ws, sock, [0]
+    sock.close()
