@@ -13,7 +13,7 @@ FILE_TIERS = {
     "test_dissect.py": "unit", "test_engine.py": "unit", "test_rows.py": "unit",
     "test_sparsifiers.py": "unit", "test_sparsify_ops.py": "unit",
     "test_switch_pipeline.py": "unit", "test_switch_program.py": "unit",
-    "test_protocol_doc.py": "unit",
+    "test_protocol_doc.py": "unit", "test_parallel_driver.py": "unit",
     "test_aggregator_sums.py": "integration", "test_aggregator_cli.py": "integration",
     "test_aggregator_loss.py": "integration", "test_aggregator_junk.py": "integration",
     "test_aggregator_jobs.py": "integration", "test_docker.py": "integration",
