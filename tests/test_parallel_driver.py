@@ -36,8 +36,9 @@ def events(outcomes: dict[str, str], ends: dict | None = None, finish: bool = Tr
     return evs
 
 
-def outcome(ranks: dict[int, list[dict]], rc: int = 0, hung: bool = False) -> Outcome:
-    proc = subprocess.CompletedProcess(["horovodrun"], rc, "[0]<stdout>: out", "err")
+def outcome(ranks: dict[int, list[dict]], rc: int = 0, hung: bool = False,
+            stdout: str = "[0]<stdout>: out") -> Outcome:
+    proc = subprocess.CompletedProcess(["horovodrun"], rc, stdout, "err")
     return Outcome(Path(M), Launch(np=2), ranks, proc, hung, 1.0, Path("/tmp/x"))
 
 
@@ -64,6 +65,16 @@ def test_root_cause_first_and_peers_that_saw_horovod_shut_down_last():
     msg = outcome({0: r0, 1: r1}, rc=1).message()
     assert msg.index("AssertionError") < msg.index("Horovod has been shut down")
     assert "launcher" in msg  # a test that never finished: the launcher's output is shown
+
+
+def test_a_rank_stopped_by_the_per_test_timeout_says_so():
+    r1 = events({"a": "passed", "b": "hung"}, finish=False)
+    timeout = "[1]<stdout>:" + "+" * 35 + " Timeout " + "+" * 36
+    fails, _ = outcome({0: events(PASS), 1: r1}, rc=1, stdout=timeout).failures()
+    assert [(f.rank, f.test) for f in fails][:1] == [(1, TESTS[1])]
+    assert fails[0].headline.startswith("timed out after 270 s"), fails[0].headline
+    fails, _ = outcome({0: events(PASS), 1: r1}, rc=1).failures()
+    assert "rank died" in fails[0].headline
 
 
 def test_a_rank_that_reports_nothing_fails_the_launch():

@@ -139,12 +139,16 @@ def environment(launch: Launch, out: Path) -> dict[str, str]:
     return env
 
 
+def _test_timeout(launch: Launch) -> int:
+    return max(30, int(launch.timeout) - 30)
+
+
 def pytest_args(module: Path, launch: Launch, extra: Sequence[str] = ()) -> list[str]:
     """pytest on one rank: quiet, no cache (the ranks share the checkout), a per-test timeout
     below the job's that dumps every thread's stack and ends the rank (not the next test: the
     ranks' collectives must stay matched)."""
     return [sys.executable, "-m", "pytest", str(module), "-q", "-p", "no:cacheprovider",
-            "-o", f"timeout={max(30, int(launch.timeout) - 30)}", "-o", "timeout_method=thread",
+            "-o", f"timeout={_test_timeout(launch)}", "-o", "timeout_method=thread",
             *launch.args, *extra]
 
 
@@ -323,8 +327,13 @@ class Outcome:
                 elif t in started and not any(e["when"] == "teardown" for e in reps):
                     if designed_end:
                         continue
-                    why = ("started, never finished: the job hung and was stopped"
-                           if self.hung else "started, never finished: the rank died")
+                    if self._timed_out(r):
+                        why = (f"timed out after {_test_timeout(self.launch)} s (pytest-timeout: "
+                               "the rank's stacks are in the launcher's output)")
+                    elif self.hung:
+                        why = "started, never finished: the job hung and was stopped"
+                    else:
+                        why = "started, never finished: the rank died or the launcher ended it"
                     fails.append(Failure(r, t, TIMED_OUT, i, why, ""))
                 elif t not in started:
                     if designed_end:
@@ -343,6 +352,11 @@ class Outcome:
         fails.sort(key=lambda f: (f.kind, f.order, f.rank))
         return fails, problems
 
+    def _timed_out(self, rank: int) -> bool:
+        out = (self.proc.stdout or "") + (self.proc.stderr or "")
+        return any(re.match(rf"\[(\d+,)?{rank}\]<std\w+>:\++ Timeout \++", ln)
+                   for ln in out.splitlines())
+
     def message(self) -> str:
         fails, problems = self.failures()
         if not fails and not problems:
@@ -350,7 +364,7 @@ class Outcome:
         rel = self.module.relative_to(ROOT) if self.module.is_relative_to(ROOT) else self.module
         n = len(self.tests())
         head = (f"{rel} [{self.launch.name}] on {self.launch.np} ranks ({self.launch.launcher}, "
-                f"{self.seconds:.0f} s): {len(fails)} failing (rank, test) pairs of "
+                f"{self.seconds:.0f} s): {len(fails)} failing (rank, test) pair(s) of "
                 f"{n} tests x {self.launch.np} ranks, root cause first")
         lines = [head]
         groups: dict[tuple[str, str], list[Failure]] = {}
@@ -358,8 +372,9 @@ class Outcome:
             groups.setdefault((f.test, f.headline), []).append(f)
         rows = [(_ranks([f.rank for f in g]), _short(t), h) for (t, h), g in groups.items()]
         width = max([len(t) for _, t, _ in rows] + [10])
+        wwho = max([len(w) for w, _, _ in rows] + [6])
         for who, t, h in rows[:40]:
-            lines.append(f"  {who:<9} {t:<{width}}  {h}")
+            lines.append(f"  {who:<{wwho}}  {t:<{width}}  {h}")
         if len(rows) > 40:
             lines.append(f"  ... and {len(rows) - 40} more")
         lines += [f"  job: {p}" for p in problems]
@@ -399,8 +414,11 @@ def _kind(text: str) -> int:
 def _headline(text: str) -> str:
     """The exception line of a pytest long representation."""
     errs = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
+    errs = [e for e in errs if e]
     line = errs[0] if errs else (text.strip().splitlines() or ["?"])[-1]
-    return line[:200]
+    if "..." in line and len(errs) > 1:  # pytest shortened the values: its diff has them
+        line += " | " + errs[-1]
+    return line[:240]
 
 
 def _detail(ev: dict) -> str:
