@@ -38,7 +38,7 @@ def data(seed: int, density: float = 0.1, dtype: torch.dtype = torch.float32) ->
     return (torch.randn(NUMEL // 256, 256, generator=g) * keep[:, None]).view(-1).to(dtype)
 
 
-def testbed_change(**kw: object) -> None:
+def change_testbed(**kw: object) -> None:
     """Rank 0 changes the testbed; everyone waits for it."""
     if hvd.rank() == 0:
         lifecycle.update(Testbed.load(os.environ["HVD_SPARSE_TESTBED"]), **kw)
@@ -64,7 +64,7 @@ def lossy_switch() -> str:
     clean = [hvd_sparse.allreduce(x, name=f"clean{i}", scheme="omnireduce", op=hvd.Sum)
              for i, x in enumerate(xs)]
     before = worker.stats()["retransmits"]
-    testbed_change(loss_rate=0.01)
+    change_testbed(loss_rate=0.01)
     try:
         lossy = [hvd_sparse.allreduce(x, name=f"lossy{i}", scheme="omnireduce", op=hvd.Sum)
                  for i, x in enumerate(xs)]
@@ -72,7 +72,7 @@ def lossy_switch() -> str:
         dropped = loss.dropped(Testbed.load(os.environ["HVD_SPARSE_TESTBED"]))
     finally:
         barrier("loss counted")  # rank 0's change below resets the drop counters
-        testbed_change(loss_rate=0.0)
+        change_testbed(loss_rate=0.0)
     if dropped == 0:
         return "the switch's loss rules dropped no frame"
     retx = hvd.allreduce(torch.tensor([worker.stats()["retransmits"] - before]),
@@ -110,7 +110,7 @@ def link_cut() -> str:
             return f"error after {took:.1f} s, timeout {TIMEOUT} s"
         return ""
     finally:
-        testbed_change(host="a0", link_up=True)
+        change_testbed(host="a0", link_up=True)
 
 
 def link_cut_fallback() -> str:
@@ -118,7 +118,7 @@ def link_cut_fallback() -> str:
     try:
         out = cut_in_flight("cut.fallback")
     finally:
-        testbed_change(host="a0", link_up=True)
+        change_testbed(host="a0", link_up=True)
     ref = hvd.allreduce(data(7).double(), name="ref.cut", op=hvd.Average)
     return close_to(out, ref, torch.float32)
 
