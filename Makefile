@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup build install test demo lint bench clean cuda-check
+.PHONY: setup build install test test-fast demo lint bench clean cuda-check
 
 setup:
 	@bash scripts/setup.sh
@@ -40,6 +40,10 @@ lint: build
 
 test: build lint $(if $(NVCC),cuda-check)
 	@$(PY) -m pytest -q -rs tests
+
+# The unit tier only: in-process tests, no other process, socket or Horovod job (under a minute).
+test-fast: build
+	@$(PY) -m pytest -q -m unit tests
 
 # Compiles every CUDA source for sm_80 and sm_90 and links the kernels into one library, then
 # compiles the torch binding (syntax only: a CPU torch has the CUDA headers but not the

@@ -1,74 +1,104 @@
-"""Launching multi-process workers under horovodrun (Gloo) or mpirun (MPI), with a timeout."""
+"""Test tiers: every test gets exactly one of unit, integration, parallel, testbed, gpu
+(pyproject.toml registers them; `pytest -m unit` is make test-fast). The aggregator fixtures
+(helpers in aggregator_helpers.py). Parallel modules and their driver: tests/parallel/."""
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+TIERS = ("unit", "integration", "parallel", "testbed", "gpu")
+# Each file's tier, for the tests that do not name theirs (a test's own marker wins).
+FILE_TIERS = {
+    "test_aggregator_core.py": "unit", "test_analyze.py": "unit", "test_codec.py": "unit",
+    "test_costmodel.py": "unit", "test_cuda_host.py": "unit", "test_device.py": "unit",
+    "test_dissect.py": "unit", "test_engine.py": "unit", "test_rows.py": "unit",
+    "test_sparsifiers.py": "unit", "test_sparsify_ops.py": "unit",
+    "test_switch_pipeline.py": "unit", "test_switch_program.py": "unit",
+    "test_protocol_doc.py": "unit", "test_parallel_driver.py": "unit",
+    "test_aggregator_sums.py": "integration", "test_aggregator_cli.py": "integration",
+    "test_aggregator_loss.py": "integration", "test_aggregator_junk.py": "integration",
+    "test_aggregator_jobs.py": "integration", "test_docker.py": "integration",
+    "test_install.py": "integration", "test_torchfree.py": "integration",
+    "test_job_faults.py": "parallel",
+    "test_testbed.py": "testbed", "test_dpdk.py": "testbed", "test_switch_emu.py": "testbed",
+    "test_gpu.py": "gpu",
+}
+# Fixtures that start aggregator processes: a test using one is an integration test.
+PROCESS_FIXTURES = {"aggs", "make_workers", "fuzz_job"}
 
 
-def launch(script: str, np: int, tmp: Path, *, launcher: str = "horovodrun",
-           env: dict[str, str] | None = None, timeout: float = 300,
-           reports: bool = True) -> list[dict]:
-    """Runs tests/mp/<script> (plus any arguments after its name) on np ranks; returns each
-    rank's JSON report (rank order), or [] when ``reports`` is False."""
-    name, *args = script.split()
-    worker = [str(ROOT / "tests" / "mp" / name), *args]
-    if launcher == "horovodrun":
-        cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-               sys.executable, *worker]
-    else:
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np),
-               "-x", "PYTHONPATH", "-x", "HVD_SPARSE_TEST_OUT", "-x", "HOROVOD_CPU_OPERATIONS",
-               sys.executable, *worker]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "HVD_SPARSE_TEST_OUT": str(tmp),
-                "HVD_SPARSE_CACHE_DIR": str(tmp / "cache"), "OMP_NUM_THREADS": "1",
-                "HOROVOD_CPU_OPERATIONS": "mpi" if launcher == "mpirun" else "gloo",
-                # Gloo's 30 s default, and ours, end jobs whose 4 ranks share 2 busy cores: this
-                # kernel has left a runnable thread without CPU for 27 s (docs/BENCHMARKS.md).
-                # Tests of the timeouts set theirs low.
-                "HOROVOD_GLOO_TIMEOUT_SECONDS": "120", "HVD_SPARSE_TIMEOUT": "90",
-                **(env or {})}
-    try:
-        proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{script} on {np} ranks hung past {timeout}s:\n{(e.stdout or '')[-3000:]}")
-    if not reports:
-        return []
-    out = []
-    for r in range(np):
-        path = tmp / f"rank{r}.json"
-        if not path.exists():
-            pytest.fail(f"{script}: rank {r} wrote no report (exit {proc.returncode}):\n"
-                        f"{by_rank(proc.stdout, np)}\n{proc.stderr[-3000:]}")
-        out.append(json.loads(path.read_text()))
-    # Horovod's and Gloo's own errors, shown with a failing test's captured output
-    print(f"{script} on {np} ranks, exit {proc.returncode}:\n{proc.stdout[-6000:]}\n"
-          f"{proc.stderr[-6000:]}")
-    return out
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Gives every test exactly one tier marker; two, or none known, is a collection error."""
+    for item in items:
+        tiers = [m.name for m in item.iter_markers() if m.name in TIERS]
+        if not tiers:
+            if "parallel" in item.path.parent.name:  # a test on one rank of a Horovod job
+                tier = "parallel"
+            elif PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+                tier = "integration"
+            else:
+                tier = FILE_TIERS.get(item.path.name)
+            if tier is None:
+                raise pytest.UsageError(f"{item.nodeid}: no tier (add its file to FILE_TIERS "
+                                        "in tests/conftest.py or mark the test)")
+            item.add_marker(tier)
+        elif len(set(tiers)) > 1:
+            raise pytest.UsageError(f"{item.nodeid}: several tiers {sorted(set(tiers))}")
 
 
-SHUT_DOWN = "Horovod has been shut down"
+# ------------------------------------------------------------------------------------------
+# Aggregator processes and in-process workers (tests/aggregator_helpers.py)
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def aggs(tmp_path):
+    """start(workers, *flags) -> a running aggregator process; all killed at teardown."""
+    from aggregator_helpers import Agg
+
+    started: list = []
+
+    def start(workers: int, *flags: str):
+        a = Agg(tmp_path / f"agg{len(started)}", workers, flags)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.kill()
 
 
-def by_rank(output: str, np: int, lines: int = 40) -> str:
-    """The last lines of each rank's output (horovodrun prefixes them "[r]<std...>"), root
-    causes first: a rank that only saw Horovod shut down by a peer comes last."""
-    ranks = {r: [ln for ln in output.splitlines() if ln.startswith(f"[{r}]<")] for r in range(np)}
-    order = sorted(ranks, key=lambda r: SHUT_DOWN in "\n".join(ranks[r]))
-    parts = [f"--- rank {r} ---\n" + "\n".join(ranks[r][-lines:]) for r in order if ranks[r]]
-    return "\n".join(parts) if parts else output[-4000:]
+@pytest.fixture
+def make_workers():
+    """make(aggregators, n, token, register=True, **kw) -> n OmniWorkers (registered); all
+    closed at teardown."""
+    from hvd_sparse import _C
+
+    made: list = []
+
+    def make(agg_list: list, n: int, token: int = 0x5EED, register: bool = True, **kw):
+        ws = [_C.OmniWorker([a.addr for a in agg_list], token, r, n, **kw) for r in range(n)]
+        made.extend(ws)
+        if register:
+            for w in ws:
+                w.register(15.0)
+        return ws
+
+    yield make
+    for w in made:
+        w.close()
 
 
-def passed(reports: list[dict], key: str) -> None:
-    """Asserts that every rank recorded '' for ``key``. A failure lists each failing rank, root
-    causes first: a rank whose peer failed sees only Horovod shut down."""
-    failing = sorted(((r, str(rep[key])) for r, rep in enumerate(reports) if rep[key] != ""),
-                     key=lambda f: SHUT_DOWN in f[1])
-    assert not failing, f"{key}:\n" + "\n".join(f"rank {r}: {why}" for r, why in failing)
+@pytest.fixture
+def fuzz_job(aggs, make_workers):
+    """The legitimate job of the junk tests (aggregator_helpers.Job) and a socket to fire from:
+    (aggregator, workers, socket, [counter])."""
+    import socket
+
+    from aggregator_helpers import HOST, Job
+
+    agg = aggs(Job.n, "--threads", "2")
+    ws = make_workers([agg], Job.n, token=Job.token, payload_bytes=Job.payload,
+                      slots_per_aggregator=Job.slots)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((HOST, 0))
+    yield agg, ws, sock, [0]
+    sock.close()

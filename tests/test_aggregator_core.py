@@ -11,8 +11,8 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from test_aggregator import KINDS, junk_packets
-from test_aggregator import Job as FuzzJob
+from aggregator_helpers import KINDS, junk_packets
+from aggregator_helpers import Job as FuzzJob
 
 from hvd_sparse import _C, fixedpoint, protocol
 from hvd_sparse.tools import wire
@@ -175,7 +175,7 @@ def test_loss_and_duplication_give_identical_results(drop, dup):
 
 
 def test_junk_while_a_job_runs_changes_nothing():
-    """The fuzz cases of test_aggregator.py (malformed, truncated and foreign-job packets),
+    """The fuzz cases of test_aggregator_junk.py (malformed, truncated and foreign-job packets),
     fired at the core between the packets of a live job: its result stays exact and every
     malformed or foreign packet is counted."""
     n, bs = FuzzJob.n, FuzzJob.bs

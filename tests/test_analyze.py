@@ -1,223 +1,18 @@
-"""The run file (HVD_SPARSE_METRICS_FILE) of a real 2-rank job, and `hvd-sparse analyze` on it.
-
-The bytes each rank must receive are worked out here from the blocks both ranks submitted (the
-worker reports them) and the segment layout (docs/PROTOCOL.md, csrc/segment.h), not from the
-code that records them; the analyzer's utilization and what-if are checked against closed forms.
-"""
+"""The run file (HVD_SPARSE_METRICS_FILE) and `hvd-sparse analyze`'s parts; a real 2-rank job's
+run files are tests/parallel/test_analyze_job.py's."""
 from __future__ import annotations
 
-import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, launch
 
-from hvd_sparse import costmodel, runfile
+from hvd_sparse import runfile
 from hvd_sparse.tools import analyze
 
-BS, W = 256, 4  # block size, float32 bytes
-HEADER = 56  # segment header
-RATE = 1e9
-ASKED = {"ag": "allgather", "zen": "zen", "omni": "omnireduce", "dense": "dense",
-         "auto": "auto", "emb": "rows"}
-COUNTS = {"ag": 3, "zen": 3, "omni": 2, "dense": 2, "auto": 2, "emb": 3}
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("analyze")
-    env = {"HVD_SPARSE_METRICS_FILE": str(tmp / "run.{rank}.json"),
-           "HVD_SPARSE_LINK_RATE": "1gbit", "ANALYZE_SOLO_FILE": str(tmp / "solo.json")}
-    reports = launch("analyze_run.py", 2, tmp, env=env, timeout=240)
-    runs = [runfile.load(tmp / f"run.{r}.json") for r in range(2)]
-    return tmp, reports, runs
-
-
-def align8(x: int) -> int:
-    return -(-x // 8) * 8
-
-
-def index_segment(count: int) -> int:
-    return align8(HEADER + align8(4 * count) + count * BS * W)
-
-
-def partition_of(block: int, nparts: int) -> int:
-    """Zen's partition hash (csrc/blocks.h), restated."""
-    x = ((block + 1) * 0x9E3779B97F4A7C15) % 2**64
-    x ^= x >> 29
-    return ((x & 0xFFFFFFFF) * nparts) >> 32
-
-
-def must_receive(scheme: str, mine: list[int], other: list[int], numel: int, dim: int) -> int:
-    """Bytes a rank of 2 receives reducing its blocks ``mine`` with the peer's ``other``."""
-    if scheme == "dense":
-        return numel * W  # ring: 2 (n - 1) / n of the tensor, n = 2
-    if scheme == "allgather":
-        return index_segment(len(other))
-    if scheme == "omnireduce":
-        return len(set(mine) | set(other)) * BS * W  # every union block's sum, once
-    if scheme == "rows":
-        return (len(other) + 1) * 8 + (len(other) + 1) * dim * W  # plus the header row
-    raise AssertionError(scheme)
-
-
-def zen_receive(rank: int, mine: list[int], other: list[int], numel: int) -> int:
-    """Zen on 2 ranks: the peer's blocks of my partition, then the peer's partition sum as an
-    index list or a bitmap over its positions, whichever is smaller."""
-    peer = 1 - rank
-    to_me = sum(partition_of(b, 2) == rank for b in other)
-    union = sum(partition_of(b, 2) == peer for b in set(mine) | set(other))
-    positions = sum(partition_of(b, 2) == peer for b in range(-(-numel // BS)))
-    head = min(align8(-(-positions // 8)), align8(4 * union))
-    return index_segment(to_me) + align8(HEADER + head + union * BS * W)
-
-
-def by_name(run: dict) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for r in run["records"]:
-        out.setdefault(r["name"], []).append(r)
-    return out
-
-
-def test_one_record_per_call_with_the_scheme_asked(job):
-    _, reports, runs = job
-    for rank, run in enumerate(runs):
-        assert run["format"] == runfile.FORMAT and run["rank"] == rank
-        assert run["world_size"] == 2 and run["link_rate_bps"] == RATE
-        assert run["aggregators"] == 1 and run["aggregators_local"] and run["dropped"] == 0
-        assert run["config"]["link_rate"] == "1gbit" and run["net"]["allreduce"]
-        recs = by_name(run)
-        assert {k: len(v) for k, v in recs.items()} == COUNTS
-        for name, rs in recs.items():
-            assert [r["step"] for r in rs] == list(range(COUNTS[name]))
-            for r in rs:
-                assert r["requested"] == (ASKED[name] if name != "emb" else "rows")
-                ran = {"auto": r["scheme"]}.get(name, ASKED[name])
-                assert r["scheme"] == ran, (name, r)
-                assert r["ranks"] == 2 and r["block_size"] == BS and r["seconds"] > 0
-                assert r["numel"] == (reports[rank]["numel"] if name != "emb"
-                                      else 4000 * reports[rank]["dim"])
-        assert recs["auto"][0]["scheme"] in ("allgather", "zen")  # 1% blocks: not dense
-        starts = [r["t"] for r in run["records"]]
-        assert starts == sorted(starts)
-    # the records agree with metrics(), which still keeps each tensor's last call
-    m = reports[0]["metrics"]
-    assert m["ag"]["calls"] == 3 and m["ag"]["scheme"] == "allgather"
-    for key in ("bytes_sent", "bytes_received", "union"):
-        assert m["ag"][key] == by_name(runs[0])["ag"][-1][key]
-
-
-def test_bytes_received_are_what_each_rank_must_receive(job):
-    _, reports, runs = job
-    numel, dim = reports[0]["numel"], reports[0]["dim"]
-    for rank, run in enumerate(runs):
-        mine, other = reports[rank]["calls"], reports[1 - rank]["calls"]
-        for name, rs in by_name(run).items():
-            for r in rs:
-                a, b = mine[name][r["step"]], other[name][r["step"]]
-                scheme = r["scheme"]
-                want = (zen_receive(rank, a, b, numel) if scheme == "zen"
-                        else must_receive(scheme, a, b, numel, dim))
-                if name == "auto":
-                    want += 4 * 8  # the decision's stats row from the peer
-                assert r["bytes_received"] == want, (rank, name, r["step"], scheme)
-                if scheme not in ("dense", "rows"):
-                    assert r["nnz_local"] == len(a)
-                    assert r["union"] == len(set(a) | set(b))
-
-
-def test_solo_file_written_by_rank_0_at_shutdown(job):
-    tmp, reports, _ = job
-    assert [r["solo_recording"] for r in reports] == [True, False]  # only the writer records
-    solo = runfile.load(tmp / "solo.json")
-    assert solo["rank"] == 0 and [r["name"] for r in solo["records"]] == ["solo"]
-    assert not list(tmp.glob("solo.json.*")) and not list(tmp.glob(".solo*"))
-
-
-def test_utilization_is_bytes_over_seconds_over_rate(job):
-    _, _, runs = job
-    for run in runs:
-        a = analyze.analyze(run)
-        recs = by_name(run)
-        for t in a["tensors"]:
-            rs = recs[t["name"]]
-            want = 8 * sum(r["bytes_received"] for r in rs) / sum(r["seconds"] for r in rs) / RATE
-            assert t["utilization"] == pytest.approx(want, rel=1e-12)
-            assert t["steps"] == COUNTS[t["name"]]
-        for s in a["steps"]:
-            rs = [r for r in run["records"] if r["step"] == s["step"]]
-            wall = max(r["t"] + r["seconds"] for r in rs) - min(r["t"] for r in rs)
-            assert s["wall_s"] == pytest.approx(wall)
-            assert s["utilization"] == pytest.approx(
-                8 * sum(r["bytes_received"] for r in rs) / wall / RATE)
-        assert [s["tensors"] for s in a["steps"]] == [6, 6, 3]
-    # no link rate known: throughput still, no utilization
-    a = analyze.analyze({**runs[0], "link_rate_bps": None})
-    assert all(math.isnan(t["utilization"]) and t["throughput_bps"] > 0 for t in a["tensors"])
-    assert analyze.analyze({**runs[0], "link_rate_bps": None}, link_rate=2 * RATE)[
-        "summary"]["utilization"] == pytest.approx(a["summary"]["throughput_bps"] / (2 * RATE))
-
-
-def test_whatif_dense_is_the_ring_formula_and_falls_with_the_rate(job):
-    _, _, runs = job
-    run = runs[0]
-    a = analyze.analyze(run)
-    alpha = run["net"]["allreduce"][0]
-    sizes = [t["numel"] * t["esize"] for t in a["tensors"]]
-    assert len(sizes) == 6
-    for g in a["whatif"]:
-        n, rate = g["workers"], g["rate_bps"]
-        ring = sum(alpha + 2 * (n - 1) / n * b * 8 / rate for b in sizes)
-        assert g["dense_s"] == pytest.approx(ring, rel=0.01)
-        assert g["best_s"] <= min(g[f"{s}_s"] for s in analyze.SCHEMES) + 1e-12
-    assert {(g["rate_bps"], g["workers"]) for g in a["whatif"]} == {
-        (r, w) for r in analyze.RATES for w in analyze.WORKERS}
-    for w in analyze.WORKERS:
-        rows = sorted((g for g in a["whatif"] if g["workers"] == w), key=lambda g: g["rate_bps"])
-        for s in (*analyze.SCHEMES, "best"):
-            times = [g[f"{s}_s"] for g in rows]
-            assert times == sorted(times, reverse=True) and len(set(times)) == 3, (w, s)
-    # one tensor, through the public constructor
-    base = analyze.net_model(run["net"])
-    p = costmodel.predict(costmodel.NetModel.for_link(10e9, 64, base), 1 << 20, 4, BS, [0] * 64,
-                          None)
-    assert p.seconds["dense"] == pytest.approx(alpha + 2 * 63 / 64 * 4 * 2**20 * 8 / 10e9,
-                                               rel=0.01)
-
-
-def test_dense_enough_rate_solves_the_ring_formula(job):
-    _, _, runs = job
-    a = analyze.analyze(runs[0])
-    alpha = runs[0]["net"]["allreduce"][0]
-    total = sum(t["numel"] * t["esize"] for t in a["tensors"])
-    target = a["summary"]["sync_s_median"]
-    assert a["summary"]["steps"] == 3 and target > 0
-    for e in a["dense_enough"]:
-        n = e["workers"]
-        # k * alpha + 2 (n-1)/n * bytes * 8 / R = target
-        want = 2 * (n - 1) / n * total * 8 / (target - 6 * alpha)
-        assert e["rate_for_measured_sync_bps"] == pytest.approx(want, rel=0.01), n
-
-
-def test_cli_end_to_end(job, capsys):
-    tmp, _, _ = job
-    png, out = tmp / "a.png", tmp / "a.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hvd_sparse.tools.cli", "analyze", str(tmp / "run.0.json"),
-         "--png", str(png), "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    for text in ("per tensor", "per step", "what-if", "dense allreduce at full utilization",
-                 "model check", "allgather", "omni", "1 Gbit/s", "1024"):
-        assert text in proc.stdout, text
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    doc = json.loads(out.read_text())
-    assert {t["name"] for t in doc["tensors"]} == set(COUNTS)
-    assert len(doc["whatif"]) == len(analyze.RATES) * len(analyze.WORKERS)
-    assert analyze.main([str(png)]) == 2  # not a run file: a one-line error, no traceback
-    assert "hvd-sparse analyze" in capsys.readouterr().err
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_parse_rate():
@@ -241,3 +36,18 @@ def test_recorder_keeps_the_latest_calls(tmp_path):
         ("x0", 2), ("x1", 2), ("x2", 2), ("x0", 3)]
     assert rec.write() == tmp_path / "r.json" and runfile.load(tmp_path / "r.json")["dropped"] == 6
     assert math.isnan(analyze._util(1, 0, None)[0])  # no seconds: no throughput
+
+
+@pytest.mark.integration
+def test_run_file_is_written_at_exit(tmp_path):
+    """A process that records and exits without hvd_sparse.shutdown() still leaves its file."""
+    path = tmp_path / "exit.json"
+    code = ("from hvd_sparse import runfile\n"
+            f"runfile.start({str(path)!r}, 0, 10, {{'world_size': 1}})\n"
+            "rec = runfile._recorder\n"
+            "rec.add('x', rec.t0 + 1, 0.5, numel=3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = runfile.load(path)
+    assert [(r["name"], r["step"]) for r in doc["records"]] == [("x", 0)]

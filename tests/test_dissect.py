@@ -9,7 +9,7 @@
    aggregator's (its ``malformed`` and ``unknown_job`` counters).
 
 Hand-built junk with stateful faults (lane positions, rounds, tensor mismatches) is
-tests/test_aggregator.py's; here every expectation comes from the dissector.
+tests/test_aggregator_junk.py's; here every expectation comes from the dissector.
 """
 from __future__ import annotations
 
@@ -26,19 +26,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from aggregator_helpers import Job, reduce_under_junk, round0, sync
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scapy.layers.inet import IP, UDP
 from scapy.packet import Raw, fuzz
-from test_aggregator import (  # noqa: F401 - aggs, make_workers, fuzz_job are fixtures
-    Job,
-    aggs,
-    fuzz_job,
-    make_workers,
-    reduce_under_junk,
-    round0,
-    sync,
-)
 
 from hvd_sparse import blocks, protocol
 from hvd_sparse.tools import dissect, wire
@@ -201,6 +193,7 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 30)
         time.sleep(0.05)
 
 
+@pytest.mark.testbed
 @pytest.mark.skipif(os.geteuid() != 0, reason="the testbed needs root")
 def test_captured_testbed_job_is_dissected(tmp_path: Path) -> None:
     name = f"hvx{os.getpid() % 100000}"
@@ -370,7 +363,7 @@ def expected(payload: bytes) -> str:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(junk=st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 2 ** 20)), min_size=1,
                      max_size=40))
-def test_scapy_junk_during_a_job(fuzz_job, junk: list[tuple[str, int]]) -> None:  # noqa: F811
+def test_scapy_junk_during_a_job(fuzz_job, junk: list[tuple[str, int]]) -> None:
     counter = fuzz_job[3]
     counter[0] += 1
     tensor = 5000 + counter[0]
@@ -383,7 +376,7 @@ def test_scapy_junk_during_a_job(fuzz_job, junk: list[tuple[str, int]]) -> None:
     assert d["tensors"] == 1 and d["mismatch"] == 0, (d, kinds)
 
 
-def test_each_verdict_matches_the_aggregator(aggs, make_workers) -> None:  # noqa: F811
+def test_each_verdict_matches_the_aggregator(aggs, make_workers) -> None:
     """Packet by packet, each kind a few times: the aggregator's counters move exactly as
     the dissector said (malformed, unknown job, or neither for a foreign REGISTER)."""
     agg = aggs(Job.n)

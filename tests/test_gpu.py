@@ -1,13 +1,16 @@
 """GPU workers (marked ``gpu``): the codec, staging and the sparsifiers on a CUDA device against
 the CPU codec and kernels; every scheme, the sparsifiers and training on CUDA tensors under
-horovodrun against Horovod's CPU allreduce of the same tensors. Where torch sees no CUDA device
-(this project's machine) they are skipped, with the reason; scripts/gpu_check.sh runs them on a
-GPU host."""
+horovodrun against Horovod's CPU allreduce of the same tensors (the ``cuda-np*`` launches of
+tests/parallel/test_allreduce.py, test_sparsify_schemes.py and test_training.py, run from here:
+the driver leaves them out there). Where torch sees no CUDA device (this project's machine)
+they are skipped, with the reason; scripts/gpu_check.sh runs them on a GPU host."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch
 from test_sparsify_ops import SPARSIFIERS
 
 from hvd_sparse import blocks, device, staging
@@ -18,6 +21,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
            "on a GPU host")]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+PARALLEL = Path(__file__).resolve().parent / "parallel"
+sys.path.insert(0, str(PARALLEL))
+from driver import launches, run  # noqa: E402
+
+GPU_LAUNCHES = [(m, la) for m in sorted(PARALLEL.glob("test_*.py")) for la in launches(m)
+                if la.gpu]
 
 
 def sample(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -60,22 +69,6 @@ def test_staging_round_trip_on_cuda(dtype):
     assert torch.equal(out.nan_to_num(), t.nan_to_num())
 
 
-@pytest.mark.parametrize("np", [2, 4])
-def test_every_scheme_on_cuda_tensors(np, tmp_path):
-    """tests/mp/allreduce_cases.py with its tensors on the GPU: every scheme, dtype and density,
-    in place and out of place, async, scaled, through Compression.sparse."""
-    reports = launch("allreduce_cases.py", np, tmp_path, timeout=600,
-                     env={"HVD_SPARSE_TEST_QUICK": "1", "HVD_SPARSE_TEST_DEVICE": "cuda"})
-    assert not failures(reports), failures(reports)
-    for rep in reports:
-        assert rep["_staged"] > 0 and rep["_unstaged"] == 0, rep
-
-
-def failures(reports: list[dict]) -> str:
-    return "\n".join(f"rank {r}: {k}: {v}" for r, rep in enumerate(reports)
-                     for k, v in rep.items() if v and not k.startswith("_"))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", sorted(SPARSIFIERS))
 def test_sparsifiers_on_cuda_select_what_the_cpu_kernels_select(kind, dtype):
@@ -92,9 +85,11 @@ def test_sparsifiers_on_cuda_select_what_the_cpu_kernels_select(kind, dtype):
         cpu.observe("w", want * 2, 4)
 
 
-@pytest.mark.parametrize("script", ["sparsify_schemes.py", "training.py"])
-def test_sparsifiers_and_training_on_cuda(script, tmp_path):
-    """Every sparsifier under every scheme and API, and training parity (the hvd_sparse model on
-    the GPU, the dense Horovod one on the CPU), at 4 ranks sharing the GPU."""
-    reports = launch(script, 4, tmp_path, timeout=600, env={"HVD_SPARSE_TEST_DEVICE": "cuda"})
-    assert not failures(reports), failures(reports)
+@pytest.mark.parametrize("module,launch", GPU_LAUNCHES,
+                         ids=[f"{m.stem}[{la.name}]" for m, la in GPU_LAUNCHES])
+def test_on_cuda_tensors_under_horovodrun(module, launch, tmp_path):
+    """A tests/parallel module's cuda launch: every scheme, dtype and density (in place and
+    out of place, async, scaled, Compression.sparse); every sparsifier under every scheme and
+    API; training parity (the hvd_sparse model on the GPU, the dense Horovod one on the CPU).
+    2 and 4 ranks share the GPU."""
+    run(module, launch, tmp_path).check()

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import passed
 from pyroute2 import NetNS
 from test_testbed import run_job, running
 
@@ -39,9 +38,8 @@ def test_jobs_cross_and_aggregate_in_the_emulated_switch(testbed: topology.Testb
     with NetNS(testbed.switch_ns) as sw:  # no bridge: the emulator is the only path
         assert not sw.link_lookup(ifname="br0")
     before = launch.counters(testbed, "switch")
-    reps = run_job(testbed, "switch_cases.py", tmp_path)
-    for case in ("schemes", "aggregate", "in_flight_together", "falls_back"):
-        assert all(rep[case] == "" for rep in reps), (case, [rep[case] for rep in reps])
+    outcome = run_job(testbed, "test_switch_job.py", tmp_path, select="not test_refused")
+    assert len(outcome.tests()) == 4, outcome.tests()
     after = launch.counters(testbed, "switch")
     ports = {p["name"]: p for p in after["ports"]}
     assert sorted(ports) == sorted(h.name for h in testbed.hosts)
@@ -63,11 +61,11 @@ def test_scheme_switch_under_loss(testbed: topology.Testbed, tmp_path: Path) -> 
     tb = lifecycle.update(topology.Testbed.load(NAME), loss_rate=0.01)
     lost, was = loss.dropped(tb), launch.counters(tb, "switch")["aggregation"]
     try:
-        reps = run_job(tb, "switch_cases.py aggregate", tmp_path)
+        outcome = run_job(tb, "test_switch_job.py", tmp_path, select="test_aggregate")
         lost = loss.dropped(tb) - lost
     finally:
         lifecycle.update(topology.Testbed.load(NAME), loss_rate=0.0)
-    passed(reps, "aggregate")
+    assert [t.split("::")[1] for t in outcome.tests()] == ["test_aggregate"]
     now = launch.counters(tb, "switch")["aggregation"]
     assert lost > 0 and now["retransmits"] > was["retransmits"], (lost, now)
     assert now["malformed"] == was["malformed"] and now["overflow"] == 0, now
@@ -80,11 +78,11 @@ def test_a_refused_job_falls_back(testbed: topology.Testbed, tmp_path: Path) -> 
     free = c.limits()["groups"] - sum(j["groups"] for j in c.jobs())
     c.install(0x7E57, 2, free)
     try:
-        reps = run_job(testbed, "switch_cases.py refused", tmp_path)
+        outcome = run_job(testbed, "test_switch_job.py", tmp_path, select="test_refused")
         refused = launch.counters(testbed, "switch")["aggregation"]["refused"]
     finally:
         assert c.remove(0x7E57)
-    passed(reps, "refused")
+    assert [t.split("::")[1] for t in outcome.tests()] == ["test_refused"]
     assert refused > 0
 
 
@@ -93,7 +91,7 @@ def test_two_jobs_share_the_switch(testbed: topology.Testbed, tmp_path: Path) ->
     exact sum."""
     hosts = testbed.hosts[:4]
     procs = [subprocess.Popen(["ip", "netns", "exec", h.ns, sys.executable,
-                               str(ROOT / "tests" / "mp" / "switch_raw.py"), str(i % 2), "2",
+                               str(ROOT / "tests" / "switch_raw.py"), str(i % 2), "2",
                                testbed.switch_address, str(tmp_path / f"raw{i}.json"),
                                str(0x7001 + i // 2)],
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -125,7 +123,7 @@ def test_the_switch_aggregates_in_the_network(testbed: topology.Testbed, tmp_pat
     was = launch.counters(tb, "switch")["aggregation"]
     try:
         procs = [subprocess.Popen(["ip", "netns", "exec", h.ns, sys.executable,
-                                   str(ROOT / "tests" / "mp" / "switch_raw.py"), str(r), str(n),
+                                   str(ROOT / "tests" / "switch_raw.py"), str(r), str(n),
                                    tb.switch_address, str(tmp_path / f"raw{r}.json")],
                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
                  for r, h in enumerate(tb.hosts[:n])]

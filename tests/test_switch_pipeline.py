@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_aggregator import KINDS, junk_packets
-from test_aggregator import Job as FuzzJob
+from aggregator_helpers import KINDS, junk_packets
+from aggregator_helpers import Job as FuzzJob
 from test_aggregator_core import SimWorker, simulate
 
 from hvd_sparse import _C, protocol
@@ -175,7 +175,7 @@ def test_a_bound_group_makes_others_wait_until_released():
 
 
 def test_junk_never_changes_a_sum():
-    """test_aggregator's fuzz cases (malformed, truncated, foreign-job packets, float values
+    """test_aggregator_junk's fuzz cases (malformed, truncated, foreign-job packets, float values
     for the running tensor) among a live job's packets: exact sums, foreign packets counted."""
     sw = _C.SwitchPipeline(auto_groups=8)
     ws, ref = fixed_job(FuzzJob.n, FuzzJob.numel, FuzzJob.bs, FuzzJob.lanes, FuzzJob.nslots,

@@ -12,9 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 
-from hvd_sparse.tools.testbed import launch, lifecycle, links, topology
+from hvd_sparse.tools.testbed import launch as testbed_launch
+from hvd_sparse.tools.testbed import lifecycle, links, topology
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "parallel"))
+from driver import Launch, Outcome, run  # noqa: E402
 
 NAME = f"hvt{os.getpid() % 100000}"  # unique: never touches another run's namespaces
 
@@ -41,24 +45,17 @@ def running(tb: topology.Testbed) -> Iterator[topology.Testbed]:
         assert not tb.log_dir().exists()
 
 
-def run_job(tb: topology.Testbed, script: str, out: Path, timeout: float = 300) -> list[dict]:
-    """Runs tests/mp/``script`` (plus any arguments after its name) as one rank per worker host;
-    returns each rank's report."""
-    name, *args = script.split()
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'mp'}", "HVD_SPARSE_TEST_OUT": str(out),
-           "HVD_SPARSE_CACHE_DIR": str(out / "cache"), "OMP_NUM_THREADS": "1"}
-    try:
-        proc = launch.run(tb, [sys.executable, str(ROOT / "tests" / "mp" / name), *args], env=env,
-                          timeout=timeout, capture=True)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{script} hung past {timeout} s:\n{(e.stdout or '')[-3000:]}")
-    reports = []
-    for r in range(tb.workers):
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"{script}: rank {r} wrote no report:\n{proc.stdout[-3000:]}\n" \
-                              f"{proc.stderr[-3000:]}"
-        reports.append(json.loads(path.read_text()))
-    return reports
+def run_job(tb: topology.Testbed, module: str, out: Path, timeout: float = 300,
+            select: str | None = None) -> Outcome:
+    """Runs tests/parallel/``module`` (its tests chosen by ``select``, pytest's -k) as one rank
+    per worker host, under `hvd-sparse testbed run`'s launcher; fails with the failing (rank,
+    test) pairs unless every rank passed every test."""
+    launch = Launch("mpirun", np=tb.workers, timeout=timeout,
+                    args=("-k", select) if select else ())
+    outcome = run(ROOT / "tests" / "parallel" / module, launch, out, runner=lambda argv, env, t:
+                  testbed_launch.run(tb, argv, env=env, timeout=t, capture=True))
+    outcome.check()
+    return outcome
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +68,9 @@ def testbed():
 def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
     before = links.counters(testbed)
     t0 = time.monotonic()
-    reports = run_job(testbed, "testbed_cases.py", tmp_path, timeout=240)
+    outcome = run_job(testbed, "test_testbed_job.py", tmp_path, timeout=240)
     took = time.monotonic() - t0
-    for r, rep in enumerate(reports):
-        for case, why in rep.items():
-            assert why == "", f"rank {r}, {case}: {why}"
+    assert len(outcome.tests()) == 5, outcome.tests()
     # The traffic went over the testbed's links: every worker and the aggregator host moved
     # megabytes (the tensors are 8 MiB each).
     after = links.counters(testbed)

@@ -1,4 +1,4 @@
-"""Training parity: sparse synchronization vs Horovod's dense allreduce, step by step.
+"""Training parity (4 ranks): sparse synchronization tracks dense Horovod step by step.
 
 Two copies of one model (100k x 32 embedding + MLP) from one seed see the same batches; one
 syncs with hvd.Compression.none, the other with hvd_sparse. Parameters must agree after every
@@ -9,17 +9,20 @@ HVD_SPARSE_TEST_DEVICE=cuda: the hvd_sparse copy trains on the GPU, the referenc
 from __future__ import annotations
 
 import copy
-import os
 
 import horovod.torch as hvd
+import pytest
 import torch
-from common import case, report, start
+from driver import Launch
+from ranktools import DEVICE, start
 from torch import nn
 
 import hvd_sparse
 
+LAUNCHES = [Launch(np=4, timeout=480),
+            Launch(np=4, id="cuda-np4", env={"HVD_SPARSE_TEST_DEVICE": "cuda"}, gpu=True,
+                   timeout=600)]
 ROWS, DIM, FIELDS, BATCH = 100_000, 32, 4, 64
-DEVICE = os.environ.get("HVD_SPARSE_TEST_DEVICE", "cpu")
 
 
 class Model(nn.Module):
@@ -72,65 +75,88 @@ def ours(**kw):
         sgd(m), named_parameters=m.named_parameters(), **kw)
 
 
-def main() -> None:
+@pytest.fixture(scope="module", autouse=True)
+def hvd_sparse_started():
     start()
-    results = {}
-    none, sparse = hvd.Compression.none, hvd_sparse.Compression.sparse
-    case(results, "compression-auto-30-steps",
-         lambda: compare(horovod(none), horovod(sparse(scheme="auto")), 30))
-    case(results, "compression-zen",
-         lambda: compare(horovod(none), horovod(sparse(scheme="zen", block_size=64)), 8))
-    case(results, "compression-omnireduce",
-         lambda: compare(horovod(none), horovod(sparse(scheme="omnireduce")), 10))
-    case(results, "optimizer-omnireduce-predivide-and-passes", lambda: compare(
+
+
+none, sparse = hvd.Compression.none, hvd_sparse.Compression.sparse
+
+
+def test_compression_auto_30_steps():
+    assert compare(horovod(none), horovod(sparse(scheme="auto")), 30) == ""
+
+
+def test_compression_zen():
+    assert compare(horovod(none), horovod(sparse(scheme="zen", block_size=64)), 8) == ""
+
+
+def test_compression_omnireduce():
+    assert compare(horovod(none), horovod(sparse(scheme="omnireduce")), 10) == ""
+
+
+def test_optimizer_omnireduce_predivide_and_passes():
+    assert compare(
         horovod(none, gradient_predivide_factor=2.0, backward_passes_per_step=2),
         ours(scheme="omnireduce", gradient_predivide_factor=2.0, backward_passes_per_step=2),
-        5, passes=2))
-    case(results, "optimizer-allgather",
-         lambda: compare(horovod(none), ours(scheme="allgather"), 10))
-    case(results, "op-sum", lambda: compare(
-        horovod(none, op=hvd.Sum), horovod(sparse(scheme="allgather"), op=hvd.Sum), 5))
-    case(results, "optimizer-op-sum", lambda: compare(
-        horovod(none, op=hvd.Sum), ours(scheme="zen", op=hvd.Sum), 5))
-    case(results, "predivide-and-passes", lambda: compare(
+        5, passes=2) == ""
+
+
+def test_optimizer_allgather():
+    assert compare(horovod(none), ours(scheme="allgather"), 10) == ""
+
+
+def test_op_sum():
+    assert compare(horovod(none, op=hvd.Sum), horovod(sparse(scheme="allgather"), op=hvd.Sum),
+                   5) == ""
+
+
+def test_optimizer_op_sum():
+    assert compare(horovod(none, op=hvd.Sum), ours(scheme="zen", op=hvd.Sum), 5) == ""
+
+
+def test_predivide_and_passes():
+    assert compare(
         horovod(none, gradient_predivide_factor=2.0, backward_passes_per_step=2),
         horovod(sparse(scheme="zen"), gradient_predivide_factor=2.0, backward_passes_per_step=2),
-        5, passes=2))
-    case(results, "optimizer-predivide-and-passes", lambda: compare(
+        5, passes=2) == ""
+
+
+def test_optimizer_predivide_and_passes():
+    assert compare(
         horovod(none, gradient_predivide_factor=2.0, backward_passes_per_step=2),
         ours(scheme="auto", gradient_predivide_factor=2.0, backward_passes_per_step=2),
-        5, passes=2))
-    def grouped() -> str:
-        hvd_sparse.reset_metrics()
-        err = compare(horovod(none, groups=1), horovod(sparse(scheme="zen"), groups=1), 4)
-        names = sorted(hvd_sparse.metrics())
-        want = sorted(f"grad.{n}" for n, _ in Model().named_parameters())
-        return err or ("" if names == want else f"reductions named {names}, want {want}")
-
-    case(results, "compression-grouped", grouped)
-    # nn.Embedding(sparse=True): Horovod's own sparse path is the reference.
-    case(results, "sparse-embedding-compression", lambda: compare(
-        horovod(none), horovod(sparse(scheme="allgather"), sparse_as_dense=True), 5, sparse=True))
-    case(results, "sparse-embedding-optimizer", lambda: compare(
-        horovod(none), ours(scheme="zen"), 5, sparse=True))
-    case(results, "sparse-embedding-omnireduce", lambda: compare(
-        horovod(none), ours(scheme="omnireduce"), 5, sparse=True))
-
-    def adasum() -> str:
-        m = Model()
-        opt = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters(),
-                                       compression=sparse(), op=hvd.Adasum)
-        ids, y = batch(0)
-        try:
-            nn.BCEWithLogitsLoss()(m(ids), y).backward()
-            opt.step()
-        except hvd_sparse.HvdSparseError as e:
-            return "" if "Adasum" in str(e) else f"unclear error: {e}"
-        return "Adasum accepted"
-
-    case(results, "adasum-rejected", adasum)
-    report(results)
+        5, passes=2) == ""
 
 
-if __name__ == "__main__":
-    main()
+def test_compression_grouped():
+    hvd_sparse.reset_metrics()
+    err = compare(horovod(none, groups=1), horovod(sparse(scheme="zen"), groups=1), 4)
+    assert err == ""
+    names = sorted(hvd_sparse.metrics())
+    want = sorted(f"grad.{n}" for n, _ in Model().named_parameters())
+    assert names == want, f"reductions named {names}, want {want}"
+
+
+# nn.Embedding(sparse=True): Horovod's own sparse path is the reference.
+def test_sparse_embedding_compression():
+    assert compare(horovod(none), horovod(sparse(scheme="allgather"), sparse_as_dense=True), 5,
+                   sparse=True) == ""
+
+
+def test_sparse_embedding_optimizer():
+    assert compare(horovod(none), ours(scheme="zen"), 5, sparse=True) == ""
+
+
+def test_sparse_embedding_omnireduce():
+    assert compare(horovod(none), ours(scheme="omnireduce"), 5, sparse=True) == ""
+
+
+def test_adasum_rejected():
+    m = Model()
+    opt = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters(),
+                                   compression=sparse(), op=hvd.Adasum)
+    ids, y = batch(0)
+    with pytest.raises(hvd_sparse.HvdSparseError, match="Adasum"):
+        nn.BCEWithLogitsLoss()(m(ids), y).backward()
+        opt.step()

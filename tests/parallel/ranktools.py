@@ -1,11 +1,10 @@
-"""Shared by the multi-process workers: start Horovod and hvd_sparse, write a JSON report."""
+"""Shared by the parallel test modules on every rank: start Horovod and hvd_sparse, compare
+with a float64 reference, agree across ranks."""
 from __future__ import annotations
 
-import json
+import hashlib
 import os
-import traceback
-from collections.abc import Callable
-from pathlib import Path
+import sys
 
 import horovod.torch as hvd
 import torch
@@ -14,6 +13,7 @@ import hvd_sparse
 
 TOL = {torch.float32: (1e-5, 1e-6), torch.float64: (1e-12, 1e-12),
        torch.float16: (1e-2, 2e-3), torch.bfloat16: (2e-2, 1e-2)}
+DEVICE = os.environ.get("HVD_SPARSE_TEST_DEVICE", "cpu")
 
 
 def start(**kwargs: object) -> None:
@@ -43,14 +43,19 @@ def close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str:
     return ""
 
 
-def report(results: dict[str, object]) -> None:
-    path = Path(os.environ["HVD_SPARSE_TEST_OUT"]) / f"rank{hvd.rank()}.json"
-    path.write_text(json.dumps(results, default=str))
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(-1).view(torch.uint8).cpu().numpy()
+                        .tobytes()).hexdigest()
 
 
-def case(results: dict[str, object], name: str, fn: Callable[[], str]) -> None:
-    """Runs one check; records '' for success or the failure text."""
-    try:
-        results[name] = fn()
-    except Exception:  # noqa: BLE001 - the report carries the failure to pytest
-        results[name] = traceback.format_exc(limit=4)
+def differing_ranks(value: object, name: str) -> list[int]:
+    """Ranks whose ``value`` differs from rank 0's (a collective: call it on every rank)."""
+    every = hvd.allgather_object(value, name=f"same.{name}")
+    return [r for r, v in enumerate(every) if v != every[0]]
+
+
+def leave() -> None:
+    """Ends this rank's process here (a test marked ``ends(rank=...)``): a dead peer."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,5 +1,6 @@
 """One job on the netns testbed (4 worker hosts, 1 aggregator host, 1 Gbit/s links), launched by
-tests/test_testbed.py through `hvd-sparse testbed run`'s launcher:
+tests/test_testbed.py through `hvd-sparse testbed run`'s launcher (mpirun, one rank per worker
+host; no LAUNCHES of its own: it needs the testbed that test brings up):
 
 * every scheme equals Horovod's allreduce of the same tensors, in float64 on the CPU;
 * 1% loss on the switch (UDP): omnireduce results bit-identical to the lossless run, with
@@ -16,12 +17,15 @@ import os
 import time
 
 import horovod.torch as hvd
+import pytest
 import torch
-from common import barrier, case, close_to, report, start
+from ranktools import barrier, close_to, start
 
 import hvd_sparse
 from hvd_sparse import basics
 from hvd_sparse.tools.testbed import Testbed, lifecycle, loss
+
+LAUNCHES = []  # tests/test_testbed.py launches it on its testbed
 
 NUMEL = 1 << 21
 TIMEOUT = 6.0
@@ -34,7 +38,7 @@ def data(seed: int, density: float = 0.1, dtype: torch.dtype = torch.float32) ->
     return (torch.randn(NUMEL // 256, 256, generator=g) * keep[:, None]).view(-1).to(dtype)
 
 
-def testbed_change(**kw: object) -> None:
+def change_testbed(**kw: object) -> None:
     """Rank 0 changes the testbed; everyone waits for it."""
     if hvd.rank() == 0:
         lifecycle.update(Testbed.load(os.environ["HVD_SPARSE_TESTBED"]), **kw)
@@ -60,7 +64,7 @@ def lossy_switch() -> str:
     clean = [hvd_sparse.allreduce(x, name=f"clean{i}", scheme="omnireduce", op=hvd.Sum)
              for i, x in enumerate(xs)]
     before = worker.stats()["retransmits"]
-    testbed_change(loss_rate=0.01)
+    change_testbed(loss_rate=0.01)
     try:
         lossy = [hvd_sparse.allreduce(x, name=f"lossy{i}", scheme="omnireduce", op=hvd.Sum)
                  for i, x in enumerate(xs)]
@@ -68,7 +72,7 @@ def lossy_switch() -> str:
         dropped = loss.dropped(Testbed.load(os.environ["HVD_SPARSE_TESTBED"]))
     finally:
         barrier("loss counted")  # rank 0's change below resets the drop counters
-        testbed_change(loss_rate=0.0)
+        change_testbed(loss_rate=0.0)
     if dropped == 0:
         return "the switch's loss rules dropped no frame"
     retx = hvd.allreduce(torch.tensor([worker.stats()["retransmits"] - before]),
@@ -106,7 +110,7 @@ def link_cut() -> str:
             return f"error after {took:.1f} s, timeout {TIMEOUT} s"
         return ""
     finally:
-        testbed_change(host="a0", link_up=True)
+        change_testbed(host="a0", link_up=True)
 
 
 def link_cut_fallback() -> str:
@@ -114,7 +118,7 @@ def link_cut_fallback() -> str:
     try:
         out = cut_in_flight("cut.fallback")
     finally:
-        testbed_change(host="a0", link_up=True)
+        change_testbed(host="a0", link_up=True)
     ref = hvd.allreduce(data(7).double(), name="ref.cut", op=hvd.Average)
     return close_to(out, ref, torch.float32)
 
@@ -131,17 +135,28 @@ def local_aggregator() -> str:
                     torch.float32)
 
 
-def main() -> None:
+@pytest.fixture(scope="module", autouse=True)
+def hvd_sparse_started():
     start(probe="off", timeout=TIMEOUT)
-    results: dict[str, object] = {}
-    case(results, "schemes", schemes)
-    case(results, "loss", lossy_switch)
-    case(results, "link_cut", link_cut)
-    case(results, "link_cut_fallback", link_cut_fallback)
-    case(results, "local_aggregator", local_aggregator)
-    report(results)
+    yield
     hvd_sparse.shutdown()
 
 
-if __name__ == "__main__":
-    main()
+def test_every_scheme_matches_horovod():
+    assert schemes() == ""
+
+
+def test_loss_on_the_switch_gives_identical_results():
+    assert lossy_switch() == ""
+
+
+def test_link_cut_is_an_error_naming_the_aggregator():
+    assert link_cut() == ""
+
+
+def test_link_cut_with_fallback_is_right():
+    assert link_cut_fallback() == ""
+
+
+def test_rank0_local_aggregator_is_reachable():
+    assert local_aggregator() == ""

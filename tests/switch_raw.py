@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_switch_pipeline import fixed_job  # noqa: E402
 
 from hvd_sparse import protocol  # noqa: E402

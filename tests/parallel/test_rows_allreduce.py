@@ -1,5 +1,5 @@
-"""Sparse COO tensors reduced by rows (horovodrun -np 4), against Horovod's dense allreduce of
-their dense equivalents in float64: duplicate rows, ranks without rows, hybrid and 2-D sparse
+"""Sparse COO tensors reduced by rows (4 ranks), against Horovod's dense allreduce of their
+dense equivalents in float64: duplicate rows, ranks without rows, hybrid and 2-D sparse
 indices, every float dtype, Average and Sum, shape mismatch, and training with
 nn.EmbeddingBag(sparse=True) through hvd_sparse.DistributedOptimizer."""
 from __future__ import annotations
@@ -7,14 +7,18 @@ from __future__ import annotations
 import copy
 
 import horovod.torch as hvd
+import pytest
 import torch
-from common import case, close_to, report, start
+from driver import Launch
+from ranktools import close_to, start
 from torch import nn
 
 import hvd_sparse
 from hvd_sparse import HvdSparseError
 
+LAUNCHES = [Launch(np=4, timeout=300)]
 ROWS = 5000
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
 def embedding_grad(step: int, dtype: torch.dtype, dim: int = 8, lookups: int = 600,
@@ -76,24 +80,36 @@ def mismatch() -> str:
     return "no error for mismatched shapes"
 
 
-def main() -> None:
+@pytest.fixture(scope="module", autouse=True)
+def hvd_sparse_started():
     start(probe="off", timeout=20)
-    results: dict[str, object] = {}
-    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        for step in range(2):
-            case(results, f"embedding.{dtype}.{step}",
-                 lambda s=step, d=dtype: check(embedding_grad(s, d), f"emb.{d}.{s}"))
-    case(results, "sum", lambda: check(embedding_grad(0, torch.float32), "emb.sum", hvd.Sum))
+
+
+@pytest.mark.parametrize("step", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+def test_embedding_gradient(dtype, step):
+    assert check(embedding_grad(step, dtype), f"emb.{dtype}.{step}") == ""
+
+
+def test_sum():
+    assert check(embedding_grad(0, torch.float32), "emb.sum", hvd.Sum) == ""
+
+
+def test_2d_indices():
     g = torch.Generator().manual_seed(hvd.rank())
     dense = torch.randn(40, 30, generator=g) * (torch.rand(40, 30, generator=g) < 0.05)
-    case(results, "2d-indices", lambda: check(dense.to_sparse(), "coo2d"))
-    case(results, "hybrid-3d", lambda: check(
-        torch.randn(6, 3, 2, generator=g).to_sparse(sparse_dim=1)
-        * (hvd.rank() + 1), "hybrid"))
-    case(results, "mismatch", mismatch)
-    case(results, "train-embeddingbag", train)
-    report(results)
+    assert check(dense.to_sparse(), "coo2d") == ""
 
 
-if __name__ == "__main__":
-    main()
+def test_hybrid_3d():
+    g = torch.Generator().manual_seed(100 + hvd.rank())
+    t = torch.randn(6, 3, 2, generator=g).to_sparse(sparse_dim=1) * (hvd.rank() + 1)
+    assert check(t, "hybrid") == ""
+
+
+def test_mismatch():
+    assert mismatch() == ""
+
+
+def test_train_embeddingbag():
+    assert train() == ""

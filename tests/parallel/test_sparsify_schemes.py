@@ -1,26 +1,31 @@
-"""Sparsifiers under every scheme and both APIs (horovodrun -np 4): the reduced gradient must be
-Horovod's dense allreduce of the sparsified gradients.
+"""Sparsifiers under every scheme and both APIs: the reduced gradient must be Horovod's dense
+allreduce of the sparsified gradients.
 
 The reference runs a second, identical sparsifier on the raw gradient (computed on a copy of the
 model) and reduces the result with hvd.allreduce; it observes that result, so both sparsifiers
-stay in the same state (ExDyna's partitions and threshold).
+stay in the same state (ExDyna's partitions and threshold). 4 ranks; 2 ranks on the path of GPU
+tensors (HVD_SPARSE_CPU_AS_DEVICE: sparsified by torch operations, staged through host memory);
 HVD_SPARSE_TEST_DEVICE=cuda: the model (so the sparsifiers and their memory) on the GPU, the
 reference on the CPU (hvd_sparse._C's kernels).
 """
 from __future__ import annotations
 
 import copy
-import os
 
 import horovod.torch as hvd
+import pytest
 import torch
-from common import case, close_to, report, start
+from driver import Launch
+from ranktools import DEVICE, close_to, start
 from torch import nn
 
 import hvd_sparse
 from hvd_sparse import device
 
-DEVICE = os.environ.get("HVD_SPARSE_TEST_DEVICE", "cpu")
+LAUNCHES = [Launch(np=4, timeout=300),
+            Launch(np=2, id="staged-np2", env={"HVD_SPARSE_CPU_AS_DEVICE": "1"}, timeout=300),
+            Launch(np=4, id="cuda-np4", env={"HVD_SPARSE_TEST_DEVICE": "cuda"}, gpu=True,
+                   timeout=600)]
 SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
 SPARSIFIERS = {"topk": lambda: hvd_sparse.TopK(0.01), "exdyna": lambda: hvd_sparse.ExDyna(0.01),
                "dgc": lambda: hvd_sparse.DGC(0.05)}
@@ -71,13 +76,11 @@ def check(scheme: str, api: str, kind: str) -> str:
     return ""
 
 
-def main() -> None:
+@pytest.fixture(scope="module", autouse=True)
+def hvd_sparse_started():
     start()
-    results: dict[str, object] = {}
-    for scheme, api, kind in CASES:
-        case(results, f"{scheme}.{api}.{kind}", lambda s=scheme, a=api, k=kind: check(s, a, k))
-    report(results)
 
 
-if __name__ == "__main__":
-    main()
+@pytest.mark.parametrize("scheme,api,kind", CASES, ids=[".".join(c) for c in CASES])
+def test_reduces_the_sparsified_gradient_like_dense_allreduce(scheme, api, kind):
+    assert check(scheme, api, kind) == ""

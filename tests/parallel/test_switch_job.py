@@ -1,11 +1,12 @@
 """One job on the netns testbed with the emulated switch in place of the bridge (4 worker hosts,
-1 aggregator host), launched by tests/test_switch_emu.py.
+1 aggregator host), launched by tests/test_switch_emu.py on its testbed (no LAUNCHES of its
+own), with -k choosing the tests:
 
-    switch_cases.py            MPI (Horovod's dense allreduce), allgather and omnireduce through
-                               the aggregator host cross the switch; scheme "switch" sums in it
-    switch_cases.py aggregate  only scheme "switch"
-    switch_cases.py refused    the switch refuses the job (its pool is full): scheme "switch"
-                               goes to the aggregator host, with its reason
+    not test_refused   MPI (Horovod's dense allreduce), allgather and omnireduce through the
+                       aggregator host cross the switch; scheme "switch" sums in it
+    test_aggregate     only scheme "switch" (under loss)
+    test_refused       the switch refuses the job (its pool is full): scheme "switch" goes to
+                       the aggregator host, with its reason
 
 Scheme "switch": float32, float16 and bfloat16 at element densities 0 .. 1 equal the float64
 sum of Horovod's allreduce within the fixed-point bound (hvd_sparse.fixedpoint.error_bound)
@@ -15,14 +16,16 @@ the switch cannot take (NaN, a block larger than a slot) falls back with its rea
 from __future__ import annotations
 
 import hashlib
-import sys
 
 import horovod.torch as hvd
+import pytest
 import torch
-from common import case, close_to, report, start
+from ranktools import close_to, start
 
 import hvd_sparse
 from hvd_sparse import fixedpoint
+
+LAUNCHES = []  # tests/test_switch_emu.py launches it on its testbed
 
 NUMEL = 1 << 18
 DENSITIES = (0.0, 1e-4, 0.01, 0.3, 1.0)
@@ -143,18 +146,28 @@ def refused() -> str:
     return "; ".join(bad)
 
 
-MODES = {"all": (schemes, aggregate, in_flight_together, falls_back), "aggregate": (aggregate,),
-         "refused": (refused,)}
-
-
-def main() -> None:
+@pytest.fixture(scope="module", autouse=True)
+def hvd_sparse_started():
     start(probe="off", timeout=20.0)
-    results: dict[str, object] = {}
-    for fn in MODES[sys.argv[1] if len(sys.argv) > 1 else "all"]:
-        case(results, fn.__name__, fn)
-    report(results)
+    yield
     hvd_sparse.shutdown()
 
 
-if __name__ == "__main__":
-    main()
+def test_schemes():
+    assert schemes() == ""
+
+
+def test_aggregate():
+    assert aggregate() == ""
+
+
+def test_in_flight_together():
+    assert in_flight_together() == ""
+
+
+def test_falls_back():
+    assert falls_back() == ""
+
+
+def test_refused():
+    assert refused() == ""

@@ -1,0 +1,88 @@
+"""Aggregator failures on 4 ranks: a killed aggregator is an error naming it on every rank,
+within the timeout, or, with fallback="dense", a correct dense result; never a hang, never a
+partial sum.
+
+test_rank0_dies ends the job (rank 0 kills itself): it runs alone, launched by
+tests/test_job_faults.py, which then checks that no aggregator outlived rank 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import pytest
+import torch
+from driver import Launch
+from ranktools import close_to, start
+
+import hvd_sparse
+from hvd_sparse import basics
+
+LAUNCHES = [Launch(np=4, id="kill-aggregator", env={"HVD_SPARSE_TIMEOUT": "4"},
+                   args=("-k", "not rank0_dies"), timeout=300)]
+NUMEL = 1 << 22
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hvd_sparse_started():
+    start(probe="off")
+
+
+@pytest.fixture(scope="module")
+def ref() -> torch.Tensor:
+    return hvd.allreduce(data().double(), name="ref")
+
+
+def data() -> torch.Tensor:
+    g = torch.Generator().manual_seed(hvd.rank())
+    return torch.randn(NUMEL, generator=g) * (torch.rand(NUMEL, generator=g) < 0.3)
+
+
+def kill_mid_flight(name: str, inplace: bool) -> torch.Tensor:
+    """Ranks 1.. start reducing `name`; rank 0 kills the aggregator once they have, then joins:
+    the aggregator dies with the reduction in flight on every peer."""
+    t = data()
+    if hvd.rank() != 0:
+        h = (hvd_sparse.allreduce_async_(t, name=name, scheme="omnireduce") if inplace else
+             hvd_sparse.allreduce_async(t, name=name, scheme="omnireduce"))
+    hvd.allreduce(torch.zeros(1), name=f"barrier.{name}")
+    if hvd.rank() == 0:
+        basics.state().omni.local.procs[0].send_signal(signal.SIGKILL)
+        h = (hvd_sparse.allreduce_async_(t, name=name, scheme="omnireduce") if inplace else
+             hvd_sparse.allreduce_async(t, name=name, scheme="omnireduce"))
+    return hvd_sparse.synchronize(h)
+
+
+def test_killed_aggregator_error(ref):
+    timeout = basics.state().config.timeout
+    t0 = time.monotonic()
+    with pytest.raises(hvd_sparse.HvdSparseError) as e:
+        kill_mid_flight("killed", inplace=False)
+    took = time.monotonic() - t0
+    port = basics.state().omni.addrs[0][1]
+    assert f"127.0.0.1:{port}" in str(e.value) and "'killed'" in str(e.value), \
+        f"error does not name the aggregator and tensor: {e.value}"
+    assert took < timeout + 10, f"took {took:.1f}s"
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+def test_killed_aggregator_fallback(ref, inplace):
+    """fallback="dense": the same failure ends in the dense result on every rank."""
+    hvd_sparse.init(probe="off", fallback="dense")
+    out = kill_mid_flight("fallback.inplace" if inplace else "fallback", inplace=inplace)
+    assert close_to(out, ref, torch.float32) == ""
+
+
+@pytest.mark.ends(rank=0, job=True)
+def test_rank0_dies():
+    """Rank 0 writes its aggregators' pids and SIGKILLs itself; the launcher ends the job."""
+    if hvd.rank() == 0:
+        pids = [p.pid for p in basics.state().omni.local.procs]
+        Path(os.environ["HVD_SPARSE_TEST_OUT"], "aggregator_pids.json").write_text(
+            json.dumps(pids))
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # horovodrun ends the job once rank 0 is gone

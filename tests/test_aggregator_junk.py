@@ -1,0 +1,133 @@
+"""Malformed and foreign packets while a job runs (hypothesis-fuzzed: the result stays exact and
+the aggregator's counters move as each packet's kind says), a malformed packet cannot redirect
+results, and tensors whose ranks disagree fail every worker."""
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+from aggregator_helpers import (
+    HOST,
+    INF,
+    KINDS,
+    WAIT,
+    T,
+    block_sparse,
+    junk_packets,
+    reduce_under_junk,
+    sync,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hvd_sparse import protocol
+from hvd_sparse.tools import wire
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(junk=st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 2 ** 20),
+                               st.binary(min_size=0, max_size=300)), min_size=1, max_size=40))
+def test_fuzz_malformed_and_foreign_packets_during_a_job(fuzz_job, junk):
+    counter = fuzz_job[3]
+    counter[0] += 1
+    tensor = 1000 + counter[0]
+    built = [junk_packets(kind, seed + 7919 * i, tensor, raw)
+             for i, (kind, seed, raw) in enumerate(junk)]
+    d = reduce_under_junk(fuzz_job, tensor, counter[0], [p for _, p in built], "fuzz")
+    want = {x: sum(1 for e, _ in built if e == x) for x in ("malformed", "unknown", "fuzzy")}
+    kinds = sorted({k for k, _, _ in junk})
+    assert d["unknown_job"] == want["unknown"], (d, want, kinds)
+    assert want["malformed"] <= d["malformed"] <= want["malformed"] + want["fuzzy"], (
+        d, want, kinds)
+    assert d["malformed"] + d["stale"] + d["duplicates"] >= want["malformed"] + want["fuzzy"]
+    assert d["mismatch"] == 0 and d["jobs"] == 0, (d, kinds)
+    assert d["tensors"] == 1, f"malformed packets created tensor state: {d} {kinds}"
+
+
+def test_malformed_packet_cannot_redirect_results(aggs):
+    """Python workers speak the protocol by hand: the RESULT is the sum, sent to the workers'
+    own addresses; a malformed DATA carrying the job token and a worker id (here for the
+    round in progress) changes nothing, so the RESULT still goes to that worker, not to the
+    sender of the junk."""
+    agg = aggs(2)
+    token = 0xC0FFEE
+    w = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    try:
+        for s in w:
+            s.bind((HOST, 0))
+            s.settimeout(5)
+        for r in range(2):
+            w[r].sendto(wire.header(type=T["REGISTER"], token=token, worker=r, nworkers=2),
+                        agg.addr)
+            assert wire.parse(w[r].recv(100))["type"] == T["REGACK"]
+        vals = [np.arange(4, dtype=np.float32) + 1, np.full(4, 0.5, dtype=np.float32)]
+        geom = {"token": token, "nworkers": 2, "tensor": 9, "slot": 0, "round": 0,
+                "block_size": 4, "nblocks": 1, "nslots": 1, "meta": 1, "dtype": 0}
+        w[1].sendto(wire.data([(0, INF)], {0: vals[1].tobytes()}, **geom, worker=1), agg.addr)
+        # the attacker holds the token: malformed DATA (bad lane table) as worker 1
+        w[2].sendto(wire.data([(3, 1)], {0: vals[1].tobytes()}, **geom, worker=1), agg.addr)
+        sync(w[2], agg)
+        w[0].sendto(wire.data([(0, INF)], {0: vals[0].tobytes()}, **geom, worker=0), agg.addr)
+        for r in range(2):
+            res = wire.parse(w[r].recv(1000))
+            assert res["type"] == T["RESULT"] and res["round"] == 0 and res["present"] == 1
+            assert res["flags"] & protocol.FLAGS["LAST"]
+            assert res["lane_table"] == [(0, INF)] and res["bitmap"] == 1
+            np.testing.assert_array_equal(np.frombuffer(res["blocks"][0], np.float32),
+                                          vals[0] + vals[1])
+        w[2].settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            w[2].recv(1000)
+        # a lost RESULT: the retransmitted DATA of round 0 gets the stored copy back
+        w[1].sendto(wire.data([(0, INF)], {0: vals[1].tobytes()}, **geom, worker=1), agg.addr)
+        again = wire.parse(w[1].recv(1000))
+        assert again["type"] == T["RESULT"] and again["round"] == 0
+        for r in range(2):
+            w[r].sendto(wire.header(type=T["RELEASE"], token=token, worker=r, nworkers=2,
+                                    tensor=9), agg.addr)
+        sync(w[2], agg)
+        s = agg.stats()
+        # the junk came after worker 1's DATA of the round: a duplicate, answered by nothing
+        assert s["released"] == 1 and s["retransmits"] == 1, s
+        assert s["malformed"] + s["duplicates"] == 1 and s["tensors"] == 1, s
+    finally:
+        for s in w:
+            s.close()
+
+
+def test_tensor_mismatch_fails_every_worker(aggs, make_workers):
+    ws = make_workers([aggs(3)], 3, timeout=20)
+    rng = np.random.default_rng(0)
+    for tid, variant in ((1, "numel"), (2, "meta"), (3, "dtype")):
+        ins = [block_sparse(rng, 64 * 100 + 3, 64, 0.5, torch.float32) for _ in range(3)]
+        meta = [7, 7, 7]
+        if variant == "numel":
+            ins[2] = block_sparse(rng, 64 * 130, 64, 0.5, torch.float32)
+        elif variant == "meta":
+            meta[1] = 8
+        else:
+            ins[0] = ins[0].double()
+        outs = [x.clone() for x in ins]
+        t0 = time.monotonic()
+        tickets = [w.submit(tid, ins[r], outs[r], 64, meta[r], None, f"m{tid}", 1.0)
+                   for r, w in enumerate(ws)]
+        for r, w in enumerate(ws):
+            assert w.wait(tickets[r], WAIT)
+            with pytest.raises(RuntimeError, match="mismatch"):
+                w.finish(tickets[r])
+        assert time.monotonic() - t0 < 15, "a mismatch is reported, not timed out"
+
+
+def test_tensor_mismatch_on_tensor_id_zero(aggs, make_workers):
+    ws = make_workers([aggs(2)], 2, timeout=1.5)
+    ins = [torch.ones(64), torch.ones(128)]  # one slot each; block counts differ
+    tickets = [w.submit(0, ins[r], ins[r].clone(), 64, 7, None, "zero", 1.0)
+               for r, w in enumerate(ws)]
+    for r, w in enumerate(ws):
+        assert w.wait(tickets[r], WAIT)
+        with pytest.raises(RuntimeError, match="mismatch"):
+            w.finish(tickets[r])

@@ -1,0 +1,61 @@
+"""Loss, duplication and reordering, injected by the aggregator (--drop-rate, --dup-rate,
+--reorder-rate) or by the workers: results bit-identical to a lossless run, and the counters
+that show the faults happened moved."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from aggregator_helpers import (
+    assert_result,
+    bits,
+    block_sparse,
+    reference,
+    run,
+)
+
+LOSS = [  # (id, aggregator flags, worker kwargs, counters that must have moved)
+    ("agg-drop-in-1%", ("--drop-rate", "0.01"), {}, ("injected_drops", "w:retransmits")),
+    ("agg-drop-in-10%", ("--drop-rate", "0.1"), {}, ("injected_drops", "w:retransmits")),
+    ("agg-drop-out-1%", ("--drop-rate-out", "0.01"), {}, ("injected_drops", "retransmits")),
+    ("agg-drop-out-10%", ("--drop-rate-out", "0.1"), {}, ("injected_drops", "retransmits")),
+    ("worker-drop-10%", (), {"drop_rate": 0.1}, ("w:injected_drops", "retransmits")),
+    ("agg-dup", ("--dup-rate", "0.2"), {}, ("injected_dups", "duplicates+retransmits")),
+    ("worker-dup", (), {"dup_rate": 0.2}, ("duplicates+retransmits",)),
+    ("agg-reorder", ("--reorder-rate", "0.5"), {}, ("rounds",)),
+    ("everything", ("--drop-rate", "0.1", "--drop-rate-out", "0.1", "--dup-rate", "0.1",
+                    "--reorder-rate", "0.3"), {"drop_rate": 0.05, "dup_rate": 0.05},
+     ("injected_drops", "injected_dups", "retransmits", "w:retransmits")),
+]
+
+
+@pytest.mark.parametrize("flags,kw,moved", [c[1:] for c in LOSS], ids=[c[0] for c in LOSS])
+def test_loss_duplication_reordering_give_identical_results(aggs, make_workers, flags, kw,
+                                                            moved):
+    n, bs = 4, 64
+    rng = np.random.default_rng(4)
+    numel = bs * 500 + 5
+    ins = [block_sparse(rng, numel, bs, 0.15, torch.float32, force=(0,) if r == 2 else ())
+           for r in range(n)]
+    ref = reference(ins)
+    clean = make_workers([aggs(n)], n, token=1, payload_bytes=1024, slots_per_aggregator=16)
+    lossless, _ = run(clean, ins, 5, bs, inplace=False)
+    assert_result(lossless[0], ref, "lossless")
+
+    agg = aggs(n, *flags, "--seed", "3")
+    ws = make_workers([agg], n, token=2, payload_bytes=1024, slots_per_aggregator=16,
+                      seed=11, **kw)
+    for tid, inplace in ((5, False), (6, True)):
+        outs, _ = run(ws, ins, tid, bs, inplace=inplace)
+        for r, o in enumerate(outs):
+            assert bits(o) == bits(lossless[0]), f"rank {r} inplace={inplace}"
+    s = agg.stats()
+    wstats = [w.stats() for w in ws]
+    for counter in moved:
+        if counter.startswith("w:"):
+            value = sum(x[counter[2:]] for x in wstats)
+        else:
+            value = sum(s[c] for c in counter.split("+"))
+        assert value > 0, f"{counter} did not move: {s} {wstats}"
+    assert s["malformed"] == 0 and s["mismatch"] == 0, s
+    assert agg.alive()
