@@ -1,9 +1,10 @@
 """Training parity (4 ranks): sparse synchronization tracks dense Horovod step by step.
 
-Two copies of one model (100k x 32 embedding + MLP) from one seed see the same batches; one
-syncs with hvd.Compression.none, the other with hvd_sparse. Parameters must agree after every
-step. Variants cover hvd_sparse.DistributedOptimizer, op=Sum, predivide factor, several
-backward passes per step, nn.Embedding(sparse=True), and Adasum's clear error.
+Two copies of one model from one seed see the same batches of the demo's workload
+(hvd_sparse.tools.workload: three embedding tables of about 105k rows x 32 over Zipf ids, dense
+features, an MLP); one syncs with hvd.Compression.none, the other with hvd_sparse. Parameters
+must agree after every step. Variants cover hvd_sparse.DistributedOptimizer, op=Sum, predivide
+factor, several backward passes per step, nn.Embedding(sparse=True), and Adasum's clear error.
 HVD_SPARSE_TEST_DEVICE=cuda: the hvd_sparse copy trains on the GPU, the reference on the CPU.
 """
 from __future__ import annotations
@@ -18,42 +19,36 @@ from ranktools import DEVICE, start
 from torch import nn
 
 import hvd_sparse
+from hvd_sparse.tools.workload import CTRModel, Shard, make_shard, vocab_sizes
 
 LAUNCHES = [Launch(np=4, timeout=480),
             Launch(np=4, id="cuda-np4", env={"HVD_SPARSE_TEST_DEVICE": "cuda"}, gpu=True,
                    timeout=600)]
-ROWS, DIM, FIELDS, BATCH = 100_000, 32, 4, 64
+SIZES, DIM, BATCH, MAX_PASSES = vocab_sizes(0.4), 32, 64, 2
+_shards: dict[int, Shard] = {}
 
 
-class Model(nn.Module):
-    def __init__(self, sparse: bool = False) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(ROWS, DIM, sparse=sparse)
-        self.mlp = nn.Sequential(nn.Linear(FIELDS * DIM, 64), nn.ReLU(), nn.Linear(64, 1))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.emb(ids).flatten(1)).squeeze(1)
+def model(sparse: bool = False) -> CTRModel:
+    return CTRModel(SIZES, DIM, sparse=sparse)
 
 
-def batch(step: int, sub: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(10_000 * hvd.rank() + 100 * step + sub)
-    # Zipf-like ids: a few hot rows, a long tail
-    ids = (torch.rand(BATCH, FIELDS, generator=g) ** 3 * ROWS).long()
-    return ids, torch.randint(0, 2, (BATCH,), generator=g).float()
+def batch(step: int, sub: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's examples of ``step`` (backward pass ``sub``): (ids, dense, label)."""
+    if hvd.rank() not in _shards:
+        _shards[hvd.rank()] = make_shard(0, hvd.rank(), 30 * MAX_PASSES * BATCH, SIZES)
+    return _shards[hvd.rank()].batch(step * MAX_PASSES + sub, BATCH)
 
 
 def compare(make_ref, make_test, steps: int, passes: int = 1, sparse: bool = False) -> str:
     torch.manual_seed(0)
-    ref_model = Model(sparse)
+    ref_model = model(sparse)
     test_model = copy.deepcopy(ref_model).to(DEVICE)
     ref_opt, test_opt = make_ref(ref_model), make_test(test_model)
-    loss_fn = nn.BCEWithLogitsLoss()
     for step in range(steps):
-        for model, opt, dev in ((ref_model, ref_opt, "cpu"), (test_model, test_opt, DEVICE)):
+        for m, opt, dev in ((ref_model, ref_opt, "cpu"), (test_model, test_opt, DEVICE)):
             opt.zero_grad()
             for sub in range(passes):
-                ids, y = batch(step, sub)
-                loss_fn(model(ids.to(dev)), y.to(dev)).backward()
+                m.loss(*(x.to(dev) for x in batch(step, sub))).backward()
             opt.step()
         for (n, a), b in zip(ref_model.named_parameters(), test_model.parameters(), strict=True):
             if not torch.allclose(a, b.cpu(), rtol=1e-4, atol=1e-6):
@@ -134,7 +129,7 @@ def test_compression_grouped():
     err = compare(horovod(none, groups=1), horovod(sparse(scheme="zen"), groups=1), 4)
     assert err == ""
     names = sorted(hvd_sparse.metrics())
-    want = sorted(f"grad.{n}" for n, _ in Model().named_parameters())
+    want = sorted(f"grad.{n}" for n, _ in model().named_parameters())
     assert names == want, f"reductions named {names}, want {want}"
 
 
@@ -153,10 +148,9 @@ def test_sparse_embedding_omnireduce():
 
 
 def test_adasum_rejected():
-    m = Model()
+    m = model()
     opt = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters(),
                                    compression=sparse(), op=hvd.Adasum)
-    ids, y = batch(0)
     with pytest.raises(hvd_sparse.HvdSparseError, match="Adasum"):
-        nn.BCEWithLogitsLoss()(m(ids), y).backward()
+        m.loss(*batch(0)).backward()
         opt.step()
