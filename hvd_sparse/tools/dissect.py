@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import sys
 from collections import Counter, defaultdict
@@ -251,7 +252,7 @@ def _parser() -> argparse.ArgumentParser:
                                 description="jobs, tensors, rounds, retransmissions and "
                                             "malformed packets of aggregation traffic")
     p.add_argument("pcap", nargs="?", help="a capture file (pcap or pcapng)")
-    p.add_argument("--iface", help="capture live on this interface instead (Ctrl-C stops)")
+    p.add_argument("--iface", help="capture live on this interface live (Ctrl-C or SIGTERM stops)")
     p.add_argument("--count", type=int, default=0, help="live: stop after N frames")
     p.add_argument("--timeout", type=float, default=None, help="live: stop after S seconds")
     p.add_argument("--write", help="live: also save the frames to this pcap file")
@@ -282,6 +283,11 @@ def main(argv: list[str]) -> int:
             bpf = f"udp port {a.port} or (ip[6:2] & 0x3fff != 0)"
             sock = conf.L2listen(iface=a.iface, filter=bpf)
             _grow_buffer(sock)
+            # SIGINT and SIGTERM end the capture (scapy stops on KeyboardInterrupt) and the
+            # report follows. Set explicitly: a process started in the background inherits
+            # SIGINT ignored, and Python then leaves it so.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.default_int_handler)
             try:
                 packets = list(sniff(opened_socket=sock, count=a.count, timeout=a.timeout,
                                      started_callback=ready))
