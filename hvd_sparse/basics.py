@@ -13,6 +13,8 @@ import horovod.torch as hvd
 from . import config as _config
 from . import costmodel, engine, runfile, session
 from ._C import set_threads
+from .comm import Collectives
+from .comm import horovod as collectives
 from .errors import HvdSparseError
 from .job import Context
 
@@ -24,6 +26,7 @@ class State:
     config: _config.Config
     net: costmodel.NetModel
     world: tuple[int, int]  # Horovod's (rank, size) at init: what the state was built for
+    comm: Collectives  # all ranks of the job (init's collectives)
     omni: session.Session | None = None  # aggregators joined, when any
     switch: session.Session | None = None  # the switch joined, when any
     unnamed: Iterator[int] = field(default_factory=itertools.count)  # unnamed tensors' numbers
@@ -58,28 +61,29 @@ def init(**kwargs: object) -> None:
     logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s")
     log.setLevel(cfg.log_level.upper())
     # Ranks sharing a host share its cores; more threads than that make every loop crawl.
-    set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // hvd.local_size()))
-    omni = session.start(cfg)
-    switch = session.join_switch(cfg)
+    comm = collectives.of(hvd.global_process_set)
+    set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // comm.local_size()))
+    omni = session.start(cfg, comm)
+    switch = session.join_switch(cfg, comm)
     net = costmodel.load_or_probe(
-        cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
+        comm, cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
         layout=omni.layout() if omni else (0, 0), aggregators=omni.describe() if omni else "",
         switch=switch.probe_time if switch else None,
         switch_layout=switch.layout() if switch else (0, 0),
         switch_name=switch.describe() if switch else "")
     log.debug("hvd_sparse: network model (%s): %s", net.source, net)
-    _state = State(cfg, net, (hvd.rank(), hvd.size()), omni, switch)
-    _start_run_file(cfg, net, omni)
+    _state = State(cfg, net, (hvd.rank(), hvd.size()), comm, omni, switch)
+    _start_run_file(cfg, comm, net, omni)
 
 
-def _start_run_file(cfg: _config.Config, net: costmodel.NetModel,
+def _start_run_file(cfg: _config.Config, comm: Collectives, net: costmodel.NetModel,
                     omni: session.Session | None) -> None:
     if not cfg.metrics_file:
         runfile.stop()
         return
-    runfile.start(cfg.metrics_file, hvd.rank(), cfg.metrics_records, {
-        "world_size": hvd.size(),
-        "hosts": hvd.cross_size(),  # as Horovod counts them: by hostname
+    runfile.start(cfg.metrics_file, comm.rank, cfg.metrics_records, {
+        "world_size": comm.size,
+        "hosts": comm.hosts(),
         "aggregators": len(omni.addrs) if omni else 0,
         "aggregators_local": bool(omni) and not cfg.aggregator_list(),  # on rank 0's host
         "link_rate_bps": runfile.parse_rate(cfg.link_rate) if cfg.link_rate else None,

@@ -18,13 +18,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import horovod.torch as hvd
 import torch
 
 from . import blocks, protocol
 from ._C import SEGMENT_HEADER_BYTES, block_mask, decode_sum, encode
 from .config import Config
+
+if TYPE_CHECKING:
+    from .comm import Collectives
 
 log = logging.getLogger("hvd_sparse")
 
@@ -110,7 +113,7 @@ def _fit(small: tuple[float, float], big: tuple[float, float]) -> tuple[float, f
     return max(t1 - beta * b1, 1e-6), beta
 
 
-def probe(omni: Callable[[int], float] | None = None,
+def probe(comm: Collectives, omni: Callable[[int], float] | None = None,
           layout: tuple[int, int] = OMNI_LAYOUT, switch: Callable[[int], float] | None = None,
           switch_layout: tuple[int, int] = SWITCH_LAYOUT) -> NetModel:
     """Times the real collectives at two sizes (collective: every rank must call it);
@@ -118,20 +121,21 @@ def probe(omni: Callable[[int], float] | None = None,
     blocks non-zero (the same on every rank), when there are aggregators laid out as ``layout``;
     ``switch`` the same in the switch.
     """
-    n = hvd.size()
+    n = comm.size
     small, big = 256, 1 << 20  # float32 elements per rank
 
     def allreduce(k: int) -> float:
         x = torch.ones(k)
-        return _median_time(lambda: hvd.allreduce(x, name=f"hvd_sparse.probe.ar{k}", op=hvd.Sum))
+        return _median_time(lambda: comm.allreduce(x, f"hvd_sparse.probe.ar{k}").value())
 
     def allgather(k: int) -> float:
         x = torch.ones(k)
-        return _median_time(lambda: hvd.allgather(x, name=f"hvd_sparse.probe.ag{k}"))
+        return _median_time(lambda: comm.allgather(x, f"hvd_sparse.probe.ag{k}").value())
 
     def alltoall(k: int) -> float:
         x = torch.ones(k * n)
-        return _median_time(lambda: hvd.alltoall(x, name=f"hvd_sparse.probe.a2a{k}"))
+        return _median_time(
+            lambda: comm.alltoall(x, [k] * n, f"hvd_sparse.probe.a2a{k}").value())
 
     model = NetModel(
         allreduce=_fit((small * 4, allreduce(small)), (big * 4, allreduce(big))),
@@ -230,14 +234,15 @@ def _local_speed() -> float:
     return t.numel() * 4 / max(secs, 1e-9)
 
 
-def _cache_path(cache_dir: str, aggregators: str) -> Path:
-    hosts = sorted(hvd.allgather_object(socket.gethostname(), name="hvd_sparse.probe.hosts"))
-    key = json.dumps([hosts, hvd.size(), hvd.gloo_enabled(), torch.__version__, os.cpu_count(),
+def _cache_path(comm: Collectives, cache_dir: str, aggregators: str) -> Path:
+    hosts = sorted(comm.allgather_object(socket.gethostname(), "hvd_sparse.probe.hosts"))
+    key = json.dumps([hosts, comm.size, comm.kind, torch.__version__, os.cpu_count(),
                       torch.get_num_threads(), aggregators, 4])  # 4: version of the fields
     return Path(cache_dir) / f"netmodel-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
-def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None = None,
+def load_or_probe(comm: Collectives, mode: str, cache_dir: str,
+                  omni: Callable[[int], float] | None = None,
                   layout: tuple[int, int] = OMNI_LAYOUT, aggregators: str = "",
                   switch: Callable[[int], float] | None = None,
                   switch_layout: tuple[int, int] = SWITCH_LAYOUT,
@@ -245,12 +250,12 @@ def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None
     """The job's network model, identical on every rank (rank 0's cache or a fresh probe).
     ``aggregators`` and ``switch_name`` describe what the cached ``omni`` and ``switch``
     timings belong to."""
-    if mode == "off" or hvd.size() == 1:
+    if mode == "off" or comm.size == 1:
         return NetModel.default(layout if omni is not None else None,
                                 switch_layout if switch is not None else None)
-    path = _cache_path(cache_dir, f"{aggregators}|{switch_name}")
+    path = _cache_path(comm, cache_dir, f"{aggregators}|{switch_name}")
     cached = None
-    if hvd.rank() == 0 and mode == "auto" and path.exists():
+    if comm.rank == 0 and mode == "auto" and path.exists():
         try:
             if time.time() - path.stat().st_mtime < CACHE_MAX_AGE:
                 d = json.loads(path.read_text())
@@ -258,12 +263,12 @@ def load_or_probe(mode: str, cache_dir: str, omni: Callable[[int], float] | None
                     **{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
         except (OSError, ValueError, TypeError):
             cached = None
-    cached = hvd.broadcast_object(cached, root_rank=0, name="hvd_sparse.probe.cached")
+    cached = comm.broadcast_object(cached, "hvd_sparse.probe.cached")
     if cached is not None:
         return cached
-    model = hvd.broadcast_object(probe(omni, layout, switch, switch_layout), root_rank=0,
-                                 name="hvd_sparse.probe.model")
-    if hvd.rank() == 0:
+    model = comm.broadcast_object(probe(comm, omni, layout, switch, switch_layout),
+                                  "hvd_sparse.probe.model")
+    if comm.rank == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(asdict(model)))

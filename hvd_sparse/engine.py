@@ -1,43 +1,28 @@
-"""The progress engine: asynchronous reductions built from Horovod's own collectives.
+"""The progress engine: asynchronous reductions built from collectives between ranks
+(hvd_sparse.comm) and the aggregators' worker engine.
 
 A scheme is a generator that yields (stage name, pending) pairs and returns the reduced tensor;
-pending is a Horovod handle or a ``Waitable`` (the aggregator engine's). The engine drives every
-in-flight generator: whenever a caller waits on any handle, all handles whose current
-Horovod op has finished move to their next stage. That is what lets ranks submit and wait on
-tensors in different orders without deadlock: a rank blocked on tensor A still submits the next
-stage of tensor B that its peers are waiting for. Every wait is bounded by the configured timeout.
+pending is a ``comm.Pending`` (a collective in flight, or a submission to aggregators). The
+engine drives every in-flight generator: whenever a caller waits on any handle, all handles
+whose current operation has finished move to their next stage. That is what lets ranks submit
+and wait on tensors in different orders without deadlock (over Horovod, which matches
+operations by name): a rank blocked on tensor A still submits the next stage of tensor B that
+its peers are waiting for. Every wait is bounded by the configured timeout.
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import Any, Protocol
+from typing import Any
 
-import horovod.torch as hvd
 import torch
 
+from .comm import Pending
 from .errors import HvdSparseError
 from .job import Job
 
-
-class Waitable(Protocol):
-    """A pending operation that is not a Horovod handle."""
-
-    def poll(self) -> bool: ...
-
-    def value(self) -> Any: ...
-
-
-Stage = Generator[tuple[str, "int | Waitable"], Any, torch.Tensor]
-
-
-def _ready(pending: int | Waitable) -> bool:
-    return hvd.poll(pending) if isinstance(pending, int) else pending.poll()
-
-
-def _value(pending: int | Waitable) -> Any:
-    return hvd.synchronize(pending) if isinstance(pending, int) else pending.value()
+Stage = Generator[tuple[str, Pending], Any, torch.Tensor]
 
 
 class Handle:
@@ -49,7 +34,7 @@ class Handle:
     def __init__(self, job: Job, gen: Stage, on_done: Callable[[Handle], None]) -> None:
         self.job = job
         self._gen = gen
-        self.pending: int | Waitable | None = None
+        self.pending: Pending | None = None
         self.stage = "start"
         self.result: torch.Tensor | None = None
         self.error: HvdSparseError | None = None
@@ -103,15 +88,15 @@ def _reap(h: Handle) -> None:
 
 
 def progress() -> None:
-    """Moves every in-flight reduction whose current Horovod op has finished to its next stage."""
+    """Moves every in-flight reduction whose current operation has finished to its next stage."""
     with _lock:
         for h in list(_inflight.values()):
             while h.pending is not None:
                 try:
-                    if not _ready(h.pending):
+                    if not h.pending.poll():
                         break
-                    value = _value(h.pending)
-                except Exception as e:  # noqa: BLE001 - Horovod reports peer errors this way
+                    value = h.pending.value()
+                except Exception as e:  # noqa: BLE001 - collectives report peer errors this way
                     h._fail(HvdSparseError(f"hvd_sparse: tensor {h.job.name!r}: {e}"))
                     break
                 h._step(value)

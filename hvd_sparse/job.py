@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import horovod.torch as hvd
 import torch
 
 from .config import Config
 from .costmodel import NetModel
 
 if TYPE_CHECKING:
+    from .comm import Collectives
     from .session import Session
 
 
@@ -62,17 +62,14 @@ class Job:
     name: str
     tensor: torch.Tensor  # contiguous, flat view of the input ("rows": the sparse input)
     shape: torch.Size
-    op: Any  # hvd.Sum or hvd.Average
+    average: bool  # divide the sum by the ranks (else the plain sum), besides the scales
     prescale: float
     postscale: float
     block_size: int
-    size: int  # of the process set
-    rank: int  # in the process set
     meta: int
     scheme: str  # what the caller asked for
     ctx: Context
-    # the ranks taking part: every Horovod collective of the job runs in this set
-    process_set: hvd.ProcessSet = hvd.global_process_set
+    comm: Collectives  # the ranks taking part: every collective of the job runs over them
     inplace: bool = False  # the schemes may write the result into ``tensor``
     output: torch.Tensor | None = None  # the caller's tensor, for allreduce_
     home: torch.Tensor | None = None  # staged (a GPU tensor): its flat self on the device
@@ -83,24 +80,21 @@ class Job:
         return f"hvd_sparse.{self.name}.{stage}"
 
     @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
     def scale(self) -> float:
-        """Factor applied to the plain sum: pre- and postscale, and 1/size for Average."""
+        """Factor applied to the plain sum: pre- and postscale, and 1/size for an average."""
         s = self.prescale * self.postscale
-        return s / self.size if self.op == hvd.Average else s
+        return s / self.size if self.average else s
 
     @property
     def small(self) -> bool:
         """Below ``small_bytes``: a round of aggregation, or auto's decision, costs more than
-        Horovod's dense allreduce of it."""
+        the dense allreduce of it."""
         return self.tensor.numel() * self.tensor.element_size() < self.ctx.config.small_bytes
-
-    @property
-    def global_set(self) -> bool:
-        return is_global(self.process_set)
-
-
-
-def is_global(process_set: hvd.ProcessSet) -> bool:
-    """Whether ``process_set`` is the whole job: aggregators sum over every rank of the job (all
-    of which join them at init), so a smaller set would leave them waiting."""
-    return process_set.process_set_id == hvd.global_process_set.process_set_id

@@ -8,6 +8,7 @@ import horovod.torch as hvd
 import torch
 
 from . import basics, blocks, engine, runfile, schemes, staging
+from .comm import horovod as collectives
 from .engine import Handle
 from .errors import HvdSparseError
 from .job import Job
@@ -63,12 +64,10 @@ def allreduce_async(
             home, to_host, copied = t, staging.ToHost(t, block_size), True
         elif not blocks.supported(t) or t.numel() == 0:
             scheme = "dense"
-    job = Job(name=name, tensor=t, shape=tensor.shape, op=op,
-              prescale=prescale_factor, postscale=postscale_factor,
-              block_size=block_size, size=process_set.size(),
-              rank=process_set.rank(), process_set=process_set,
+    job = Job(name=name, tensor=t, shape=tensor.shape, average=op == hvd.Average,
+              prescale=prescale_factor, postscale=postscale_factor, block_size=block_size,
               meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
-              ctx=st.context,
+              ctx=st.context, comm=collectives.of(process_set),
               inplace=t.numel() > 0 and (inplace or copied),
               output=tensor if inplace else None, home=home)
     if to_host is None:

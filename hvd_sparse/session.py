@@ -19,12 +19,12 @@ import statistics
 import time
 from collections import defaultdict
 
-import horovod.torch as hvd
 import torch
 
 from . import protocol
 from ._C import OmniWorker
 from .aggregator import LocalAggregators
+from .comm import Collectives
 from .config import Config
 from .errors import HvdSparseError
 from .fixedpoint import exponent
@@ -35,8 +35,8 @@ log = logging.getLogger("hvd_sparse")
 class Session:
     """This rank's worker engine, joined to the job's aggregators."""
 
-    def __init__(self, cfg: Config, addrs: list[tuple[str, int]], token: int,
-                 local: LocalAggregators | None, max_datagram: int | None = None,
+    def __init__(self, cfg: Config, comm: Collectives, addrs: list[tuple[str, int]],
+                 token: int, local: LocalAggregators | None, max_datagram: int | None = None,
                  switch: bool = False) -> None:
         self.cfg, self.addrs, self.local, self.switch = cfg, addrs, local, switch
         # Block values per packet: the configured fusion, cut so that a whole packet (header,
@@ -50,9 +50,10 @@ class Session:
         self.turns = Turns() if switch else None
         # The engine's own no-progress timeout fires a little before the caller's, so the error
         # names the aggregator rather than only the tensor.
-        self.worker = OmniWorker(addrs, token, hvd.rank(), hvd.size(), payload_bytes=payload,
+        self.size = comm.size
+        self.worker = OmniWorker(addrs, token, comm.rank, comm.size, payload_bytes=payload,
                                  slots_per_aggregator=cfg.slots, rto=cfg.rto,
-                                 timeout=cfg.timeout * 0.9, seed=hvd.rank())
+                                 timeout=cfg.timeout * 0.9, seed=comm.rank)
         self._calls: dict[str, int] = defaultdict(int)
 
     def tensor_id(self, name: str) -> int:
@@ -86,7 +87,7 @@ class Session:
             t0 = time.perf_counter()
             ticket = self.worker.submit(
                 self.tensor_id(f"hvd_sparse.probe.omni{numel}.{density}"), x, out, 256, 0, None,
-                "probe", 1.0, exponent(1.0, hvd.size()) if self.switch else None)
+                "probe", 1.0, exponent(1.0, self.size) if self.switch else None)
             self.worker.wait(ticket, self.cfg.timeout)
             self.worker.finish(ticket)
             times.append(time.perf_counter() - t0)
@@ -127,23 +128,24 @@ class Turns:
             self.next += 1
 
 
-def join_switch(cfg: Config) -> Session | None:
-    """Joins the switch named by ``switch`` (collective). None when no switch is configured or
-    it refuses the job on some rank (the reason is logged: the switch scheme then falls back)."""
+def join_switch(cfg: Config, comm: Collectives) -> Session | None:
+    """Joins the switch named by ``switch`` (collective over ``comm``, all ranks). None when no
+    switch is configured or it refuses the job on some rank (the reason is logged: the switch
+    scheme then falls back)."""
     addr = cfg.switch_address()
     if addr is None:
         return None
-    token = hvd.broadcast_object(random.SystemRandom().getrandbits(63) | 1, root_rank=0,
-                                 name="hvd_sparse.switch.token")
-    mtu = hvd.allreduce(torch.tensor([_max_datagram(*addr)]), op=hvd.Min,
-                        name="hvd_sparse.switch.mtu")
-    session = Session(cfg, [addr], token, None, int(mtu), switch=True)
+    token = comm.broadcast_object(random.SystemRandom().getrandbits(63) | 1,
+                                  "hvd_sparse.switch.token")
+    mtu = comm.allreduce(torch.tensor([_max_datagram(*addr)]), "hvd_sparse.switch.mtu",
+                         "min").value()
+    session = Session(cfg, comm, [addr], token, None, int(mtu), switch=True)
     why = ""
     try:
         session.worker.register(cfg.timeout)
     except RuntimeError as e:
         why = str(e)
-    refused = hvd.allgather_object(why, name="hvd_sparse.switch.registered")
+    refused = comm.allgather_object(why, "hvd_sparse.switch.registered")
     if any(refused):
         session.close()
         rank, why = next((r, w) for r, w in enumerate(refused) if w)
@@ -154,41 +156,41 @@ def join_switch(cfg: Config) -> Session | None:
     return session
 
 
-def start(cfg: Config) -> Session | None:
+def start(cfg: Config, comm: Collectives) -> Session | None:
     """Joins the configured aggregators or, when none are, starts local ones on rank 0.
-    Collective: every rank calls it. Returns None when aggregation is off."""
+    Collective over ``comm``, all ranks of the job. Returns None when aggregation is off."""
     addrs = cfg.aggregator_list()
     local = None
     if not addrs:
         count = cfg.local_aggregators
         if count < 0:
-            count = max(1, hvd.size() // 4)
+            count = max(1, comm.size // 4)
         if count == 0:
             return None
         reply: object = None
         # Ranks may share a hostname and still be apart (containers, network namespaces), so
         # loopback serves only ranks in one network namespace of one running kernel.
-        where = hvd.allgather_object(_whereabouts(), name="hvd_sparse.omni.where")
-        if hvd.rank() == 0:
+        where = comm.allgather_object(_whereabouts(), "hvd_sparse.omni.where")
+        if comm.rank == 0:
             together = len({w[:2] for w in where}) == 1
             try:
                 host = cfg.aggregator_host or ("127.0.0.1" if together else
                                                _address_toward([w[2] for w in where[1:]]))
-                local = LocalAggregators(count, hvd.size(), "127.0.0.1" if together
+                local = LocalAggregators(count, comm.size, "127.0.0.1" if together
                                          else "0.0.0.0")
                 reply = [(host, p) for p in local.ports]
             except HvdSparseError as e:
                 reply = str(e)
-        reply = hvd.broadcast_object(reply, root_rank=0, name="hvd_sparse.omni.addrs")
+        reply = comm.broadcast_object(reply, "hvd_sparse.omni.addrs")
         if isinstance(reply, str):
             raise HvdSparseError(reply)
         addrs = [tuple(a) for a in reply]  # type: ignore[union-attr]
-    token = hvd.broadcast_object(random.SystemRandom().getrandbits(63) | 1, root_rank=0,
-                                 name="hvd_sparse.omni.token")
+    token = comm.broadcast_object(random.SystemRandom().getrandbits(63) | 1,
+                                  "hvd_sparse.omni.token")
     # Every rank must lay tensors out alike: the smallest path MTU of any rank decides.
-    mtu = hvd.allreduce(torch.tensor([min(_max_datagram(h, p) for h, p in addrs)]),
-                        op=hvd.Min, name="hvd_sparse.omni.mtu")
-    session = Session(cfg, addrs, token, local, int(mtu))
+    mtu = comm.allreduce(torch.tensor([min(_max_datagram(h, p) for h, p in addrs)]),
+                         "hvd_sparse.omni.mtu", "min").value()
+    session = Session(cfg, comm, addrs, token, local, int(mtu))
     try:
         session.worker.register(cfg.timeout)
     except RuntimeError as e:

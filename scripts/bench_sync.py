@@ -163,7 +163,7 @@ def k2_session() -> omni.Session:
     """A second aggregation session over two local aggregators (rank 0 starts them)."""
     cfg = dataclasses.replace(hvd_sparse.basics.state().config, aggregators="",
                               local_aggregators=2)
-    session = omni.start(cfg)
+    session = omni.start(cfg, hvd_sparse.basics.state().comm)
     assert session is not None
     return session
 

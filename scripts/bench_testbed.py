@@ -211,7 +211,7 @@ def rank_side(args: argparse.Namespace) -> None:
     tb = Testbed.load(os.environ["HVD_SPARSE_TESTBED"])
     st = basics.state()
     cfg = st.config
-    one = omni.start(dataclasses.replace(cfg, aggregators=cfg.aggregator_list()[:1]))
+    one = omni.start(dataclasses.replace(cfg, aggregators=cfg.aggregator_list()[:1]), st.comm)
     sessions = {"omnireduce x1": one, "omnireduce x4": st.omni}
     if st.switch is not None:
         sessions["switch"] = st.switch

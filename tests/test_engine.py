@@ -27,9 +27,9 @@ class Pending:
 
 
 def job(name: str) -> Job:
-    return Job(name=name, tensor=torch.zeros(3), shape=torch.Size([3]), op=None,
-               prescale=1.0, postscale=1.0, block_size=256, size=1, rank=0, meta=0,
-               scheme="test", ctx=None)
+    return Job(name=name, tensor=torch.zeros(3), shape=torch.Size([3]), average=False,
+               prescale=1.0, postscale=1.0, block_size=256, meta=0, scheme="test", ctx=None,
+               comm=None)
 
 
 def stages(*pending: Pending):

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import horovod.torch as hvd
-
+from ..comm import Collectives
 from ..config import SCHEMES
 from ..engine import Stage
-from ..job import Job, is_global
+from ..job import Job
 from . import allgather, auto, dense, omnireduce, rows, switch, zen
 
 # What runs each scheme; "auto" chooses among them; "rows" takes sparse COO tensors (chosen by
@@ -25,13 +24,13 @@ assert set(RUN) - {"rows"} == set(SCHEMES) - {"auto"}
 SMALL_GO_DENSE = ("auto", "omnireduce", "switch")
 
 
-def check(scheme: str | None, process_set: hvd.ProcessSet = hvd.global_process_set) -> None:
-    """ValueError for a scheme the user may not ask for (with this process set)."""
+def check(scheme: str | None, comm: Collectives | None = None) -> None:
+    """ValueError for a scheme the user may not ask for (over these ranks)."""
     if scheme is not None and scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    if scheme == "omnireduce" and not is_global(process_set):
+    if scheme == "omnireduce" and comm is not None and not comm.is_global:
         raise ValueError("scheme 'omnireduce' reduces over all ranks of the job, not over a "
-                         f"process set ({process_set.ranks}); use another scheme")
+                         f"process set ({comm.ranks}); use another scheme")
 
 
 def run(job: Job) -> Stage:

@@ -5,8 +5,6 @@ in rank order, so every rank computes bit-identical results.
 """
 from __future__ import annotations
 
-import horovod.torch as hvd
-
 from .._C import encode
 from ..engine import Stage
 from ..job import Job
@@ -16,8 +14,7 @@ from .common import decode_sum, local_mask, output
 def run(job: Job) -> Stage:
     t, bs, n = job.tensor, job.block_size, job.size
     seg = encode(t, bs, job.meta, local_mask(job))
-    gathered = yield "allgather", hvd.allgather_async(seg, name=job.op_name("allgather"),
-                                                     process_set=job.process_set)
+    gathered = yield "allgather", job.comm.allgather(seg, job.op_name("allgather"))
     out = output(job)
     decode_sum(job, gathered, out, part_is_rank=False)
     # Ring allgather: each rank forwards all but one of the n segments, and receives the others'.

@@ -10,10 +10,10 @@ import logging
 from collections.abc import Generator
 from typing import Any
 
-import horovod.torch as hvd
 import torch
 
 from .. import blocks, costmodel
+from ..comm import Pending
 from ..errors import HvdSparseError
 from ..job import Job
 from . import switch
@@ -23,13 +23,12 @@ log = logging.getLogger("hvd_sparse")
 ROW_BYTES = 4 * 8  # the stats row: 4 int64
 
 
-def choose(job: Job) -> Generator[tuple[str, int], Any, str]:
+def choose(job: Job) -> Generator[tuple[str, Pending], Any, str]:
     """Yields the stats allgather; returns the scheme to run: "dense" or a sparse one."""
     ctx, t = job.ctx, job.tensor
     row = torch.tensor([[int(local_mask(job).sum()), t.numel(), blocks.DTYPE_CODES[t.dtype],
                          job.meta]])
-    rows = yield "stats", hvd.allgather_async(row, name=job.op_name("stats"),
-                                              process_set=job.process_set)
+    rows = yield "stats", job.comm.allgather(row, job.op_name("stats"))
     for r, other in enumerate(rows.tolist()):
         if other[1:] != row[0, 1:].tolist():
             raise HvdSparseError(
@@ -40,7 +39,7 @@ def choose(job: Job) -> Generator[tuple[str, int], Any, str]:
     ratio = ctx.union_ratio.get(job.name)
     predicted = costmodel.predict(ctx.net, t.numel(), t.element_size(), job.block_size, nnz,
                                   None if ratio is None else ratio * sum(nnz))
-    if not job.global_set:
+    if not job.comm.is_global:
         predicted.seconds.pop("omnireduce", None)
     if switch.unsupported(job, ctx.switch):
         predicted.seconds.pop("switch", None)

@@ -7,12 +7,12 @@ import math
 from collections.abc import Generator
 from typing import Any
 
-import horovod.torch as hvd
 import torch
 
 from .. import blocks, fixedpoint
 from .._C import OmniWorker, block_mask
 from .._C import decode_sum as _decode_sum
+from ..comm import Pending
 from ..errors import HvdSparseError
 from ..job import Job
 from ..session import Session
@@ -60,7 +60,7 @@ def decode_sum(job: Job, gathered: torch.Tensor, out: torch.Tensor, part_is_rank
     job.stats.block_density = sum(nnz) / len(nnz) / nblocks
 
 
-def agree(job: Job, *extra: float) -> Generator[tuple[str, int], Any,
+def agree(job: Job, *extra: float) -> Generator[tuple[str, Pending], Any,
                                                  tuple[int | None, list[float]]]:
     """Yields one max-allreduce of [max |x| over finite values, 1 if any value is NaN/Inf,
     *extra]; returns the job's fixed-point exponent, or None when some rank
@@ -74,8 +74,7 @@ def agree(job: Job, *extra: float) -> Generator[tuple[str, int], Any,
     if nonfinite:  # rare: the exact finite maximum costs one more pass
         local = float(t.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max())
     vec = torch.tensor([local, 1.0 if nonfinite else 0.0, *extra], dtype=torch.float64)
-    out = yield "scale", hvd.allreduce_async(vec, name=job.op_name("scale"), op=hvd.Max,
-                                             process_set=job.process_set)
+    out = yield "scale", job.comm.allreduce(vec, job.op_name("scale"), "max")
     maxima = out[2:].tolist()
     if out[1] > 0:
         return None, maxima
@@ -120,10 +119,9 @@ def stream(job: Job, session: Session, out: torch.Tensor, exponent: int | None,
     return failure
 
 
-def failed_anywhere(job: Job, failure: str | None) -> Generator[tuple[str, int], Any, int]:
+def failed_anywhere(job: Job, failure: str | None) -> Generator[tuple[str, Pending], Any, int]:
     """How many ranks' aggregation of the tensor failed (one tiny allreduce): they must all
     fall back together, or none."""
     flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-    failed = yield "agree", hvd.allreduce_async(flag, name=job.op_name("agree"), op=hvd.Sum,
-                                                process_set=job.process_set)
+    failed = yield "agree", job.comm.allreduce(flag, job.op_name("agree"))
     return int(failed)

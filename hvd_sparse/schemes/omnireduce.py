@@ -25,10 +25,10 @@ def run(job: Job) -> Stage:
         raise HvdSparseError(
             f"hvd_sparse: tensor {job.name!r}: scheme 'omnireduce' needs aggregators: set "
             "HVD_SPARSE_AGGREGATORS=host:port,... or leave local_aggregators on")
-    if not job.global_set:
+    if not job.comm.is_global:
         raise HvdSparseError(
             f"hvd_sparse: tensor {job.name!r}: scheme 'omnireduce' reduces over all ranks of "
-            f"the job, not over a process set ({job.process_set.ranks}); use another scheme")
+            f"the job, not over a process set ({job.comm.ranks}); use another scheme")
     exponent = None
     if ctx.config.fixed_point:
         exponent, _ = yield from agree(job)

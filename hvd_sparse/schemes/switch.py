@@ -14,8 +14,6 @@ from __future__ import annotations
 import logging
 import math
 
-import horovod.torch as hvd
-
 from .. import protocol
 from ..engine import Stage
 from ..job import Job
@@ -44,7 +42,7 @@ def unsupported(job: Job, session: Session | None) -> str:
     """Why the switch cannot take this tensor ("" when it can): decided alike on every rank."""
     if session is None:
         return "no switch"
-    if not job.global_set:
+    if not job.comm.is_global:
         return "process set"
     # A packet's values (int32) must fit one slot's cells, a pass per `values` of a lane: the
     # switch's geometry, from its REGACK
@@ -63,7 +61,7 @@ def run(job: Job) -> Stage:
     assert session is not None and session.turns is not None
     turns = session.turns
     exponent, (number,) = yield from agree(
-        job, float(turns.issue()) if hvd.rank() == 0 else -1.0)
+        job, float(turns.issue()) if job.rank == 0 else -1.0)
     number, t = int(number), job.tensor
     if exponent is None:  # fixed point cannot carry NaN/Inf
         turns.done(number)
@@ -90,6 +88,6 @@ def elsewhere(job: Job, why: str) -> Stage:
     job.stats.reason = f"switch: {why}"
     level = logging.DEBUG if why == "no switch" else logging.WARNING
     log.log(level, "hvd_sparse: tensor %r: not through the switch (%s)", job.name, why)
-    if job.ctx.omni is not None and job.global_set:
+    if job.ctx.omni is not None and job.comm.is_global:
         return (yield from omnireduce.run(job))
     return (yield from dense.run(job))

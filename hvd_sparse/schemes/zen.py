@@ -7,9 +7,6 @@ whichever is smaller. Lossless: sort-merge, no hash table to overflow or collide
 """
 from __future__ import annotations
 
-import horovod.torch as hvd
-import torch
-
 from .. import blocks
 from .._C import zen_encode, zen_reduce
 from ..engine import Stage
@@ -20,16 +17,13 @@ from .common import decode_sum, error, local_mask, output
 def run(job: Job) -> Stage:
     t, bs, n = job.tensor, job.block_size, job.size
     buf, splits = zen_encode(t, bs, n, job.meta, local_mask(job))
-    recv, _ = yield "alltoall", hvd.alltoall_async(
-        buf, splits=torch.tensor(splits, dtype=torch.int32), name=job.op_name("alltoall"),
-        process_set=job.process_set)
+    recv, _ = yield "alltoall", job.comm.alltoall(buf, splits, job.op_name("alltoall"))
     try:
         part = zen_reduce(recv, bs, job.meta, blocks.DTYPE_CODES[t.dtype], t.numel(), n,
                           job.rank, n, job.stats.nnz_local)
     except RuntimeError as e:
         raise error(job, e) from e
-    gathered = yield "allgather", hvd.allgather_async(part, name=job.op_name("allgather"),
-                                                     process_set=job.process_set)
+    gathered = yield "allgather", job.comm.allgather(part, job.op_name("allgather"))
     out = output(job)
     decode_sum(job, gathered, out, part_is_rank=True)
     # the other ranks' segments of this partition, then the other partitions' sums

@@ -1,0 +1,90 @@
+"""The interface: asynchronous tensor collectives for the schemes' stages, blocking object
+collectives for set-up (joining aggregators, the cost model's probe)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Literal, Protocol
+
+import torch
+
+Op = Literal["sum", "average", "max", "min"]
+
+
+class Pending(Protocol):
+    """An operation in flight: the progress engine polls it and takes its value once done."""
+
+    def poll(self) -> bool: ...
+
+    def value(self) -> Any:
+        """The result; waits for it when not done yet."""
+        ...
+
+
+class Done:
+    """A result already there (a collective over one rank, say)."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def poll(self) -> bool:
+        return True
+
+    def value(self) -> Any:
+        return self._value
+
+
+class Collectives(ABC):
+    """The ranks a reduction runs over and the collectives between them. ``name`` identifies an
+    operation across ranks (Horovod matches by it; torch.distributed by issue order, so that
+    front end issues one tensor's stages at a time)."""
+
+    rank: int
+    size: int
+
+    @property
+    @abstractmethod
+    def is_global(self) -> bool:
+        """Whether these are all ranks of the job: aggregators sum over every rank of the job
+        (all of which join them at start), so a smaller set would leave them waiting."""
+
+    @property
+    @abstractmethod
+    def kind(self) -> str:
+        """What carries the collectives ("horovod/gloo", "torch/nccl", ...): the network
+        model is cached per kind."""
+
+    @property
+    @abstractmethod
+    def ranks(self) -> list[int]:
+        """The job-wide ranks taking part, for messages."""
+
+    @abstractmethod
+    def allreduce(self, t: torch.Tensor, name: str, op: Op = "sum", prescale: float = 1.0,
+                  postscale: float = 1.0, inplace: bool = False) -> Pending:
+        """The elementwise reduction of ``t`` over the ranks (same shape everywhere), scaled
+        before and after; ``inplace`` may write it into ``t``."""
+
+    @abstractmethod
+    def allgather(self, t: torch.Tensor, name: str) -> Pending:
+        """Every rank's ``t`` concatenated along dim 0 in rank order (dim 0 may differ)."""
+
+    @abstractmethod
+    def alltoall(self, t: torch.Tensor, splits: list[int], name: str) -> Pending:
+        """Rows ``splits[r]`` of ``t`` (in order) go to rank r; value: (what came, in rank
+        order, and a tensor of how many rows from each rank)."""
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
+        """Rank ``root``'s picklable ``obj`` on every rank (blocking)."""
+
+    @abstractmethod
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (blocking)."""
+
+    def local_size(self) -> int:
+        """Ranks on this host (threads per rank follow from it)."""
+        return 1
+
+    def hosts(self) -> int:
+        """Hosts the ranks run on."""
+        return 1
