@@ -32,14 +32,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "TORCHELASTIC_RUN_ID")
 OUT_VAR = "HVD_SPARSE_TEST_OUT"  # where each rank writes rank<r>.jsonl
 SHUT_DOWN = "Horovod has been shut down"
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """How one module is run: launcher ("horovodrun", Gloo; or "mpirun", MPI operations), ranks,
+    """How one module is run: launcher ("horovodrun", Gloo; "mpirun", MPI operations; or
+    "torchrun", torch.distributed without Horovod: the DDP front end), ranks,
     extra environment ("{out}" stands for the launch's output folder), extra pytest arguments
     (e.g. ("-k", "not rank0")), the whole job's timeout, and whether it needs a GPU."""
 
@@ -53,7 +54,8 @@ class Launch:
 
     @property
     def name(self) -> str:
-        return self.id or f"{'gloo' if self.launcher == 'horovodrun' else 'mpi'}-np{self.np}"
+        kind = {"horovodrun": "gloo", "mpirun": "mpi", "torchrun": "torch"}[self.launcher]
+        return self.id or f"{kind}-np{self.np}"
 
 
 def launches(path: Path) -> list[Launch]:
@@ -70,8 +72,8 @@ def launches(path: Path) -> list[Launch]:
 def rank() -> int | None:
     """This process's rank when a launcher started it, else None."""
     for var in RANK_VARS:
-        if var in os.environ:
-            return int(os.environ[var])
+        if var in os.environ:  # (torchrun: its run id says RANK is the launcher's)
+            return int(os.environ["RANK" if var == "TORCHELASTIC_RUN_ID" else var])
     return None
 
 
@@ -162,6 +164,9 @@ def command(module: Path, launch: Launch, env: dict[str, str], extra: Sequence[s
         xs = [a for k in env for a in ("-x", k)]
         return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--tag-output", "-np",
                 str(launch.np), *xs, *worker]
+    if launch.launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={launch.np}",
+                "--no-python", *worker]
     raise ValueError(f"unknown launcher {launch.launcher!r}")
 
 

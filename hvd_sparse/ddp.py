@@ -1,0 +1,130 @@
+"""The DDP front end: hvd_sparse's schemes, aggregators and switch behind PyTorch DDP's
+communication hook.
+
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(hvd_sparse.ddp.State(scheme="auto"), hvd_sparse.ddp.hook)
+
+A dense bucket (DDP's flat buffer of several gradients) is reduced as one tensor by the
+configured scheme ("auto": the cost model's choice among the schemes and dense); a sparse one
+(``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``) from its rows. The result is the average
+over the ranks, as DDP expects of a hook. Buckets are reduced one after another on a thread of
+the state's, over a Gloo group of its own: torch.distributed matches operations by the order
+they are issued in, and DDP hands buckets to the hook in the same order on every rank, so
+every rank issues the same operations in the same order while backward goes on. Horovod is not
+needed.
+"""
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
+import logging
+import os
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import blocks, costmodel, engine, schemes, session
+from . import config as _config
+from ._C import set_threads
+from .comm.distributed import TorchCollectives
+from .engine import Handle
+from .errors import HvdSparseError
+from .job import Context, Job
+from .metrics import record as record_metrics
+from .schemes import rows
+
+log = logging.getLogger("hvd_sparse")
+__all__ = ["State", "hook"]
+
+
+class State:
+    """What the hook needs across steps: the options (as ``hvd_sparse.init`` takes them, or
+    ``HVD_SPARSE_*``), the aggregators and switch joined, the network model, the reducing
+    thread. Collective: every rank of the default process group constructs it, in the same
+    order as its other collectives. ``close()`` (or the end of the process) releases it."""
+
+    def __init__(self, **options: Any) -> None:
+        if not dist.is_initialized():
+            raise HvdSparseError("hvd_sparse.ddp.State(): call "
+                                 "torch.distributed.init_process_group() first")
+        cfg = _config.from_env_and_kwargs(**options)
+        self.config = cfg
+        # Our own group: operations on the default one (DDP's own, the user's) must not
+        # interleave with the hook's, which run on another thread.
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout * 4))
+        self.comm = TorchCollectives(group)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
+        self.omni = session.start(cfg, self.comm)
+        self.switch = session.join_switch(cfg, self.comm)
+        omni, switch = self.omni, self.switch
+        self.net = costmodel.load_or_probe(
+            self.comm, cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
+            layout=omni.layout() if omni else (0, 0),
+            aggregators=omni.describe() if omni else "",
+            switch=switch.probe_time if switch else None,
+            switch_layout=switch.layout() if switch else (0, 0),
+            switch_name=switch.describe() if switch else "")
+        self.context = Context(cfg, self.net, omni, switch)
+        self._work: queue.Queue[tuple[str, torch.Tensor, torch.futures.Future] | None] = \
+            queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, name: str, t: torch.Tensor) -> torch.futures.Future:
+        """The average of ``t`` over the ranks, reduced on the state's thread."""
+        fut: torch.futures.Future = torch.futures.Future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="hvd_sparse.ddp",
+                                            daemon=True)
+            self._thread.start()
+        self._work.put((name, t, fut))
+        return fut
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            name, t, fut = item
+            try:
+                fut.set_result(self.reduce(name, t))
+            except Exception as e:  # noqa: BLE001 - DDP raises it from backward
+                fut.set_exception(e)
+
+    def reduce(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The average of ``t`` (dense or sparse COO) over the ranks, on this thread."""
+        if t.device.type != "cpu":  # reduced through host memory
+            return self.reduce(name, t.cpu()).to(t.device)
+        scheme = self.config.scheme
+        if t.is_sparse:
+            scheme = "rows" if rows.supported(t) else "dense"
+            flat = t if scheme == "rows" else t.to_dense().view(-1)
+        else:
+            flat = t.contiguous().view(-1)
+            if not blocks.supported(flat) or flat.numel() == 0:
+                scheme = "dense"
+        job = Job(name=name, tensor=flat, shape=t.shape, average=True, prescale=1.0,
+                  postscale=1.0, block_size=self.config.block_size,
+                  meta=blocks.meta_hash(t.shape, t.dtype), scheme=scheme, ctx=self.context,
+                  comm=self.comm, inplace=scheme != "rows" and flat.numel() > 0)
+        h = engine.submit(job, schemes.run(job), _record)
+        out = engine.synchronize(h, self.config.timeout)
+        return out if out.is_sparse else out.view(t.shape)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._work.put(None)
+            self._thread.join(timeout=self.config.timeout)
+            self._thread = None
+        for joined in (self.omni, self.switch):
+            if joined is not None:
+                joined.close()
+        self.omni = self.switch = None
+
+
+def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's gradients averaged over the ranks by hvd_sparse."""
+    return state.submit(f"ddp.bucket{bucket.index()}", bucket.buffer())
+
+
+def _record(h: Handle) -> None:
+    record_metrics(h.job.name, time.monotonic() - h.started, h.job.stats)

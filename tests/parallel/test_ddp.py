@@ -1,0 +1,142 @@
+"""The DDP front end (hvd_sparse.ddp) under torchrun, no Horovod: each scheme's hook against
+DDP's own allreduce of the same model and data (several buckets, dense embedding gradients
+that are mostly zero blocks, sparse embedding gradients by rows, no_sync accumulation, unused
+parameters), results alike on every rank to the bit."""
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from driver import Launch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+
+from hvd_sparse import ddp, metrics, reset_metrics
+
+LAUNCHES = [Launch("torchrun", np=2, timeout=300), Launch("torchrun", np=4, timeout=400)]
+ROWS, DIM = 4000, 32
+SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
+_states: dict[str, ddp.State] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    yield
+    for s in _states.values():
+        s.close()
+    dist.destroy_process_group()
+
+
+def state(scheme: str) -> ddp.State:
+    """One per scheme, made on first use: the tests run in one order on every rank, so the
+    states' collective construction is matched."""
+    if scheme not in _states:
+        _states[scheme] = ddp.State(scheme=scheme, probe="off")
+    return _states[scheme]
+
+
+class Net(nn.Module):
+    def __init__(self, sparse: bool = False, unused: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=sparse)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.extra = nn.Linear(DIM, 1) if unused else None
+
+    def forward(self, ids: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        h = self.emb(ids)
+        out = self.mlp(h)
+        return out + self.extra(h) if use_extra and self.extra is not None else out
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch: Zipf-like ids (hot rows shared by the ranks, a tail of their own)."""
+    g = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
+    ids = (torch.rand(48, 4, generator=g) ** 3 * ROWS).long()
+    return ids, torch.randn(48, 1, generator=g)
+
+
+def pair(scheme: str, **kw) -> tuple[DDP, DDP]:
+    """(DDP with its own allreduce, DDP with our hook) over one model, small buckets so that a
+    step has several."""
+    torch.manual_seed(0)
+    model = Net(**{k: v for k, v in kw.items() if k in ("sparse", "unused")})
+    opts = {k: v for k, v in kw.items() if k not in ("sparse", "unused")}
+    ref = DDP(model, bucket_cap_mb=0.1, **opts)
+    ours = DDP(copy.deepcopy(model), bucket_cap_mb=0.1, **opts)
+    ours.register_comm_hook(state(scheme), ddp.hook)
+    return ref, ours
+
+
+def grads(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad).clone()
+            for n, p in m.named_parameters() if p.grad is not None}
+
+
+def same_everywhere(tensors: dict[str, torch.Tensor]) -> None:
+    h = hashlib.sha1()
+    for n in sorted(tensors):
+        h.update(tensors[n].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, h.hexdigest())
+    assert len(set(digests)) == 1, f"ranks differ: {digests}"
+
+
+def assert_grads_equal(ref: nn.Module, ours: nn.Module) -> None:
+    a, b = grads(ref), grads(ours)
+    assert a.keys() == b.keys()
+    for n in a:
+        torch.testing.assert_close(b[n], a[n], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+    same_everywhere(b)
+
+
+def train(ref: DDP, ours: DDP, steps: int = 3, **fwd) -> None:
+    """SGD steps on both, comparing the gradients of each (DDP rebuilds its buckets after the
+    first step: later steps reduce other buckets)."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, ours)]
+    for step in range(steps):
+        ids, y = batch(step)
+        for m, o in zip((ref, ours), opts, strict=True):
+            o.zero_grad()
+            nn.functional.mse_loss(m(ids, **fwd), y).backward()
+        assert_grads_equal(ref, ours)
+        for o in opts:
+            o.step()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_dense_buckets_match_ddp(scheme: str) -> None:
+    reset_metrics()
+    train(*pair(scheme))
+    ran = {m["scheme"] for m in metrics().values()}
+    # the table's gradient (512 KiB, 3% of its blocks non-zero) is a bucket of its own
+    assert scheme in ran or scheme == "auto", ran
+
+
+@pytest.mark.parametrize("scheme", ["allgather", "auto"])
+def test_sparse_embedding_by_rows(scheme: str) -> None:
+    """nn.EmbeddingBag(sparse=True): its bucket holds one sparse COO gradient, reduced by rows
+    (DDP's own path: Gloo's sparse allreduce)."""
+    train(*pair(scheme, sparse=True))
+
+
+def test_no_sync_accumulates() -> None:
+    ref, ours = pair("allgather")
+    for m in (ref, ours):
+        with m.no_sync():
+            nn.functional.mse_loss(m(batch(10)[0]), batch(10)[1]).backward()
+        nn.functional.mse_loss(m(batch(11)[0]), batch(11)[1]).backward()
+    assert_grads_equal(ref, ours)
+
+
+def test_unused_parameters() -> None:
+    train(*pair("auto", unused=True, find_unused_parameters=True), steps=2)
+
+
+def test_metrics_name_the_buckets() -> None:
+    assert metrics() and all(k.startswith("ddp.bucket") for k in metrics()), sorted(metrics())
