@@ -131,9 +131,14 @@ class Build(BuildExtension):
 setup(
     name="hvd-sparse",
     version="0.1.0",
-    description="Sparse gradient synchronization for Horovod",
+    description="Sparse gradient synchronization for Horovod and PyTorch DDP",
     packages=find_packages(include=["hvd_sparse", "hvd_sparse.*"]),
     python_requires=">=3.10",
+    # torch is not listed: the extension is built against the torch already installed (pip
+    # --no-build-isolation). Horovod only for its front end; the DDP front end, the
+    # aggregator and the tools run without it.
+    install_requires=["psutil"],
+    extras_require={"horovod": ["horovod>=0.28.1"]},
     ext_modules=[
         CppExtension(
             "hvd_sparse._C",

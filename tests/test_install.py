@@ -7,6 +7,8 @@
     binaries; installed into a fresh venv that sees torch and Horovod (a .pth file, as a
     site-wide install would), it runs a 2-rank horovodrun job whose results match
     ``hvd.allreduce``, with local aggregators started from the installed binary.
+(c) The same wheel in a venv that sees torch but not Horovod: ``hvd_sparse.ddp`` runs a 2-rank
+    torchrun job whose hook matches DDP's own allreduce, and Horovod is never imported.
 
 The wheel is built in the checkout, as ``pip install .`` builds it (in-tree): ninja reuses the
 objects ``make build`` compiled, so the build takes seconds here. A clean clone compiles the
@@ -21,6 +23,8 @@ import os
 import subprocess
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = ROOT / ".venv" / "bin"
@@ -87,13 +91,33 @@ with open(f"{sys.argv[1]}/rank{hvd.rank()}.json", "w") as f:
 '''
 
 
-def test_wheel_installs_and_runs_in_another_venv(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    run([VENV_BIN / "python", "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
+         ".", "-w", tmp], ROOT, outside_env(tmp), timeout=900)
+    (whl,) = tmp.glob("hvd_sparse-*.whl")
+    return whl
+
+
+def venv_with(tmp_path: Path, wheel: Path, site: list[str]) -> tuple[Path, Path]:
+    """A fresh venv seeing the folders ``site`` (a .pth file, as a site-wide install would),
+    with ``wheel`` installed: (its bin, its hvd_sparse package)."""
+    env, py = outside_env(tmp_path), VENV_BIN / "python"
+    venv = tmp_path / "v"
+    run([py, "-m", "venv", "--without-pip", venv], tmp_path, env)
+    purelib = run([venv / "bin" / "python", "-c", "import sysconfig; "
+                   "print(sysconfig.get_paths()['purelib'])"], tmp_path, env).stdout.strip()
+    Path(purelib, "dependencies.pth").write_text("\n".join(sorted(site)) + "\n")
+    # --ignore-installed: where the dependencies' site-packages also hold an (editable)
+    # hvd-sparse, pip must not count it as this venv's.
+    run([py, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q", "--no-deps",
+         "--ignore-installed", wheel], tmp_path, env)
+    return venv / "bin", Path(purelib) / "hvd_sparse"
+
+
+def test_wheel_installs_and_runs_in_another_venv(tmp_path: Path, wheel: Path) -> None:
     env = outside_env(tmp_path)
-    py = VENV_BIN / "python"
-    dist = tmp_path / "dist"
-    run([py, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", ".", "-w", dist],
-        ROOT, env, timeout=900)
-    (wheel,) = dist.glob("hvd_sparse-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for ext in ("_C", "_protocol"):
         assert any(n.startswith(f"hvd_sparse/{ext}.") and n.endswith(".so") for n in names), names
@@ -101,20 +125,11 @@ def test_wheel_installs_and_runs_in_another_venv(tmp_path: Path) -> None:
         assert f"hvd_sparse/bin/{b}" in names, f"{b} missing from the wheel: {names}"
     assert not any(n.startswith(("csrc/", "tests/", "scripts/")) for n in names)
 
-    # A fresh venv; torch and Horovod come from the site-packages they are installed in.
-    venv = tmp_path / "v"
-    run([py, "-m", "venv", "--without-pip", venv], tmp_path, env)
-    purelib = run([venv / "bin" / "python", "-c", "import sysconfig; "
-                   "print(sysconfig.get_paths()['purelib'])"], tmp_path, env).stdout.strip()
+    # torch and Horovod come from the site-packages they are installed in
     deps = {str(Path(importlib.util.find_spec(m).origin).parents[1])
             for m in ("torch", "horovod")}
-    Path(purelib, "torch_and_horovod.pth").write_text("\n".join(sorted(deps)) + "\n")
-    # --ignore-installed: where the dependencies' site-packages also hold an (editable)
-    # hvd-sparse, pip must not count it as this venv's.
-    run([py, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q", "--no-deps",
-         "--ignore-installed", wheel], tmp_path, env)
-
-    installed = Path(purelib) / "hvd_sparse"
+    bin_, installed = venv_with(tmp_path, wheel, sorted(deps))
+    venv = bin_.parent
     for b in BINARIES:
         assert os.access(installed / "bin" / b, os.X_OK), f"{b} not installed executable"
     run([installed / "bin" / "hvd-sparse-aggregator", "--help"], tmp_path, env)
@@ -135,3 +150,67 @@ def test_wheel_installs_and_runs_in_another_venv(tmp_path: Path) -> None:
             assert err <= 1e-5 * rep["ref_max"], f"rank {r} {scheme}: max error {err}"
         assert rep["schemes"]["omnireduce"] == "omnireduce", rep["schemes"]
         assert rep["schemes"]["zen"] == "zen", rep["schemes"]
+
+
+# Each rank of the torchrun job without Horovod: DDP's own allreduce against our hook, three
+# schemes; writes rank<r>.json into argv[1].
+DDP_WORKER = '''
+import copy, json, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+import hvd_sparse, hvd_sparse.ddp
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+errors, schemes = {}, {}
+for scheme in ("allgather", "zen", "omnireduce"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(4000, 32), nn.Linear(32, 1))
+    ref, ours = DistributedDataParallel(model), DistributedDataParallel(copy.deepcopy(model))
+    ours.register_comm_hook(hvd_sparse.ddp.State(scheme=scheme, probe="off"),
+                            hvd_sparse.ddp.hook)
+    g = torch.Generator().manual_seed(rank)
+    ids = (torch.rand(64, 4, generator=g) ** 3 * 4000).long()
+    for m in (ref, ours):
+        m(ids).square().mean().backward()
+    errors[scheme] = max(float((a.grad - b.grad).abs().max()) for a, b in
+                         zip(ref.parameters(), ours.parameters()))
+    schemes[scheme] = sorted({m["scheme"] for m in hvd_sparse.metrics().values()})
+    hvd_sparse.reset_metrics()
+report = {"file": hvd_sparse.__file__, "errors": errors, "schemes": schemes,
+          "horovod_imported": any(m.startswith("horovod") for m in sys.modules)}
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump(report, f)
+'''
+
+
+def test_ddp_front_end_without_horovod(tmp_path: Path, wheel: Path) -> None:
+    """torch's site-packages less Horovod (and the checkout's editable install) as the venv's
+    dependencies: the DDP front end and the aggregator run; Horovod cannot be imported."""
+    env = outside_env(tmp_path)
+    site_packages = Path(importlib.util.find_spec("torch").origin).parents[1]
+    site = tmp_path / "site"
+    site.mkdir()
+    for entry in site_packages.iterdir():
+        if not entry.name.lower().startswith(("horovod", "hvd_sparse", "hvd-sparse",
+                                              "__editable__")) and entry.suffix != ".pth":
+            (site / entry.name).symlink_to(entry)
+    bin_, installed = venv_with(tmp_path, wheel, [str(site)])
+    probe = subprocess.run([str(bin_ / "python"), "-c", "import horovod"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "No module named 'horovod'" in probe.stderr, probe.stderr
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    (work / "check.py").write_text(DDP_WORKER)
+    run([bin_ / "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "check.py", out], work, env, timeout=300)
+    for r in range(2):
+        rep = json.loads((out / f"rank{r}.json").read_text())
+        assert Path(rep["file"]).resolve().is_relative_to(installed.resolve()), rep["file"]
+        assert not rep["horovod_imported"]
+        for scheme, err in rep["errors"].items():
+            assert err <= 1e-6, f"rank {r} {scheme}: max error {err}"
+            assert scheme in rep["schemes"][scheme], rep["schemes"]
