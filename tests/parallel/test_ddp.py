@@ -14,7 +14,7 @@ from driver import Launch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
-from hvd_sparse import ddp, metrics, reset_metrics
+from hvd_sparse import HvdSparseError, ddp, metrics, reset_metrics
 
 LAUNCHES = [Launch("torchrun", np=2, timeout=300), Launch("torchrun", np=4, timeout=400)]
 ROWS, DIM = 4000, 32
@@ -90,7 +90,7 @@ def assert_grads_equal(ref: nn.Module, ours: nn.Module) -> None:
     a, b = grads(ref), grads(ours)
     assert a.keys() == b.keys()
     for n in a:
-        torch.testing.assert_close(b[n], a[n], rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(b[n], a[n], rtol=1e-5, atol=1e-6, equal_nan=True,
                                    msg=lambda m, n=n: f"{n}: {m}")
     same_everywhere(b)
 
@@ -140,3 +140,58 @@ def test_unused_parameters() -> None:
 
 def test_metrics_name_the_buckets() -> None:
     assert metrics() and all(k.startswith("ddp.bucket") for k in metrics()), sorted(metrics())
+
+
+def test_static_graph() -> None:
+    train(*pair("allgather", static_graph=True))
+
+
+@pytest.mark.parametrize("scheme", ["allgather", "omnireduce"])
+def test_nan_gradient_reaches_every_rank_as_ddps(scheme: str) -> None:
+    """One rank's gradient holds a NaN: every rank gets it where DDP's allreduce puts it
+    (omnireduce sends such a bucket dense), the other values exact."""
+    ref, ours = pair(scheme)
+    for m in (ref, ours):
+        if dist.get_rank() == 1:
+            m.module.emb.weight.register_hook(lambda g: g.index_put((torch.tensor([7]),
+                                                                     torch.tensor([3])),
+                                                                    torch.tensor(float("nan"))))
+        ids, y = batch(20)
+        nn.functional.mse_loss(m(ids), y).backward()
+    g = ours.module.emb.weight.grad
+    assert torch.isnan(g[7, 3]) and int(torch.isnan(g).sum()) == 1
+    assert_grads_equal(ref, ours)
+
+
+@pytest.mark.parametrize("fallback", ["error", "dense"])
+def test_dead_aggregator(fallback: str) -> None:
+    """Rank 0 kills the aggregators it started: backward raises naming the aggregator and the
+    bucket on every rank (fallback "error"), or the buckets go dense and equal DDP's."""
+    torch.manual_seed(0)
+    st = ddp.State(scheme="omnireduce", probe="off", timeout=4, fallback=fallback)
+    try:
+        ref, ours = pair("dense")  # then re-hooked on the state whose aggregators die
+        ours = DDP(copy.deepcopy(ref.module), bucket_cap_mb=0.1)
+        ours.register_comm_hook(st, ddp.hook)
+        addrs = [f"{h}:{p}" for h, p in st.omni.addrs]
+        if dist.get_rank() == 0:
+            st.omni.local.stop()
+        dist.barrier()
+        ids, y = batch(30)
+        nn.functional.mse_loss(ref(ids), y).backward()
+        loss = nn.functional.mse_loss(ours(ids), y)
+        if fallback == "dense":
+            loss.backward()
+            assert_grads_equal(ref, ours)
+            return
+        with pytest.raises(Exception) as e:
+            loss.backward()
+        assert any(a in str(e.value) for a in addrs) and "ddp.bucket" in str(e.value), \
+            str(e.value)
+    finally:
+        st.close()
+
+
+def test_unreachable_aggregator_fails_the_state() -> None:
+    with pytest.raises(HvdSparseError, match="127.0.0.1:9"):
+        ddp.State(scheme="omnireduce", probe="off", timeout=2, aggregators="127.0.0.1:9")
