@@ -7,7 +7,9 @@ communication hook.
 A dense bucket (DDP's flat buffer of several gradients) is reduced as one tensor by the
 configured scheme ("auto": the cost model's choice among the schemes and dense); a sparse one
 (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``) from its rows. The result is the average
-over the ranks, as DDP expects of a hook. Buckets are reduced one after another on a thread of
+over the ranks, as DDP expects of a hook. With a ``sparsifier`` each parameter's gradient in a
+dense bucket is sparsified first (error feedback per parameter, named by ``named_parameters``).
+Buckets are reduced one after another on a thread of
 the state's, over a Gloo group of its own: torch.distributed matches operations by the order
 they are issued in, and DDP hands buckets to the hook in the same order on every rank, so
 every rank issues the same operations in the same order while backward goes on. Horovod is not
@@ -19,6 +21,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -34,18 +37,23 @@ from .errors import HvdSparseError
 from .job import Context, Job
 from .metrics import record as record_metrics
 from .schemes import rows
+from .sparsifiers import Sparsifier
 
 log = logging.getLogger("hvd_sparse")
 __all__ = ["State", "hook"]
+Part = tuple[str, int, int]  # a parameter's gradient in a bucket: name, offset, elements
 
 
 class State:
     """What the hook needs across steps: the options (as ``hvd_sparse.init`` takes them, or
     ``HVD_SPARSE_*``), the aggregators and switch joined, the network model, the reducing
-    thread. Collective: every rank of the default process group constructs it, in the same
-    order as its other collectives. ``close()`` (or the end of the process) releases it."""
+    thread, the sparsifier. Collective: every rank of the default process group constructs
+    it, in the same order as its other collectives. ``close()`` (or the end of the process)
+    releases it."""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, *, sparsifier: Sparsifier | None = None,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] = (),
+                 **options: Any) -> None:
         if not dist.is_initialized():
             raise HvdSparseError("hvd_sparse.ddp.State(): call "
                                  "torch.distributed.init_process_group() first")
@@ -68,32 +76,44 @@ class State:
             switch_layout=switch.layout() if switch else (0, 0),
             switch_name=switch.describe() if switch else "")
         self.context = Context(cfg, self.net, omni, switch)
-        self._work: queue.Queue[tuple[str, torch.Tensor, torch.futures.Future] | None] = \
-            queue.Queue()
+        self.sparsifier = sparsifier
+        if sparsifier is not None:
+            sparsifier.join(self.comm.rank, self.comm.size)
+        self.names = {p: n for n, p in named_parameters}
+        self._work: queue.Queue[tuple[str, torch.Tensor, list[Part], torch.futures.Future]
+                                | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, name: str, t: torch.Tensor) -> torch.futures.Future:
-        """The average of ``t`` over the ranks, reduced on the state's thread."""
+    def submit(self, name: str, t: torch.Tensor,
+               parts: Sequence[Part] = ()) -> torch.futures.Future:
+        """The average of ``t`` over the ranks, reduced on the state's thread (its ``parts``
+        sparsified first, with a sparsifier)."""
         fut: torch.futures.Future = torch.futures.Future()
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="hvd_sparse.ddp",
                                             daemon=True)
             self._thread.start()
-        self._work.put((name, t, fut))
+        self._work.put((name, t, list(parts), fut))
         return fut
 
     def _serve(self) -> None:
         while (item := self._work.get()) is not None:
-            name, t, fut = item
+            name, t, parts, fut = item
             try:
-                fut.set_result(self.reduce(name, t))
+                fut.set_result(self.reduce(name, t, parts))
             except Exception as e:  # noqa: BLE001 - DDP raises it from backward
                 fut.set_exception(e)
 
-    def reduce(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def reduce(self, name: str, t: torch.Tensor, parts: Sequence[Part] = ()) -> torch.Tensor:
         """The average of ``t`` (dense or sparse COO) over the ranks, on this thread."""
         if t.device.type != "cpu":  # reduced through host memory
-            return self.reduce(name, t.cpu()).to(t.device)
+            return self.reduce(name, t.cpu(), parts).to(t.device)
+        bs = self.config.block_size
+        sparsify = self.sparsifier is not None and not t.is_sparse and parts
+        if sparsify:
+            flat = t.view(-1)
+            for part, start, numel in parts:
+                self.sparsifier(part, flat[start:start + numel], bs)
         scheme = self.config.scheme
         if t.is_sparse:
             scheme = "rows" if rows.supported(t) else "dense"
@@ -108,7 +128,27 @@ class State:
                   comm=self.comm, inplace=scheme != "rows" and flat.numel() > 0)
         h = engine.submit(job, schemes.run(job), _record)
         out = engine.synchronize(h, self.config.timeout)
+        if sparsify:
+            for part, start, numel in parts:
+                self.sparsifier.observe(part, out[start:start + numel], bs)
         return out if out.is_sparse else out.view(t.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the hook learnt in training (the sparsifier's memory, auto's union ratios):
+        save it with the checkpoint and ``load_state_dict`` it into the resumed job's state."""
+        return {"sparsifier": self.sparsifier.state_dict() if self.sparsifier else None,
+                "union_ratio": dict(self.context.union_ratio)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["sparsifier"] is None) != (self.sparsifier is None):
+            raise ValueError("hvd_sparse.ddp.State.load_state_dict: the checkpoint was saved "
+                             "with" + ("out" if state["sparsifier"] is None else "") +
+                             " a sparsifier, this state has" +
+                             (" none" if self.sparsifier is None else " one"))
+        if self.sparsifier is not None:
+            self.sparsifier.load_state_dict(state["sparsifier"])
+        self.context.union_ratio.clear()
+        self.context.union_ratio.update(state["union_ratio"])
 
     def close(self) -> None:
         if self._thread is not None:
@@ -123,7 +163,18 @@ class State:
 
 def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's gradients averaged over the ranks by hvd_sparse."""
-    return state.submit(f"ddp.bucket{bucket.index()}", bucket.buffer())
+    name, buffer = f"ddp.bucket{bucket.index()}", bucket.buffer()
+    parts: list[Part] = []
+    if state.sparsifier is not None and not buffer.is_sparse:
+        # the parameters' gradients lie one after another in the bucket's flat buffer
+        start = 0
+        for i, p in enumerate(bucket.parameters()):
+            parts.append((state.names.get(p, f"{name}.{i}"), start, p.numel()))
+            start += p.numel()
+        if start != buffer.numel():
+            raise HvdSparseError(f"hvd_sparse: {name}: its parameters hold {start} elements, "
+                                 f"its buffer {buffer.numel()}: cannot sparsify per parameter")
+    return state.submit(name, buffer, parts)
 
 
 def _record(h: Handle) -> None:

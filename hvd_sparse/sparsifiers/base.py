@@ -12,7 +12,9 @@ of that tensor is cleared. An all-zero gradient selects nothing and reduces to z
 """
 from __future__ import annotations
 
+import copy
 import time
+from typing import Any
 
 import torch
 
@@ -37,6 +39,7 @@ class Sparsifier:
     """
 
     density: float | None = None  # requested fraction of elements; None when not fixed
+    STATE: tuple[str, ...] = ("_steps",)  # attributes training changes: what state_dict saves
 
     def __init__(self, error_feedback: bool = True, *, warmup: int = 0, rank: int | None = None,
                  size: int | None = None) -> None:
@@ -57,6 +60,26 @@ class Sparsifier:
 
     def default_memory(self) -> NoMemory:
         return ResidualMemory()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What training changed (the error-feedback memory, step counts, adaptive thresholds),
+        as tensors and plain values: save it with the checkpoint, ``load_state_dict`` it on
+        resume, or the residuals not yet sent are lost."""
+        return {"type": type(self).__name__, "memory": self.memory.state_dict(),
+                **{k: copy.deepcopy(getattr(self, k)) for k in self.STATE}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("type") != type(self).__name__:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the state is of a "
+                             f"{state.get('type')}")
+        self.memory.load_state_dict(state["memory"])
+        for k in self.STATE:
+            setattr(self, k, copy.deepcopy(state[k]))
+
+    def join(self, rank: int, size: int) -> None:
+        """The ranks, from a front end that knows them (DDP); set ones are kept."""
+        self._rank = rank if self._rank is None else self._rank
+        self._size = size if self._size is None else self._size
 
     @property
     def rank(self) -> int:

@@ -18,6 +18,8 @@ class DGC(Sparsifier):
     feedback (default) momentum is corrected here: give the optimizer no momentum of its own.
     """
 
+    STATE = Sparsifier.STATE + ("_calls",)
+
     def __init__(self, density: float, momentum: float = 0.9, sample: float = 0.01,
                  error_feedback: bool = True, **kw: int) -> None:
         if not 0.0 < sample <= 1.0:

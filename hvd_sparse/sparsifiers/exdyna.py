@@ -21,7 +21,9 @@ partitions stay fixed.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +59,17 @@ class ExDyna(Sparsifier):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.states: dict[str, _State] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        # plain dicts, not _State: torch.load reads only tensors and plain values by default
+        return {**super().state_dict(),
+                "states": {n: dataclasses.asdict(st) for n, st in self.states.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.states = {n: _State(**{**d, "bounds": d["bounds"].clone(),
+                                    "local": None if d["local"] is None else tuple(d["local"])})
+                       for n, d in state["states"].items()}
 
     def _state(self, name: str, numel: int, block_size: int) -> _State:
         bs = self.block_size or block_size

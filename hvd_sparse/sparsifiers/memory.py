@@ -14,6 +14,15 @@ from . import ops
 class NoMemory:
     """No error feedback: what is not selected is dropped."""
 
+    STATE: tuple[str, ...] = ()  # the per-tensor buffers: what state_dict saves
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {k: {n: t.clone() for n, t in getattr(self, k).items()} for k in self.STATE}
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for k in self.STATE:
+            setattr(self, k, {n: t.clone() for n, t in state[k].items()})
+
     def compensate(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(tensor to select from, number of non-finite elements in it)."""
         return grad, ops.count_nonfinite(grad)
@@ -29,6 +38,8 @@ class NoMemory:
 
 class ResidualMemory(NoMemory):
     """Residual accumulation: e = e + g; send the selection of e; e keeps what was not sent."""
+
+    STATE = ("residuals",)
 
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
@@ -54,6 +65,8 @@ class MomentumMemory(ResidualMemory):
 
     Use it with an optimizer without momentum: the momentum lives here, before sparsification.
     """
+
+    STATE = ("residuals", "velocities")
 
     def __init__(self, momentum: float = 0.9) -> None:
         super().__init__()

@@ -11,6 +11,8 @@ class TopK(Sparsifier):
     """Exact top-k by |x|, per element: pass the optimizer a small ``block_size`` (1..32), since
     the codec ships whole blocks and a 256-element block around each element sends 256x more."""
 
+    STATE = Sparsifier.STATE + ("_calls",)
+
     def __init__(self, density: float, error_feedback: bool = True, **kw: int) -> None:
         super().__init__(error_feedback, **kw)
         self.density = check_density(density)

@@ -14,7 +14,7 @@ from driver import Launch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
-from hvd_sparse import HvdSparseError, ddp, metrics, reset_metrics
+from hvd_sparse import ExDyna, HvdSparseError, TopK, ddp, metrics, reset_metrics
 
 LAUNCHES = [Launch("torchrun", np=2, timeout=300), Launch("torchrun", np=4, timeout=400)]
 ROWS, DIM = 4000, 32
@@ -195,3 +195,76 @@ def test_dead_aggregator(fallback: str) -> None:
 def test_unreachable_aggregator_fails_the_state() -> None:
     with pytest.raises(HvdSparseError, match="127.0.0.1:9"):
         ddp.State(scheme="omnireduce", probe="off", timeout=2, aggregators="127.0.0.1:9")
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(density=0.05), lambda: ExDyna(density=0.05)],
+                         ids=["topk", "exdyna"])
+def test_sparsifier_per_parameter(make) -> None:
+    """A sparsifier in the hook: each parameter's gradient sparsified with its own error
+    feedback, then averaged; the reference sparsifies the same local gradients with a twin
+    sparsifier and averages them with a float64 all_reduce."""
+    torch.manual_seed(0)
+    model = Net()
+    local = copy.deepcopy(model)
+    twin = make()
+    twin.join(dist.get_rank(), dist.get_world_size())
+    st = ddp.State(scheme="allgather", probe="off", sparsifier=make(),
+                   named_parameters=model.named_parameters())
+    try:
+        ours = DDP(model, bucket_cap_mb=0.1)
+        ours.register_comm_hook(st, ddp.hook)
+        for step in range(3):
+            ids, y = batch(40 + step)
+            for m in (ours, local):
+                m.zero_grad()
+                nn.functional.mse_loss(m(ids), y).backward()
+            for n, p in local.named_parameters():
+                twin(n, p.grad, st.config.block_size)
+                ref = p.grad.double()
+                dist.all_reduce(ref)
+                ref /= dist.get_world_size()
+                twin.observe(n, ref.float(), st.config.block_size)  # ExDyna adapts to it
+                got = dict(model.named_parameters())[n].grad
+                torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=n: f"{n}: {m}")
+        sparsified = [k for k, v in metrics().items() if "achieved_density" in v]
+        assert "emb.weight" in sparsified, sorted(metrics())
+    finally:
+        st.close()
+
+
+def test_checkpoint_resumes_the_sparsifier(tmp_path_factory) -> None:
+    """Two steps, then a checkpoint (model, optimizer, hook state) loaded into a new model and
+    a new State: the third step's gradients equal the uninterrupted run's to the bit."""
+    torch.manual_seed(0)
+    model = Net()
+    opts = {"scheme": "allgather", "probe": "off"}
+    a = ddp.State(sparsifier=TopK(density=0.05), named_parameters=model.named_parameters(),
+                  **opts)
+    run = DDP(model, bucket_cap_mb=0.1)
+    run.register_comm_hook(a, ddp.hook)
+    opt = torch.optim.SGD(run.parameters(), lr=0.05)
+    for step in range(2):
+        opt.zero_grad()
+        nn.functional.mse_loss(run(batch(50 + step)[0]), batch(50 + step)[1]).backward()
+        opt.step()
+    path = tmp_path_factory.mktemp(f"ckpt{dist.get_rank()}") / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": a.state_dict()},
+               path)
+    ckpt = torch.load(path)
+    twin = Net()
+    twin.load_state_dict(ckpt["model"])
+    b = ddp.State(sparsifier=TopK(density=0.05), named_parameters=twin.named_parameters(),
+                  **opts)
+    b.load_state_dict(ckpt["hook"])
+    resumed = DDP(twin, bucket_cap_mb=0.1)
+    resumed.register_comm_hook(b, ddp.hook)
+    try:
+        opt.zero_grad()
+        for m in (run, resumed):
+            nn.functional.mse_loss(m(batch(52)[0]), batch(52)[1]).backward()
+        for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), n
+    finally:
+        a.close()
+        b.close()
