@@ -1,4 +1,4 @@
-"""hvd-sparse: sparse gradient synchronization for Horovod.
+"""hvd-sparse: sparse gradient synchronization for Horovod and PyTorch DDP (``hvd_sparse.ddp``).
 
     import horovod.torch as hvd, hvd_sparse
     hvd.init(); hvd_sparse.init()
@@ -53,6 +53,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "ddp":  # the DDP front end: a submodule, imported on first use (no Horovod)
+        return importlib.import_module(".ddp", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
