@@ -268,9 +268,9 @@ def junk_packets(kind: str, seed: int, tensor: int, raw: bytes) -> tuple[str, by
     if kind == "type":
         return "malformed", wire.data(table, carried, **{**base, "type": int(
             rng.choice([0, 8, 9, 200, 255]))})
-    if kind == "dtype":
+    if kind == "dtype":  # no wire dtype (fixed32, the last, is one)
         return "malformed", wire.data(table, carried, **{**base, "dtype": int(
-            rng.integers(4, 256))})
+            rng.integers(len(protocol.WIRE_DTYPES), 256))})
     if kind == "agg-bound type":  # RESULT/REGACK/ERROR sent to an aggregator, real token
         t = int(rng.choice([T["RESULT"], T["REGACK"], T["ERROR"]]))
         if t == T["RESULT"]:

@@ -103,7 +103,9 @@ def simulate(core, workers: list[SimWorker], rng: np.random.Generator, *, drop: 
         if all(all(w.done) for w in workers):
             return
         if junk and rng.random() < 0.3:
-            core.handle(junk.pop(), ("10.0.0.250", 6000), 0.0)
+            # from elsewhere or spoofing a worker's address: malformed either way
+            core.handle(junk.pop(), workers[len(junk) % len(workers)].addr
+                        if len(junk) % 2 else ("10.0.0.250", 6000), 0.0)
             continue
         if not flight:
             flight = [("core", w.addr, w.data(s)) for w in workers for s in range(w.nslots)

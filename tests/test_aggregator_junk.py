@@ -15,9 +15,11 @@ from aggregator_helpers import (
     KINDS,
     WAIT,
     T,
+    assert_result,
     block_sparse,
     junk_packets,
     reduce_under_junk,
+    reference,
     sync,
 )
 from hypothesis import HealthCheck, given, settings
@@ -43,7 +45,9 @@ def test_fuzz_malformed_and_foreign_packets_during_a_job(fuzz_job, junk):
     assert d["unknown_job"] == want["unknown"], (d, want, kinds)
     assert want["malformed"] <= d["malformed"] <= want["malformed"] + want["fuzzy"], (
         d, want, kinds)
-    assert d["malformed"] + d["stale"] + d["duplicates"] >= want["malformed"] + want["fuzzy"]
+    # the rest is well-formed but from an address no worker registered from, or stale
+    assert (d["malformed"] + d["foreign"] + d["stale"] + d["duplicates"]
+            >= want["malformed"] + want["fuzzy"]), (d, want, kinds)
     assert d["mismatch"] == 0 and d["jobs"] == 0, (d, kinds)
     assert d["tensors"] == 1, f"malformed packets created tensor state: {d} {kinds}"
 
@@ -91,9 +95,10 @@ def test_malformed_packet_cannot_redirect_results(aggs):
                                     tensor=9), agg.addr)
         sync(w[2], agg)
         s = agg.stats()
-        # the junk came after worker 1's DATA of the round: a duplicate, answered by nothing
+        # the junk, a DATA in worker 1's name, came from elsewhere: dropped
         assert s["released"] == 1 and s["retransmits"] == 1, s
-        assert s["malformed"] + s["duplicates"] == 1 and s["tensors"] == 1, s
+        assert s["foreign"] == 1 and s["malformed"] + s["duplicates"] == 0, s
+        assert s["tensors"] == 1, s
     finally:
         for s in w:
             s.close()
@@ -131,3 +136,89 @@ def test_tensor_mismatch_on_tensor_id_zero(aggs, make_workers):
         assert w.wait(tickets[r], WAIT)
         with pytest.raises(RuntimeError, match="mismatch"):
             w.finish(tickets[r])
+
+
+def test_register_cannot_move_a_worker_nor_bye_end_its_job(aggs):
+    """A worker's address is pinned at its REGISTER: a REGISTER, BYE or RELEASE in its name
+    from another address gets no answer and changes nothing; the job still sums, and the
+    RESULT goes to the registered addresses."""
+    agg = aggs(2)
+    token = 0xB0B
+    w = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    try:
+        for s in w:
+            s.bind((HOST, 0))
+            s.settimeout(5)
+        for r in range(2):
+            w[r].sendto(wire.header(type=T["REGISTER"], token=token, worker=r, nworkers=2),
+                        agg.addr)
+            assert wire.parse(w[r].recv(100))["type"] == T["REGACK"]
+        forged = [wire.header(type=T["REGISTER"], token=token, worker=0, nworkers=2)]
+        forged += [wire.header(type=T[t], token=token, worker=r, nworkers=2, tensor=9)
+                   for t in ("RELEASE", "BYE") for r in range(2)]
+        for p in forged:
+            w[2].sendto(p, agg.addr)
+        sync(w[2], agg)
+        w[2].settimeout(0.3)
+        with pytest.raises(TimeoutError):  # no REGACK for the forger
+            while True:
+                assert wire.parse(w[2].recv(1000))["token"] != token
+        vals = [np.full(4, 1.5, dtype=np.float32), np.full(4, 0.25, dtype=np.float32)]
+        geom = {"token": token, "nworkers": 2, "tensor": 9, "slot": 0, "round": 0,
+                "block_size": 4, "nblocks": 1, "nslots": 1, "meta": 1, "dtype": 0}
+        for r in range(2):
+            w[r].sendto(wire.data([(0, INF)], {0: vals[r].tobytes()}, **geom, worker=r),
+                        agg.addr)
+        for r in range(2):
+            res = wire.parse(w[r].recv(1000))
+            assert res["type"] == T["RESULT"], res
+            np.testing.assert_array_equal(np.frombuffer(res["blocks"][0], np.float32),
+                                          vals[0] + vals[1])
+        s = agg.stats()
+        assert s["foreign"] == len(forged) and s["jobs"] == 1 and s["released"] == 0, s
+    finally:
+        for s in w:
+            s.close()
+
+
+def test_worker_takes_results_and_errors_only_from_its_aggregator(aggs, make_workers):
+    """While worker 0 waits for its peer, a forger sends it an ERROR and a RESULT of the
+    tensor in flight (the right token, tensor, slot, round and layout): both are dropped and
+    counted, and the reduction ends with the true sum."""
+    import psutil
+    agg = aggs(2)
+    forger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    forger.bind((HOST, 0))
+    try:
+        before = {c.laddr.port for c in psutil.Process().net_connections("udp4")}
+        ws = make_workers([agg], 2, token=0xF0F)
+        ports = {c.laddr.port for c in psutil.Process().net_connections("udp4")} - before
+        rng = np.random.default_rng(4)
+        xs = [block_sparse(rng, 4096, 256, 0.5, torch.float32, force=(0,)) for _ in range(2)]
+        outs = [torch.zeros_like(x) for x in xs]
+        # a first reduction tells the layout (lanes, slots) that forged packets must match
+        t0 = [ws[r].submit(1, xs[r], outs[r], 256, 7, None, "probe", 1.0) for r in range(2)]
+        for r in range(2):
+            assert ws[r].wait(t0[r], WAIT)
+        lay = ws[0].finish(t0[0])
+        ws[1].finish(t0[1])
+        ticket = ws[0].submit(2, xs[0], outs[0], 256, 7, None, "forged", 1.0)
+        base = {"token": 0xF0F, "nworkers": 2, "worker": 0, "tensor": 2,
+                "slot": 0, "round": 0, "block_size": 256, "nblocks": 16,
+                "nslots": lay["nslots"], "meta": 7, "dtype": 0}
+        lanes = [(0, INF)] + [(0, INF)] * (lay["lanes"] - 1)
+        for port in ports:  # the workers' sockets (one of them is worker 0's)
+            forger.sendto(wire.header(**{**base, "type": T["ERROR"], "round": 1}),
+                          (HOST, port))
+            forger.sendto(wire.data(lanes, {0: bytes(1024)}, **{**base, "type": T["RESULT"],
+                          "flags": protocol.FLAGS["LAST"]}), (HOST, port))
+        time.sleep(0.3)
+        t1 = ws[1].submit(2, xs[1], outs[1], 256, 7, None, "forged", 1.0)
+        assert ws[0].wait(ticket, WAIT) and ws[1].wait(t1, WAIT)
+        ws[0].finish(ticket)
+        ws[1].finish(t1)
+        for r in range(2):
+            assert_result(outs[r], reference(xs), f"rank {r}")
+        assert ws[0].stats()["foreign"] >= 2, ws[0].stats()
+    finally:
+        forger.close()

@@ -157,15 +157,15 @@ struct Pipeline::Impl {
       c.malformed++;
       return;
     }
+    // A worker's address is pinned at its REGISTER (the multicast group results go to): a
+    // packet in its name from anywhere else, or before it registered, is dropped and counted
+    // as foreign (a malformed DATA as malformed, whoever sent it).
+    if ((h.type == kRelease || h.type == kBye) && !(from == job.addr[h.worker])) {
+      c.foreign++;
+      return;
+    }
     switch (h.type) {
-      case kData:
-        // Results go to the multicast group REGISTER programmed: a worker not in it is junk.
-        if (!job.addr[h.worker].port) {
-          c.malformed++;
-          return;
-        }
-        job.touched = now;
-        return on_data(job, h, p, now, out);
+      case kData: return on_data(job, h, p, from, now, out);
       case kRelease: job.touched = now; return on_release(job, h);
       case kBye:
         job.touched = now;
@@ -217,7 +217,12 @@ struct Pipeline::Impl {
       err = kErrJob;
     }
     if (!err) {
-      it->second.addr[h.worker] = from;
+      Endpoint& pinned = it->second.addr[h.worker];
+      if (pinned.port && !(pinned == from)) {  // a REGISTER must not move a worker: no reply
+        c.foreign++;
+        return;
+      }
+      pinned = from;
       it->second.touched = now;
     }
     // REGACK tells the workers how many groups the job owns (no tensor uses more slots) and
@@ -329,8 +334,8 @@ struct Pipeline::Impl {
     return lanes_valid(h, p, offsets(at.gi, set)) ? Data::kAdd : Data::kMalformed;
   }
 
-  void on_data(SwitchJob& job, const Header& h, const uint8_t* p, double now,
-               std::vector<Out>& out) {
+  void on_data(SwitchJob& job, const Header& h, const uint8_t* p, const Endpoint& from,
+               double now, std::vector<Out>& out) {
     const Where at{group_of(job, h), h.lanes * chunks(h.block_size), tag_of(h)};
     GroupRegs& g = g_[at.gi];
     const bool bound = g.tag == at.tag;
@@ -339,6 +344,11 @@ struct Pipeline::Impl {
       c.malformed++;
       return;
     }
+    if (d != Data::kMalformed && !(from == job.addr[h.worker])) {
+      c.foreign++;
+      return;
+    }
+    job.touched = now;
     if (d == Data::kUnsupported) return refuse(job, h, out);
     c.passes += at.passes - 1;  // stage 0 ran in the first pass; the rest recirculate
     c.recirculations += at.passes - 1;

@@ -50,7 +50,7 @@ struct PipelineOptions {
 // clang-format off
 #define HS_PIPELINE_COUNTERS(X) X(packets) X(passes) X(recirculations) X(results)          \
   X(retransmits) X(duplicates) X(stale) X(busy) X(malformed) X(unknown_job) X(mismatch)   \
-  X(overflow) X(unsupported) X(reclaimed) X(released) X(jobs) X(refused)
+  X(overflow) X(unsupported) X(reclaimed) X(released) X(jobs) X(refused) X(foreign)
 // clang-format on
 
 struct SwitchJob {

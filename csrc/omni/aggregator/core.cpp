@@ -82,8 +82,13 @@ struct AggregatorCore::Impl {
       c.malformed++;
       return;
     }
-    // A worker's address and the job's liveness change only with packets found valid: junk
-    // carrying the token must not redirect a worker's results (see accept()).
+    // A worker's address is pinned at its registration: a packet in its name from anywhere
+    // else (a forged BYE or RELEASE, DATA of another sender) is dropped and counted as foreign
+    // (a malformed one as malformed, whoever sent it).
+    if ((h.type == kRelease || h.type == kBye) && !(from == job.addr[h.worker])) {
+      c.foreign++;
+      return;
+    }
     switch (h.type) {
       case kData: return on_data(job, h, p, from, out);
       case kRelease: job.touched = now_; return on_release(job, h);
@@ -137,7 +142,12 @@ struct AggregatorCore::Impl {
       c.jobs++;
     }
     if (!err) {
-      it->second.addr[h.worker] = from;
+      Endpoint& pinned = it->second.addr[h.worker];
+      if (pinned.port && !(pinned == from)) {  // a REGISTER must not move a worker: no reply
+        c.foreign++;
+        return;
+      }
+      pinned = from;
       it->second.touched = now_;
     }
     Header r = make_header(err ? kError : kRegAck, h.token, h.worker, h.nworkers);
@@ -176,11 +186,8 @@ struct AggregatorCore::Impl {
       if (job.addr[w].port) out.push_back({job.addr[w], b});
   }
 
-  // A valid DATA from `from`: the worker lives there, the job and tensor are alive.
-  void accept(Job& job, Tensor& t, const Header& h, const Endpoint& from) {
-    job.touched = t.touched = now_;
-    job.addr[h.worker] = from;
-  }
+  // A valid DATA: the job and tensor are alive.
+  void accept(Job& job, Tensor& t) { job.touched = t.touched = now_; }
 
   // What a DATA is, judged before it touches any state.
   enum class Data {
@@ -239,7 +246,12 @@ struct AggregatorCore::Impl {
   void on_data(Job& job, const Header& h, const uint8_t* p, const Endpoint& from,
                std::vector<Out>& out) {
     Target at;
-    switch (validate(job, h, p, at)) {
+    const Data d = validate(job, h, p, at);
+    if (d != Data::kMalformed && !(from == job.addr[h.worker])) {
+      c.foreign++;
+      return;
+    }
+    switch (d) {
       case Data::kMalformed: c.malformed++; return;
       case Data::kStale: c.stale++; return;
       case Data::kMismatch:
@@ -253,13 +265,13 @@ struct AggregatorCore::Impl {
         return;
       case Data::kRetransmit:
         c.retransmits++;
-        accept(job, *at.t, h, from);
+        accept(job, *at.t);
         out.push_back({from, at.s->last});
         return;
       case Data::kOpen:
         if (!open(job, h, at, out)) return;
         [[fallthrough]];
-      case Data::kAdd: accept(job, *at.t, h, from); return accumulate(job, *at.t, h, *at.s, p, out);
+      case Data::kAdd: accept(job, *at.t); return accumulate(job, *at.t, h, *at.s, p, out);
     }
   }
 

@@ -23,7 +23,7 @@ struct CoreOptions {
 // What the core counted; printed by the aggregator with its transports' counters.
 // clang-format off
 #define HS_CORE_COUNTERS(X) X(rounds) X(retransmits) X(duplicates) X(stale) X(malformed) \
-  X(unknown_job) X(mismatch) X(overflow) X(jobs) X(tensors) X(released) X(expired)
+  X(unknown_job) X(mismatch) X(overflow) X(jobs) X(tensors) X(released) X(expired) X(foreign)
 // clang-format on
 
 class AggregatorCore final : public Aggregation {

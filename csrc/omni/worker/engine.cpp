@@ -398,6 +398,10 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
     return;
   }
   SlotW& s = t.slots[h.slot];
+  if (!(from == aggs_[s.agg].addr)) {  // results and errors come from the slot's aggregator only
+    c_.foreign++;
+    return;
+  }
   if (h.type == kError)
     return fail(t, error_text(h.round) + " (reported by aggregator " + aggs_[s.agg].name + ")");
   if (h.type != kResult) {

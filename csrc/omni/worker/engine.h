@@ -103,7 +103,7 @@ struct EngineOptions {
 
 // clang-format off
 #define HS_WORKER_COUNTERS(X) X(tx_packets) X(tx_bytes) X(rx_packets) X(rx_bytes) \
-  X(retransmits) X(malformed) X(stale)
+  X(retransmits) X(malformed) X(stale) X(foreign)
 // clang-format on
 
 class Engine {
