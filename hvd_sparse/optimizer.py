@@ -23,6 +23,8 @@ from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
 from .sparsifiers import Sparsifier
 
+SPARSIFIER_KEY = "hvd_sparse.sparsifier"  # the sparsifier's state in the state_dict
+
 
 class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
@@ -32,6 +34,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._names = _names(named_parameters, all_params)
+        # Horovod's optimizer has it (parameter -> name); code written for Horovod reads it
+        self._parameter_names = {p: self._names[id(p)] for p in all_params}
         self._scheme, self._block_size, self._op = scheme, block_size, op
         self._sparsifier = sparsifier
         self._predivide = gradient_predivide_factor
@@ -111,6 +115,21 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state and, with a sparsifier, its state (this rank's
+        error-feedback residuals: every rank saves and loads its own)."""
+        d = super(self.__class__, self).state_dict()
+        if self._sparsifier is not None:
+            d[SPARSIFIER_KEY] = self._sparsifier.state_dict()
+        return d
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        sparsifier = state_dict.pop(SPARSIFIER_KEY, None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if sparsifier is not None and self._sparsifier is not None:
+            self._sparsifier.load_state_dict(sparsifier)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._handles:

@@ -11,6 +11,7 @@ reference on the CPU (hvd_sparse._C's kernels).
 from __future__ import annotations
 
 import copy
+import io
 
 import horovod.torch as hvd
 import pytest
@@ -84,3 +85,43 @@ def hvd_sparse_started():
 @pytest.mark.parametrize("scheme,api,kind", CASES, ids=[".".join(c) for c in CASES])
 def test_reduces_the_sparsified_gradient_like_dense_allreduce(scheme, api, kind):
     assert check(scheme, api, kind) == ""
+
+
+@pytest.mark.parametrize("kind", ["topk", "exdyna", "dgc"])
+def test_resumed_optimizer_continues_bit_for_bit(kind):
+    """hvd_sparse.DistributedOptimizer's state_dict carries its sparsifier's state (this
+    rank's residuals): a run stopped after 2 steps and resumed from model and optimizer state
+    (through torch.save/torch.load) gives the uninterrupted run's third step exactly."""
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        return hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if kind == "dgc" else 0.5),
+            named_parameters=model.named_parameters(), scheme="allgather", block_size=BLOCK,
+            sparsifier=SPARSIFIERS[kind]())
+
+    torch.manual_seed(0)
+    model = nn.Linear(300, 200)
+    opt = make(model)
+    g = torch.Generator().manual_seed(hvd.rank())
+    xs = [torch.randn(16, 300, generator=g) for _ in range(3)]
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+        o.step()
+
+    for x in xs[:2]:
+        step(model, opt, x)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    assert "hvd_sparse.sparsifier" in ckpt["opt"]
+    resumed = nn.Linear(300, 200)
+    resumed.load_state_dict(ckpt["model"])
+    ropt = make(resumed)
+    ropt.load_state_dict(ckpt["opt"])
+    assert ropt._parameter_names[resumed.weight] == "weight"
+    step(model, opt, xs[2])
+    step(resumed, ropt, xs[2])
+    for (n, p), q in zip(model.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), n
