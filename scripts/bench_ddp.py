@@ -10,7 +10,8 @@ another in one run:
 - ddp sparse: tables ``sparse=True``, no hook (DDP's sparse path: Gloo's sparse allreduce, an
   allgather of every rank's rows)
 - fp16 hook: dense tables, ``default_hooks.fp16_compress_hook`` (lossy)
-- powersgd r1, r4: dense tables, ``powerSGD_hook`` of rank 1 and 4 from step --warmup on (lossy)
+- powersgd r1, r4: dense tables, ``powerSGD_hook`` of rank 1 and 4 from step --warmup on (lossy;
+  one bucket at a time: see OneBucketAtATime)
 - ours rows: tables ``sparse=True``, ``hvd_sparse.ddp.hook`` with scheme "auto" (sparse
   buckets go by rows)
 - ours blocks: dense tables, ``hvd_sparse.ddp.hook`` with scheme "auto" (blocks of the bucket)
@@ -115,6 +116,25 @@ def tx_bytes() -> float:
         return NAN
 
 
+class OneBucketAtATime:
+    """PowerSGD's hook issues its P and Q allreduces from Gloo's completion callbacks and waits
+    for them there: with several buckets in flight the ranks issue them in different orders,
+    or Gloo's worker threads all wait, and the job hangs (here: 15 minutes without CPU time at
+    6 buckets). A bucket's hook waits until the one before is reduced."""
+
+    def __init__(self, state: powerSGD_hook.PowerSGDState) -> None:
+        self.state = state
+        self.last: torch.futures.Future | None = None
+
+
+# No annotations: DDP checks a hook's annotations as objects, and this module's are strings.
+def one_bucket_at_a_time(s, bucket):  # noqa: ANN001, ANN201
+    if s.last is not None:
+        s.last.wait()
+    s.last = powerSGD_hook.powerSGD_hook(s.state, bucket)
+    return s.last
+
+
 def wrap(method: str, model: nn.Module, args: argparse.Namespace
          ) -> tuple[nn.Module, Callable[[], None]]:
     """The model as the method trains it, and what releases the method's state."""
@@ -128,7 +148,7 @@ def wrap(method: str, model: nn.Module, args: argparse.Namespace
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=int(comm[-1]),
             start_powerSGD_iter=max(2, args.warmup))
-        m.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        m.register_comm_hook(OneBucketAtATime(state), one_bucket_at_a_time)
     elif comm == "ours":
         # Collective: every rank makes it here, in the same order of methods.
         ours = ddp.State(scheme="auto", probe=args.probe)
