@@ -194,6 +194,9 @@ def run(method: str, model: nn.Module, data: list[Batch], args: argparse.Namespa
         res["ours exchange_ms"] = sum(v.get("seconds", 0.0) for v in buckets.values()) * 1e3
         res["ours MB sent"] = sum(v.get("bytes_sent", 0) for v in buckets.values()) / 1e6
         res["schemes"] = ",".join(sorted({str(v.get("scheme")) for v in buckets.values()}))
+        res["buckets"] = {k: {f: v.get(f) for f in ("scheme", "seconds", "bytes_sent",
+                                                   "rows_local", "union", "block_density")}
+                          for k, v in sorted(buckets.items())}  # the JSON's, not the table's
     progress(f"  {method}: {args.steps} timed step(s), median {res['step_ms']:,.0f} ms "
              "(slowest rank)")
     return res
