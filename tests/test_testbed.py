@@ -81,9 +81,9 @@ def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
     print(f"testbed job: {took:.0f} s")
 
 
-# Each torch.distributed rank: an all_reduce checked against its closed form, then DDP with our
-# hook (a local aggregator on rank 0's host, reached over the link) against DDP's own
-# allreduce over 2 SGD steps; it writes what it saw to $OUT/rank<r>.json.
+# Each torch.distributed rank: an all_reduce checked against its closed form, then 2 SGD steps
+# of DDP with our hook (allgather) against the same model reduced by hand (all_reduce of the
+# gradients, averaged); it writes what it saw to $OUT/rank<r>.json.
 DDP_RANK = textwrap.dedent("""
     import copy, json, os, sys
     import torch, torch.distributed as dist
@@ -96,10 +96,10 @@ DDP_RANK = textwrap.dedent("""
     dist.all_reduce(x)
     assert torch.equal(x, torch.arange(1000, dtype=torch.float32) * n * (n + 1) / 2)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.EmbeddingBag(2000, 16, mode="sum"), nn.Linear(16, 1))
-    ref = DDP(model)
-    ours = DDP(copy.deepcopy(model))
-    ours.register_comm_hook(ddp.State(scheme=sys.argv[1], probe="off"), ddp.hook)
+    ref = nn.Sequential(nn.EmbeddingBag(2000, 16, mode="sum"), nn.Linear(16, 1))
+    ours = DDP(copy.deepcopy(ref))
+    ours.register_comm_hook(ddp.State(scheme="allgather", probe="off", local_aggregators=0),
+                            ddp.hook)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
     for step in range(2):
         g = torch.Generator().manual_seed(10 * r + step)
@@ -107,6 +107,10 @@ DDP_RANK = textwrap.dedent("""
         for m, o in zip((ref, ours), opts):
             o.zero_grad()
             nn.functional.mse_loss(m(ids), y).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= n
+        for o in opts:
             o.step()
     diff = max(float((a - b).abs().max()) for a, b in zip(ref.parameters(), ours.parameters()))
     out = {"rank": r, "size": n, "diff": diff, "schemes": sorted({m["scheme"] for m in
@@ -118,13 +122,14 @@ DDP_RANK = textwrap.dedent("""
 
 def test_torch_job_on_testbed(tmp_path: Path) -> None:
     """`run(launcher="torch")`: one torch.distributed rank per host over the links, our DDP
-    hook matching DDP's allreduce; a failing rank ends the job at once with its exit code."""
+    hook matching an allreduce of the gradients; a failing rank ends the job at once with its
+    exit code."""
     script = tmp_path / "rank.py"
     script.write_text(DDP_RANK)
     with running(topology.Testbed(f"hvq{os.getpid() % 100000}", workers=2, aggregators=0,
                                   rate="1gbit")) as tb:
         before = links.counters(tb)
-        proc = testbed_launch.run(tb, ["python", str(script), "allgather"], capture=True,
+        proc = testbed_launch.run(tb, ["python", str(script)], capture=True,
                                   env={"OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
                                        "PYTHONPATH": str(ROOT)},
                                   timeout=60, launcher="torch")
