@@ -28,21 +28,20 @@ import time
 from pathlib import Path
 
 import horovod.torch as hvd
-import numpy as np
 import torch
+from _dlrm import ROWS, RecModel, batches
 from _report import print_table, save_png, write_json
 from torch import nn
 
 import hvd_sparse
 
 METHODS = ("hvd dense", "hvd sparse", "ours compression", "ours rows")
-DENSE_FEATURES = 13
 HOT = 2000  # rows of each table compared across methods
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="100000,150000,200000,250000,300000,350000,400000,500000",
+    p.add_argument("--rows", default=",".join(map(str, ROWS)),
                    help="rows of each table")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=2048, help="per rank")
@@ -53,39 +52,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--out-dir", default="bench_results/embedding")
     return p.parse_args()
-
-
-class RecModel(nn.Module):
-    def __init__(self, rows: list[int], dim: int) -> None:
-        super().__init__()
-        self.tables = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True)
-                                    for n in rows)
-        self.bottom = nn.Sequential(nn.Linear(DENSE_FEATURES, 128), nn.ReLU(),
-                                    nn.Linear(128, dim), nn.ReLU())
-        self.top = nn.Sequential(nn.Linear(dim * (len(rows) + 1), 256), nn.ReLU(),
-                                 nn.Linear(256, 1))
-
-    def forward(self, ids: list[torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
-        feats = [t(i) for t, i in zip(self.tables, ids, strict=True)] + [self.bottom(dense)]
-        return self.top(torch.cat(feats, 1)).squeeze(1)
-
-
-def batches(args: argparse.Namespace, rows: list[int], count: int) -> list:
-    """This rank's batches: Zipf ids per table (hot rows shared by all ranks), features, labels."""
-    rng = np.random.default_rng(1000 + hvd.rank())
-    out = []
-    for _ in range(count):
-        ids = []
-        for n in rows:
-            if args.zipf > 0:  # rank r of the Zipf law, folded into the table
-                raw = rng.zipf(1 + args.zipf, size=(args.batch, args.bag)) - 1
-                ids.append(torch.from_numpy(raw % n))
-            else:
-                ids.append(torch.from_numpy(rng.integers(0, n, size=(args.batch, args.bag))))
-        dense = torch.from_numpy(rng.standard_normal((args.batch, DENSE_FEATURES),
-                                                     dtype=np.float32))
-        out.append((ids, dense, torch.from_numpy(rng.integers(0, 2, args.batch)).float()))
-    return out
 
 
 def optimizer(method: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -152,7 +118,8 @@ def main() -> None:
     methods = args.methods.split(",")
     torch.manual_seed(0)
     start = RecModel(rows, args.dim)
-    data = batches(args, rows, args.warmup + args.steps)
+    data = batches(hvd.rank(), rows, args.warmup + args.steps, args.batch, args.bag,
+                   args.zipf)
     results, finals = [], {}
     for k, method in enumerate(methods):
         if hvd.rank() == 0:

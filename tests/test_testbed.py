@@ -1,5 +1,6 @@
 """The netns testbed: 4 worker hosts and 1 aggregator host at 1 Gbit/s, every scheme against
-Horovod, loss, a cut link, and nothing left behind. Needs root (CI runs as root)."""
+Horovod, loss, a cut link, a torch.distributed job (the DDP front end) on 2 hosts, and nothing
+left behind. Needs root (CI runs as root)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +79,73 @@ def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
     for h in testbed.hosts:
         assert after[h.name]["rx_bytes"] - before[h.name]["rx_bytes"] > 2e6, h.name
     print(f"testbed job: {took:.0f} s")
+
+
+# Each torch.distributed rank: an all_reduce checked against its closed form, then 2 SGD steps
+# of DDP with our hook (allgather) against the same model reduced by hand (all_reduce of the
+# gradients, averaged); it writes what it saw to $OUT/rank<r>.json.
+DDP_RANK = textwrap.dedent("""
+    import copy, json, os, sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from hvd_sparse import ddp, metrics
+    dist.init_process_group("gloo")
+    r, n = dist.get_rank(), dist.get_world_size()
+    x = torch.arange(1000, dtype=torch.float32) * (r + 1)
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.arange(1000, dtype=torch.float32) * n * (n + 1) / 2)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.EmbeddingBag(2000, 16, mode="sum"), nn.Linear(16, 1))
+    ours = DDP(copy.deepcopy(ref))
+    ours.register_comm_hook(ddp.State(scheme="allgather", probe="off", local_aggregators=0),
+                            ddp.hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * r + step)
+        ids, y = torch.randint(0, 2000, (32, 4), generator=g), torch.randn(32, 1, generator=g)
+        for m, o in zip((ref, ours), opts):
+            o.zero_grad()
+            nn.functional.mse_loss(m(ids), y).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= n
+        for o in opts:
+            o.step()
+    diff = max(float((a - b).abs().max()) for a, b in zip(ref.parameters(), ours.parameters()))
+    out = {"rank": r, "size": n, "diff": diff, "schemes": sorted({m["scheme"] for m in
+           metrics().values()}), "master": os.environ["MASTER_ADDR"]}
+    open(os.path.join(os.environ["OUT"], f"rank{r}.json"), "w").write(json.dumps(out))
+    dist.destroy_process_group()
+""")
+
+
+def test_torch_job_on_testbed(tmp_path: Path) -> None:
+    """`run(launcher="torch")`: one torch.distributed rank per host over the links, our DDP
+    hook matching an allreduce of the gradients; a failing rank ends the job at once with its
+    exit code."""
+    script = tmp_path / "rank.py"
+    script.write_text(DDP_RANK)
+    with running(topology.Testbed(f"hvq{os.getpid() % 100000}", workers=2, aggregators=0,
+                                  rate="1gbit")) as tb:
+        before = links.counters(tb)
+        proc = testbed_launch.run(tb, ["python", str(script)], capture=True,
+                                  env={"OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
+                                       "PYTHONPATH": str(ROOT)},
+                                  timeout=60, launcher="torch")
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+        for g in got:
+            assert g["size"] == 2 and g["master"] == tb.worker_hosts[0].ip, g
+            assert g["diff"] < 1e-6 and g["schemes"] == ["allgather"], g
+        after = links.counters(tb)
+        assert after["w1"]["rx_bytes"] - before["w1"]["rx_bytes"] > 50_000  # over the link
+        t0 = time.monotonic()
+        fail = testbed_launch.run(
+            tb, ["python", "-c", "import os, sys, time\n"
+                 "sys.exit(3) if os.environ['RANK'] == '1' else time.sleep(60)"],
+            capture=True, timeout=30, launcher="torch")
+        assert fail.returncode == 3 and time.monotonic() - t0 < 15, fail.stdout
 
 
 def test_cli_up_status_down(tmp_path: Path) -> None:

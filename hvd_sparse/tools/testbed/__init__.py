@@ -2,12 +2,14 @@
 
     hvd-sparse testbed up --workers 4 --aggregators 1 --rate 1gbit --mtu 9000
     hvd-sparse testbed run -- python train.py
+    hvd-sparse testbed run --launcher torch -- python train_ddp.py
     hvd-sparse testbed set --loss 0.01 --host w2
     hvd-sparse testbed down
 
 ``topology`` names the hosts and keeps the state file, ``links`` builds the namespaces, veths
 and rate caps (pyroute2), ``loss`` drops frames on the switch (nftables), ``launch`` runs the
-aggregators and one Horovod rank per worker host, ``cli`` is the command line. Needs root.
+aggregators and one rank per worker host (Horovod under mpirun, or torch.distributed), ``cli``
+is the command line. Needs root.
 """
 from .topology import Host, Testbed
 

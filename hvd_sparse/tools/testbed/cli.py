@@ -32,8 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--loss", type=float, default=0.0, help="drop rate on every switch port")
     u.add_argument("--loss-proto", choices=("all", "udp"), default="all",
                    help="drop any frame, or only UDP (keeps MPI's TCP out of it)")
-    r = sp("run", "run CMD with one Horovod rank per worker host")
+    r = sp("run", "run CMD with one rank per worker host (Horovod, or torch.distributed)")
     r.add_argument("--timeout", type=float, default=None, help="seconds before it is stopped")
+    r.add_argument("--launcher", choices=launch.LAUNCHERS, default="mpirun",
+                   help="mpirun: Horovod ranks under Open MPI; torch: torch.distributed ranks "
+                        "(RANK, WORLD_SIZE, MASTER_ADDR=w0 as torchrun sets them; Gloo on eth0)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     s = sp("set", "change loss, rate or link state while jobs run")
     s.add_argument("--host", help="w0.., a0..; default: every port (loss, rate)")
@@ -94,7 +97,8 @@ def main(argv: list[str]) -> int:
         elif a.cmd == "run":
             lifecycle.require_root()
             cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
-            return launch.run(Testbed.load(a.name), cmd, timeout=a.timeout).returncode
+            return launch.run(Testbed.load(a.name), cmd, timeout=a.timeout,
+                              launcher=a.launcher).returncode
     except (OSError, ValueError, KeyError, RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"hvd-sparse testbed {a.cmd}: {e}", file=sys.stderr)
         return 1

@@ -1,5 +1,5 @@
-"""Processes on the testbed: the aggregator on each aggregator host, and a job with one Horovod
-rank per worker host under Open MPI.
+"""Processes on the testbed: the aggregator on each aggregator host, and a job with one rank per
+worker host: Horovod under Open MPI, or torch.distributed (torchrun's environment, no launcher).
 
 mpirun runs in the root namespace and each rank in its host's namespace, where the launcher's
 PMIx server (127.0.0.1:PORT in the root namespace) is out of reach: a forwarder listens on
@@ -15,9 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from typing import IO
 
 from pyroute2 import netns
 
@@ -172,14 +174,19 @@ def job_env(tb: Testbed, extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _python(cmd: Sequence[str]) -> list[str]:
+    cmd = list(cmd)
+    if cmd and cmd[0] in ("python", "python3"):  # the venv's, which has torch and Horovod
+        cmd[0] = sys.executable
+    return cmd
+
+
 def command(tb: Testbed, cmd: Sequence[str], env: dict[str, str]) -> list[str]:
     """The mpirun command line: one rank per worker host, in rank order."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise RuntimeError("testbed: mpirun not found (Open MPI; make build installs it)")
-    cmd = list(cmd)
-    if cmd and cmd[0] in ("python", "python3"):  # the venv's, which has torch and Horovod
-        cmd[0] = sys.executable
+    cmd = _python(cmd)
     out = [mpirun, "--oversubscribe", "--bind-to", "none"]
     for k in env:
         out += ["-x", k]
@@ -189,13 +196,23 @@ def command(tb: Testbed, cmd: Sequence[str], env: dict[str, str]) -> list[str]:
     return out
 
 
+LAUNCHERS = ("mpirun", "torch")
+TORCH_PORT = 29500  # worker 0's rendezvous port (its namespace is the testbed's own)
+
+
 def run(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
-        timeout: float | None = None, capture: bool = False) -> subprocess.CompletedProcess:
-    """Runs ``cmd`` as one rank per worker host and returns mpirun's result (its output as
-    text with ``capture``). Past ``timeout`` the job is stopped and TimeoutExpired raised; no
-    rank outlives the call either way."""
+        timeout: float | None = None, capture: bool = False,
+        launcher: str = "mpirun") -> subprocess.CompletedProcess:
+    """Runs ``cmd`` as one rank per worker host and returns the job's result (its output as
+    text with ``capture``): under mpirun (Horovod), or with ``launcher="torch"`` as
+    torch.distributed ranks (see `torch_env`). Past ``timeout`` the job is stopped and
+    TimeoutExpired raised; no rank outlives the call either way."""
     if not cmd:
         raise ValueError("testbed run: no command given (hvd-sparse testbed run -- CMD ...)")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"testbed run: launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    if launcher == "torch":
+        return _run_torch(tb, cmd, env, timeout, capture)
     fwd = PmixForwarder([h.ns for h in tb.worker_hosts])
     job = job_env(tb, env)
     full = {**os.environ, **job, "PMIX_MCA_ptl_tcp_ipv4_port": str(fwd.port)}
@@ -217,3 +234,56 @@ def run(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
         fwd.close()
         # ranks mpirun lost track of (it was killed, or crashed)
         links.kill_processes([h.ns for h in tb.worker_hosts])
+
+
+def torch_env(tb: Testbed, rank: int, port: int = TORCH_PORT) -> dict[str, str]:
+    """What torchrun would give rank ``rank`` with one process per node (``env://``
+    rendezvous at worker 0), and Gloo bound to the testbed link rather than loopback."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(tb.workers), "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "NODE_RANK": str(rank),
+            "MASTER_ADDR": tb.worker_hosts[0].ip, "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "eth0"}
+
+
+def _run_torch(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None,
+               timeout: float | None, capture: bool) -> subprocess.CompletedProcess:
+    """One process per worker host, in its namespace. When a rank fails the others are
+    stopped (as torchrun does): they would wait for it until Gloo's timeout."""
+    argv, job = _python(cmd), job_env(tb, env)
+    procs: list[subprocess.Popen] = []
+    logs: list[IO[str]] = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        for r, h in enumerate(tb.worker_hosts):
+            # Files rather than pipes: nobody has to drain N pipes while the job runs.
+            log = tempfile.TemporaryFile("w+") if capture else None
+            logs += [log] if log else []
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", h.ns, *argv], env={**os.environ, **job,
+                                                          **torch_env(tb, r)},
+                stdout=log, stderr=subprocess.STDOUT if log else None,
+                stdin=subprocess.DEVNULL, text=True))
+        while (codes := [p.poll() for p in procs]).count(None):
+            if any(codes):
+                time.sleep(2)  # let the others report the failure as they see it
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(argv, timeout or 0, _output(tb, logs))
+            time.sleep(0.05)
+        rc = next((c for c in (p.poll() for p in procs) if c), 0)
+        return subprocess.CompletedProcess(argv, rc, _output(tb, logs) if capture else None,
+                                           "" if capture else None)
+    finally:
+        links.kill_processes([h.ns for h in tb.worker_hosts])
+        for p in procs:
+            p.wait()
+        for log in logs:
+            log.close()
+
+
+def _output(tb: Testbed, logs: list[IO[str]]) -> str:
+    parts = []
+    for r, log in enumerate(logs):
+        log.seek(0)
+        parts.append(f"--- rank {r} ({tb.worker_hosts[r].name}) ---\n{log.read()}")
+    return "".join(parts)

@@ -1,0 +1,57 @@
+"""The DLRM-like model and batches that the embedding benchmarks share (bench_embedding.py
+under Horovod, bench_ddp.py under DDP): several ``nn.EmbeddingBag`` tables, a bottom MLP on
+dense features and a top MLP; ids uniform or Zipf-distributed (a few hot rows shared by the
+ranks, a long tail)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+DENSE_FEATURES = 13
+ROWS = (100_000, 150_000, 200_000, 250_000, 300_000, 350_000, 400_000, 500_000)
+
+Batch = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]  # ids per table, dense, label
+
+
+class RecModel(nn.Module):
+    """``sparse=True``: the tables' gradients are sparse COO tensors (one row per lookup)."""
+
+    def __init__(self, rows: list[int], dim: int, sparse: bool = True) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=sparse)
+                                    for n in rows)
+        self.bottom = nn.Sequential(nn.Linear(DENSE_FEATURES, 128), nn.ReLU(),
+                                    nn.Linear(128, dim), nn.ReLU())
+        self.top = nn.Sequential(nn.Linear(dim * (len(rows) + 1), 256), nn.ReLU(),
+                                 nn.Linear(256, 1))
+
+    def forward(self, ids: list[torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
+        feats = [t(i) for t, i in zip(self.tables, ids, strict=True)] + [self.bottom(dense)]
+        return self.top(torch.cat(feats, 1)).squeeze(1)
+
+    def set_sparse(self, sparse: bool) -> RecModel:
+        """The same tables with dense or sparse gradients (EmbeddingBag reads it per call)."""
+        for t in self.tables:
+            t.sparse = sparse
+        return self
+
+
+def batches(rank: int, rows: list[int], count: int, batch: int, bag: int,
+            zipf: float) -> list[Batch]:
+    """Rank ``rank``'s batches: ``bag`` ids per example and table, Zipf with exponent ``zipf``
+    (rank k of the law folded into the table, so low ids are hot on every rank) or uniform
+    with ``zipf=0``; standard normal features; random labels."""
+    rng = np.random.default_rng(1000 + rank)
+    out = []
+    for _ in range(count):
+        ids = []
+        for n in rows:
+            if zipf > 0:
+                raw = rng.zipf(1 + zipf, size=(batch, bag)) - 1
+                ids.append(torch.from_numpy(raw % n))
+            else:
+                ids.append(torch.from_numpy(rng.integers(0, n, size=(batch, bag))))
+        dense = torch.from_numpy(rng.standard_normal((batch, DENSE_FEATURES), dtype=np.float32))
+        out.append((ids, dense, torch.from_numpy(rng.integers(0, 2, batch)).float()))
+    return out
