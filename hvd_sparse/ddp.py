@@ -9,11 +9,11 @@ configured scheme ("auto": the cost model's choice among the schemes and dense);
 (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``) from its rows. The result is the average
 over the ranks, as DDP expects of a hook. With a ``sparsifier`` each parameter's gradient in a
 dense bucket is sparsified first (error feedback per parameter, named by ``named_parameters``).
-Buckets are reduced one after another on a thread of
-the state's, over a Gloo group of its own: torch.distributed matches operations by the order
-they are issued in, and DDP hands buckets to the hook in the same order on every rank, so
-every rank issues the same operations in the same order while backward goes on. Horovod is not
-needed.
+Buckets are reduced on the state's streams, each a thread and a Gloo group of its own (bucket
+i on stream i % streams, one after another there): torch.distributed matches operations by the
+order they are issued in on a group, and DDP hands buckets to the hook in the same order on
+every rank, so every rank issues the same operations in the same order on each group, while
+backward goes on. Horovod is not needed.
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 import logging
@@ -42,6 +42,7 @@ from .sparsifiers import Sparsifier
 log = logging.getLogger("hvd_sparse")
 __all__ = ["State", "hook"]
 Part = tuple[str, int, int]  # a parameter's gradient in a bucket: name, offset, elements
+Work = tuple[str, torch.Tensor, list[Part], torch.futures.Future]
 
 
 class State:
@@ -52,17 +53,23 @@ class State:
     releases it."""
 
     def __init__(self, *, sparsifier: Sparsifier | None = None,
-                 named_parameters: Iterable[tuple[str, torch.Tensor]] = (),
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] = (), streams: int = 2,
                  **options: Any) -> None:
         if not dist.is_initialized():
             raise HvdSparseError("hvd_sparse.ddp.State(): call "
                                  "torch.distributed.init_process_group() first")
         cfg = _config.from_env_and_kwargs(**options)
         self.config = cfg
-        # Our own group: operations on the default one (DDP's own, the user's) must not
-        # interleave with the hook's, which run on another thread.
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout * 4))
-        self.comm = TorchCollectives(group)
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
+        # Groups of our own, one per stream: operations on the default one (DDP's, the
+        # user's) must not interleave with the hook's, which run on other threads; bucket i
+        # is reduced on stream i % streams, each stream's buckets one after another, so every
+        # group sees the same operations in the same order on every rank.
+        timeout = timedelta(seconds=cfg.timeout * 4)
+        self.streams = [TorchCollectives(dist.new_group(backend="gloo", timeout=timeout))
+                        for _ in range(streams)]
+        self.comm = self.streams[0]
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
         self.omni = session.start(cfg, self.comm)
@@ -80,34 +87,38 @@ class State:
         if sparsifier is not None:
             sparsifier.join(self.comm.rank, self.comm.size)
         self.names = {p: n for n, p in named_parameters}
-        self._work: queue.Queue[tuple[str, torch.Tensor, list[Part], torch.futures.Future]
-                                | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._work: list[queue.Queue[Work | None]] = [queue.Queue() for _ in self.streams]
+        self._threads: list[threading.Thread | None] = [None] * streams
 
-    def submit(self, name: str, t: torch.Tensor,
-               parts: Sequence[Part] = ()) -> torch.futures.Future:
-        """The average of ``t`` over the ranks, reduced on the state's thread (its ``parts``
-        sparsified first, with a sparsifier)."""
+    def submit(self, name: str, t: torch.Tensor, parts: Sequence[Part] = (),
+               stream: int = 0) -> torch.futures.Future:
+        """The average of ``t`` over the ranks, reduced on the thread of ``stream`` (its
+        ``parts`` sparsified first, with a sparsifier)."""
         fut: torch.futures.Future = torch.futures.Future()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="hvd_sparse.ddp",
-                                            daemon=True)
-            self._thread.start()
-        self._work.put((name, t, list(parts), fut))
+        k = stream % len(self.streams)
+        thread = self._threads[k]
+        if thread is None:
+            thread = self._threads[k] = threading.Thread(
+                target=self._serve, args=(k,), name=f"hvd_sparse.ddp.{k}", daemon=True)
+            thread.start()
+        self._work[k].put((name, t, list(parts), fut))
         return fut
 
-    def _serve(self) -> None:
-        while (item := self._work.get()) is not None:
+    def _serve(self, k: int) -> None:
+        while (item := self._work[k].get()) is not None:
             name, t, parts, fut = item
             try:
-                fut.set_result(self.reduce(name, t, parts))
+                fut.set_result(self.reduce(name, t, parts, self.streams[k]))
             except Exception as e:  # noqa: BLE001 - DDP raises it from backward
                 fut.set_exception(e)
 
-    def reduce(self, name: str, t: torch.Tensor, parts: Sequence[Part] = ()) -> torch.Tensor:
-        """The average of ``t`` (dense or sparse COO) over the ranks, on this thread."""
+    def reduce(self, name: str, t: torch.Tensor, parts: Sequence[Part] = (),
+               comm: TorchCollectives | None = None) -> torch.Tensor:
+        """The average of ``t`` (dense or sparse COO) over the ranks, over ``comm`` (the first
+        stream's by default), on this thread."""
+        comm = comm or self.comm
         if t.device.type != "cpu":  # reduced through host memory
-            return self.reduce(name, t.cpu(), parts).to(t.device)
+            return self.reduce(name, t.cpu(), parts, comm).to(t.device)
         bs = self.config.block_size
         sparsify = self.sparsifier is not None and not t.is_sparse and parts
         if sparsify:
@@ -125,7 +136,7 @@ class State:
         job = Job(name=name, tensor=flat, shape=t.shape, average=True, prescale=1.0,
                   postscale=1.0, block_size=self.config.block_size,
                   meta=blocks.meta_hash(t.shape, t.dtype), scheme=scheme, ctx=self.context,
-                  comm=self.comm, inplace=scheme != "rows" and flat.numel() > 0)
+                  comm=comm, inplace=scheme != "rows" and flat.numel() > 0)
         h = engine.submit(job, schemes.run(job), _record)
         out = engine.synchronize(h, self.config.timeout)
         if sparsify:
@@ -151,10 +162,11 @@ class State:
         self.context.union_ratio.update(state["union_ratio"])
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._work.put(None)
-            self._thread.join(timeout=self.config.timeout)
-            self._thread = None
+        for k, thread in enumerate(self._threads):
+            if thread is not None:
+                self._work[k].put(None)
+                thread.join(timeout=self.config.timeout)
+        self._threads = [None] * len(self.streams)
         for joined in (self.omni, self.switch):
             if joined is not None:
                 joined.close()
@@ -174,7 +186,7 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         if start != buffer.numel():
             raise HvdSparseError(f"hvd_sparse: {name}: its parameters hold {start} elements, "
                                  f"its buffer {buffer.numel()}: cannot sparsify per parameter")
-    return state.submit(name, buffer, parts)
+    return state.submit(name, buffer, parts, bucket.index())
 
 
 def _record(h: Handle) -> None:

@@ -33,6 +33,19 @@ class Done:
         return self._value
 
 
+class _All:
+    """Several operations in flight, done when all are."""
+
+    def __init__(self, parts: list[Pending]) -> None:
+        self.parts = parts
+
+    def poll(self) -> bool:
+        return all(p.poll() for p in self.parts)
+
+    def value(self) -> list[Any]:
+        return [p.value() for p in self.parts]
+
+
 class Collectives(ABC):
     """The ranks a reduction runs over and the collectives between them. ``name`` identifies an
     operation across ranks (Horovod matches by it; torch.distributed by issue order, so that
@@ -67,6 +80,12 @@ class Collectives(ABC):
     @abstractmethod
     def allgather(self, t: torch.Tensor, name: str) -> Pending:
         """Every rank's ``t`` concatenated along dim 0 in rank order (dim 0 may differ)."""
+
+    def allgather_many(self, tensors: list[torch.Tensor], name: str) -> Pending:
+        """``allgather`` of each tensor (all ranks pass the same number, dim 0 may differ);
+        value: the list of results. Over a process group it is one exchange, not one each."""
+        parts = [self.allgather(t, f"{name}.{i}") for i, t in enumerate(tensors)]
+        return _All(parts)
 
     @abstractmethod
     def alltoall(self, t: torch.Tensor, splits: list[int], name: str) -> Pending:

@@ -4,6 +4,7 @@ the caller issues one tensor's stages at a time, in the same order on every rank
 reduces its buckets one after another on a thread of its own, over a group of its own)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -99,6 +100,32 @@ class TorchCollectives(Collectives):
         parts = [t.new_empty((longest, *t.shape[1:])) for _ in range(n)]
         yield dist.all_gather(parts, padded, group=self.group, async_op=True)
         return torch.cat([p[:r] for p, r in zip(parts, rows, strict=True)])
+
+    def allgather_many(self, tensors: list[torch.Tensor], name: str) -> Pending:
+        return _Chain(self._allgather_many([t.contiguous() for t in tensors]))
+
+    def _allgather_many(self, tensors: list[torch.Tensor]) -> Steps:
+        """Every rank's rows of every tensor, as bytes, in one padded all_gather (after one
+        of the row counts): two operations whatever the number of tensors."""
+        n, k = self.size, len(tensors)
+        rows = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
+        sizes = [torch.zeros(k, dtype=torch.int64) for _ in range(n)]
+        yield dist.all_gather(sizes, rows, group=self.group, async_op=True)
+        row_bytes = [t.element_size() * math.prod(t.shape[1:]) for t in tensors]
+        totals = [sum(int(r) * b for r, b in zip(sz, row_bytes, strict=True)) for sz in sizes]
+        mine = torch.cat([t.view(-1).view(torch.uint8) for t in tensors])
+        longest = max(totals)
+        padded = torch.cat([mine, mine.new_zeros(longest - mine.numel())])
+        parts = [mine.new_empty(longest) for _ in range(n)]
+        yield dist.all_gather(parts, padded, group=self.group, async_op=True)
+        out: list[list[torch.Tensor]] = [[] for _ in tensors]
+        for part, sz in zip(parts, sizes, strict=True):
+            at = 0
+            for j, (t, r) in enumerate(zip(tensors, sz.tolist(), strict=True)):
+                nbytes = r * row_bytes[j]
+                out[j].append(part[at:at + nbytes].view(t.dtype).view(r, *t.shape[1:]))
+                at += nbytes
+        return [torch.cat(o) for o in out]
 
     def alltoall(self, t: torch.Tensor, splits: list[int], name: str) -> Pending:
         return _Chain(self._alltoall(t.contiguous(), splits))

@@ -36,13 +36,12 @@ def run(job: Job) -> Stage:
     line = idx[0] if k == 1 else _linear(idx, g.shape[:k])
     rows, vals = sum_rows(line.contiguous(), vals, nrows)
     header = torch.tensor([-1 - job.meta])  # negative: never a row; sum_rows skips it
-    h_rows = job.comm.allgather(torch.cat([header, rows]), job.op_name("rows"))
     vals = torch.cat([vals.new_zeros((1, *vals.shape[1:])), vals])
     # The allgather only moves values: bfloat16 (which Horovod 0.28 lacks) travels as its bits.
     bf16 = vals.dtype == torch.bfloat16
-    h_vals = job.comm.allgather(vals.view(torch.int16) if bf16 else vals, job.op_name("values"))
-    all_rows = yield "rows", h_rows
-    all_vals = yield "values", h_vals
+    all_rows, all_vals = yield "rows", job.comm.allgather_many(
+        [torch.cat([header, rows]), vals.view(torch.int16) if bf16 else vals],
+        job.op_name("rows"))
     if bf16:
         all_vals = all_vals.view(torch.bfloat16)
     headers = all_rows[all_rows < 0]
