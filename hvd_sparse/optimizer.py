@@ -21,7 +21,7 @@ from .comm import horovod as collectives
 from .engine import Handle
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
-from .sparsifiers import Sparsifier
+from .sparsifiers import DGC, Sparsifier
 
 SPARSIFIER_KEY = "hvd_sparse.sparsifier"  # the sparsifier's state in the state_dict
 
@@ -38,6 +38,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = {p: self._names[id(p)] for p in all_params}
         self._scheme, self._block_size, self._op = scheme, block_size, op
         self._sparsifier = sparsifier
+        if isinstance(sparsifier, DGC):
+            sparsifier.take_momentum(self.param_groups)
         self._predivide = gradient_predivide_factor
         self._passes_per_step = backward_passes_per_step
         self.process_set = process_set

@@ -3,6 +3,7 @@ momentum factor masking (the last two live in ``MomentumMemory``)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -15,15 +16,23 @@ class DGC(Sparsifier):
     """Threshold from a random sample of |x| (``sample`` of the elements, at least 1000), then
     one selection pass; if that lets through more than 1.3 k, exact top-k among those (DGC's
     hierarchical selection). Per element: pass a small ``block_size`` (1..32). With error
-    feedback (default) momentum is corrected here: give the optimizer no momentum of its own.
+    feedback (default) momentum is corrected here, before sparsification, as the paper does:
+    the optimizer must have none of its own. ``hvd_sparse.DistributedOptimizer`` moves an
+    optimizer's momentum here with a warning (``optimizer_momentum="move"``, the default) or
+    refuses it (``"error"``).
     """
 
     STATE = Sparsifier.STATE + ("_calls",)
 
     def __init__(self, density: float, momentum: float = 0.9, sample: float = 0.01,
-                 error_feedback: bool = True, **kw: int) -> None:
+                 error_feedback: bool = True, *, optimizer_momentum: str = "move",
+                 **kw: int) -> None:
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample!r}")
+        if optimizer_momentum not in ("move", "error"):
+            raise ValueError("optimizer_momentum must be 'move' or 'error', got "
+                             f"{optimizer_momentum!r}")
+        self.optimizer_momentum = optimizer_momentum
         self.momentum, self.sample = momentum, sample
         super().__init__(error_feedback, **kw)
         self.density = check_density(density)
@@ -44,3 +53,26 @@ class DGC(Sparsifier):
         if idx.numel() > 1.3 * k:
             idx = idx[ops.topk_abs(x[idx], k, self._calls)]
         return idx, 1
+
+    def take_momentum(self, groups: list[dict]) -> None:
+        """Called with the wrapped optimizer's param groups: their momentum, if any, must live
+        here instead (momentum correction happens before sparsification; the optimizer's
+        would apply it a second time, to the sparse update)."""
+        moms = {float(g.get("momentum", 0.0) or 0.0) for g in groups}
+        if moms <= {0.0} or not isinstance(self.memory, MomentumMemory):
+            return
+        how = (f"give the optimizer momentum=0 and DGC(momentum={max(moms)}) (DGC corrects "
+               "momentum before sparsifying)")
+        if self.optimizer_momentum == "error":
+            raise ValueError(f"DGC: the optimizer has momentum {sorted(moms)}: {how}")
+        if len(moms) > 1 or any(g.get("nesterov") for g in groups):
+            raise ValueError(f"DGC: the optimizer's momentum {sorted(moms)} (nesterov: "
+                             f"{any(g.get('nesterov') for g in groups)}) cannot move into "
+                             f"DGC's one momentum: {how}")
+        (m,) = moms
+        warnings.warn(f"hvd_sparse: DGC corrects momentum itself: the optimizer's momentum {m} "
+                      f"moves into DGC (was {self.momentum}) and the optimizer's is set to 0 "
+                      "(DGC(..., optimizer_momentum='error') refuses instead)", stacklevel=3)
+        self.momentum = self.memory.momentum = m
+        for g in groups:
+            g["momentum"] = 0.0

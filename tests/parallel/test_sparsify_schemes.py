@@ -125,3 +125,37 @@ def test_resumed_optimizer_continues_bit_for_bit(kind):
     step(resumed, ropt, xs[2])
     for (n, p), q in zip(model.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+def test_dgc_takes_the_optimizers_momentum():
+    """SGD(momentum=0.9) with DGC, as users write it: the momentum moves into DGC with a
+    warning and the training equals, bit for bit, the run written the DGC way (SGD without
+    momentum, DGC(momentum=0.9)); with optimizer_momentum="error" it is refused, saying what to
+    do; a Nesterov optimizer is refused too."""
+    def run(sgd_momentum: float, dgc_momentum: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Linear(300, 200)
+        opt = hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=sgd_momentum),
+            named_parameters=model.named_parameters(), scheme="allgather", block_size=BLOCK,
+            sparsifier=hvd_sparse.DGC(0.05, momentum=dgc_momentum))
+        g = torch.Generator().manual_seed(hvd.rank())
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(16, 300, generator=g)).pow(2).mean().backward()
+            opt.step()
+        return model, opt
+
+    with pytest.warns(UserWarning, match="momentum 0.9 moves into DGC"):
+        moved, opt = run(0.9, 0.5)
+    assert opt.param_groups[0]["momentum"] == 0.0 and opt._sparsifier.momentum == 0.9
+    written, _ = run(0.0, 0.9)
+    for (n, p), q in zip(moved.named_parameters(), written.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    model = nn.Linear(4, 4)
+    for kw, dgc in (({"momentum": 0.9}, {"optimizer_momentum": "error"}),
+                    ({"momentum": 0.9, "nesterov": True}, {})):
+        with pytest.raises(ValueError, match="give the optimizer momentum=0"):
+            hvd_sparse.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, **kw),
+                                            named_parameters=model.named_parameters(),
+                                            sparsifier=hvd_sparse.DGC(0.05, **dgc))
