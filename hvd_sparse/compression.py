@@ -24,7 +24,7 @@ from horovod.torch.optimizer import _DistributedAdasumOptimizer
 from . import basics, blocks, schemes, staging
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
-from .sparsifiers import Sparsifier
+from .sparsifiers import DGC, Sparsifier
 
 _HVD_ADASUM = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
 _SPARSE_BYPASS = (
@@ -80,6 +80,8 @@ class SparseCompressor:
                 "(with groups=, hvd.DistributedOptimizer ignores sparse_as_dense); use "
                 "groups=None or hvd_sparse.DistributedOptimizer")
         process_set = getattr(opt, "process_set", hvd.global_process_set)
+        if isinstance(self.sparsifier, DGC) and opt is not None:  # before the first step
+            self.sparsifier.take_momentum(opt.param_groups)
         if self.sparsifier is not None:  # the sparsified gradient is what gets reduced
             self.sparsifier(name, tensor, self.block_size or basics.state().config.block_size)
         if not (blocks.supported(tensor) or staging.staged(tensor)):  # integer: Horovod's own

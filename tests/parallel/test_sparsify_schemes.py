@@ -127,7 +127,8 @@ def test_resumed_optimizer_continues_bit_for_bit(kind):
         assert torch.equal(p, q), n
 
 
-def test_dgc_takes_the_optimizers_momentum():
+@pytest.mark.parametrize("api", ["optimizer", "compression"])
+def test_dgc_takes_the_optimizers_momentum(api):
     """SGD(momentum=0.9) with DGC, as users write it: the momentum moves into DGC with a
     warning and the training equals, bit for bit, the run written the DGC way (SGD without
     momentum, DGC(momentum=0.9)); with optimizer_momentum="error" it is refused, saying what to
@@ -135,10 +136,15 @@ def test_dgc_takes_the_optimizers_momentum():
     def run(sgd_momentum: float, dgc_momentum: float) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
         model = nn.Linear(300, 200)
-        opt = hvd_sparse.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=sgd_momentum),
-            named_parameters=model.named_parameters(), scheme="allgather", block_size=BLOCK,
-            sparsifier=hvd_sparse.DGC(0.05, momentum=dgc_momentum))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=sgd_momentum)
+        dgc = hvd_sparse.DGC(0.05, momentum=dgc_momentum)
+        opt = (hvd_sparse.DistributedOptimizer(
+            sgd, named_parameters=model.named_parameters(), scheme="allgather",
+            block_size=BLOCK, sparsifier=dgc) if api == "optimizer" else
+            hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                     compression=hvd_sparse.Compression.sparse(
+                                         scheme="allgather", block_size=BLOCK, sparsifier=dgc)))
+        opt.dgc = dgc
         g = torch.Generator().manual_seed(hvd.rank())
         for _ in range(3):
             opt.zero_grad()
@@ -148,10 +154,12 @@ def test_dgc_takes_the_optimizers_momentum():
 
     with pytest.warns(UserWarning, match="momentum 0.9 moves into DGC"):
         moved, opt = run(0.9, 0.5)
-    assert opt.param_groups[0]["momentum"] == 0.0 and opt._sparsifier.momentum == 0.9
+    assert opt.param_groups[0]["momentum"] == 0.0 and opt.dgc.momentum == 0.9
     written, _ = run(0.0, 0.9)
     for (n, p), q in zip(moved.named_parameters(), written.parameters(), strict=True):
         assert torch.equal(p, q), n
+    if api == "compression":  # the refusals come at construction, from our optimizer
+        return
     model = nn.Linear(4, 4)
     for kw, dgc in (({"momentum": 0.9}, {"optimizer_momentum": "error"}),
                     ({"momentum": 0.9, "nesterov": True}, {})):
