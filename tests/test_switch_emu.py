@@ -100,9 +100,10 @@ def test_two_jobs_share_the_switch(testbed: topology.Testbed, tmp_path: Path) ->
     reports = [json.loads((tmp_path / f"raw{i}.json").read_text()) for i in range(4)]
     assert all(r["done"] and r["exact"] for r in reports), reports
     c = control.Client(testbed.switch_control)
-    jobs = {j["token"]: j for j in c.jobs() if j["token"] in (0x7001, 0x7002)}
-    assert sorted(jobs) == [0x7001, 0x7002]
-    a, b = sorted(jobs.values(), key=lambda j: j["first"])
+    jobs = [c.jobs(t) for t in (0x7001, 0x7002)]
+    assert [len(j) for j in jobs] == [1, 1], jobs
+    assert all("token" not in j for j in c.jobs()), c.jobs()  # tokens are never printed
+    a, b = sorted((j for (j,) in jobs), key=lambda j: j["first"])
     assert a["first"] + a["groups"] <= b["first"]  # disjoint slot ranges
     assert c.remove(0x7001) and c.remove(0x7002)
 
@@ -117,7 +118,7 @@ def test_the_switch_aggregates_in_the_network(testbed: topology.Testbed, tmp_pat
     n = testbed.workers
     c = control.Client(testbed.switch_control)
     for j in c.jobs():  # the module's earlier jobs: a lossy one may hold groups (a RELEASE or
-        c.remove(j["token"])  # BYE lost) until it expires, and "occupied" counts every job's
+        c.drop(j["first"])  # BYE lost) until it expires, and "occupied" counts every job's
     tb = lifecycle.update(topology.Testbed.load(NAME), loss_rate=lossy)
     lost = loss.dropped(tb)
     was = launch.counters(tb, "switch")["aggregation"]
@@ -141,7 +142,7 @@ def test_the_switch_aggregates_in_the_network(testbed: topology.Testbed, tmp_pat
     # per worker, slot and round
     assert agg["recirculations"] % 7 == 0, agg
     assert agg["recirculations"] >= 7 * n * agg["results"], agg
-    job = [j for j in c.jobs() if j["token"] == 0x5A17]
+    job = c.jobs(0x5A17)
     assert [(j["workers"], j["registered"], j["automatic"]) for j in job] == [(n, n, True)]
     if not lossy:
         assert agg["occupied"] == 0 and agg["released"] >= reports[0]["nslots"], (agg, c.jobs())
@@ -162,4 +163,44 @@ def test_the_control_plane_installs_disjoint_jobs(testbed: topology.Testbed) -> 
     with pytest.raises(control.ControlError, match="pool exhausted"):
         c.install(104, 2, lim["groups"] - taken - 19)
     assert c.remove(101) and c.remove(102) and not c.remove(101)
-    assert {j["token"] for j in c.jobs()}.isdisjoint({101, 102})
+    assert c.jobs(101) == c.jobs(102) == []
+
+
+@pytest.mark.integration
+def test_control_path_that_is_no_socket_is_left_alone(tmp_path: Path) -> None:
+    """--control naming a file that is not a socket: the switch refuses to start (before
+    DPDK) and leaves the file as it was."""
+    keep = tmp_path / "precious"
+    keep.write_text("keep me")
+    from hvd_sparse.tools.switch import binary
+    p = subprocess.run([str(binary()), "--dpdk", "--no-pci", "--control", str(keep)],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0 and "exists and is not a socket" in p.stderr + p.stdout, p
+    assert keep.read_text() == "keep me"
+
+
+NOBODY = """
+import os, socket, sys, tempfile
+d = tempfile.mkdtemp()
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind(os.path.join(d, "c"))
+s.settimeout(5)
+try:
+    s.sendto(b"jobs", sys.argv[1])
+    print(s.recv(4096).decode())
+except OSError as e:
+    print("refused:", e)
+"""
+
+
+def test_control_socket_is_the_owners_alone(testbed: topology.Testbed) -> None:
+    """The control socket is mode 0600 and a user other than root or the switch's own gets
+    nothing from it (no job list, no install)."""
+    path = testbed.switch_control
+    assert os.stat(path).st_mode & 0o777 == 0o600, oct(os.stat(path).st_mode)
+    p = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                        "/usr/bin/python3", "-c", NOBODY, str(path)],
+                       capture_output=True, text=True, timeout=30)
+    out = p.stdout + p.stderr
+    assert "refused:" in out or "permission denied" in out, out
+    assert '"jobs"' not in out, out

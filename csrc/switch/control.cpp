@@ -2,6 +2,7 @@
 #include "control.h"
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -22,13 +23,16 @@ std::string limits_json(const omni::PipelineOptions& o) {
          ", \"auto_groups\": " + std::to_string(o.auto_groups) + "}";
 }
 
-std::string jobs_json(const omni::Pipeline& p) {
+// Every job, or the one of TOKEN; without tokens.
+std::string jobs_json(const omni::Pipeline& p, std::istringstream& in) {
+  uint64_t token = 0;
+  const bool one = bool(in >> token);
   std::string s = "{\"jobs\": [";
   for (const omni::SwitchJob& j : p.jobs()) {
+    if (one && j.token != token) continue;
     int registered = 0;
     for (const omni::Endpoint& e : j.addr) registered += e.port != 0;
-    s += std::string(s.back() == '[' ? "" : ", ") + "{\"token\": " + std::to_string(j.token) +
-         ", \"workers\": " + std::to_string(j.nworkers) +
+    s += std::string(s.back() == '[' ? "" : ", ") + "{\"workers\": " + std::to_string(j.nworkers) +
          ", \"registered\": " + std::to_string(registered) +
          ", \"first\": " + std::to_string(j.first) + ", \"groups\": " + std::to_string(j.groups) +
          ", \"automatic\": " + (j.automatic ? "true" : "false") + "}";
@@ -65,6 +69,16 @@ std::string remove_job(omni::Pipeline& p, std::istringstream& in) {
   return std::string("{\"removed\": ") + (p.remove(token) ? "true" : "false") + "}";
 }
 
+// Removes the job whose slot groups start at FIRST (an operator who does not hold its token).
+std::string drop_job(omni::Pipeline& p, std::istringstream& in) {
+  uint32_t first = 0;
+  if (!(in >> first)) return R"({"error": "usage: drop FIRST"})";
+  for (const omni::SwitchJob& j : p.jobs())
+    if (j.first == first)
+      return std::string("{\"removed\": ") + (p.remove(j.token) ? "true" : "false") + "}";
+  return R"({"removed": false})";
+}
+
 }  // namespace
 
 Control::Control(std::string path) : path_(std::move(path)) {
@@ -73,9 +87,20 @@ Control::Control(std::string path) : path_(std::move(path)) {
   a.sun_family = AF_UNIX;
   if (fd_ < 0 || path_.size() >= sizeof a.sun_path) fail("control socket: bad path " + path_);
   std::memcpy(a.sun_path, path_.c_str(), path_.size() + 1);
-  unlink(path_.c_str());
-  if (bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
+  // A stale socket is replaced; anything else at the path is left alone.
+  struct stat st {};
+  if (lstat(path_.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) fail("control socket: " + path_ + " exists and is not a socket");
+    unlink(path_.c_str());
+  }
+  const mode_t old = umask(077);  // created 0600: the owner's (and root's) alone
+  const int rc = bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  umask(old);
+  if (rc != 0 || chmod(path_.c_str(), 0600) != 0)
     fail("control socket: cannot bind " + path_ + ": " + std::strerror(errno));
+  const int on = 1;
+  if (setsockopt(fd_, SOL_SOCKET, SO_PASSCRED, &on, sizeof on) != 0)
+    fail("control socket: SO_PASSCRED: " + std::string(std::strerror(errno)));
 }
 
 Control::~Control() {
@@ -84,15 +109,31 @@ Control::~Control() {
 }
 
 void Control::poll(Switch& sw) {
-  char buf[256];
-  sockaddr_un from{};
-  socklen_t len = sizeof from;
-  for (ssize_t n;
-       (n = recvfrom(fd_, buf, sizeof buf - 1, 0, reinterpret_cast<sockaddr*>(&from), &len)) >= 0;
-       len = sizeof from) {
+  for (;;) {
+    char buf[256];
+    sockaddr_un from{};
+    iovec iov{buf, sizeof buf - 1};
+    alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(ucred))];
+    msghdr m{};
+    m.msg_name = &from;
+    m.msg_namelen = sizeof from;
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = ctl;
+    m.msg_controllen = sizeof ctl;
+    const ssize_t n = recvmsg(fd_, &m, 0);
+    if (n < 0) return;
     buf[n] = 0;
-    const std::string r = run(sw, buf) + "\n";
-    sendto(fd_, r.data(), r.size(), 0, reinterpret_cast<sockaddr*>(&from), len);
+    const cmsghdr* c = CMSG_FIRSTHDR(&m);
+    ucred who{};
+    const bool known = c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS;
+    if (known) std::memcpy(&who, CMSG_DATA(c), sizeof who);
+    const std::string r =
+        (known && (who.uid == 0 || who.uid == geteuid())
+             ? run(sw, buf)
+             : R"({"error": "permission denied: root or the switch's user only"})") +
+        "\n";
+    sendto(fd_, r.data(), r.size(), 0, reinterpret_cast<sockaddr*>(&from), m.msg_namelen);
   }
 }
 
@@ -105,10 +146,11 @@ std::string Control::run(Switch& sw, const std::string& line) {
   if (cmd == "loss") return set_loss(sw, in);
   if (!p) return R"({"error": "no aggregation program: start the switch with --aggregate"})";
   if (cmd == "limits") return limits_json(p->options());
-  if (cmd == "jobs") return jobs_json(*p);
+  if (cmd == "jobs") return jobs_json(*p, in);
   if (cmd == "install") return install_job(sw, *p, in);
   if (cmd == "remove") return remove_job(*p, in);
-  return R"({"error": "unknown command: limits | jobs | stats | install | remove | loss"})";
+  if (cmd == "drop") return drop_job(*p, in);
+  return R"({"error": "unknown command: limits | jobs | stats | install | remove | drop | loss"})";
 }
 
 }  // namespace hvd_sparse::switch_emu

@@ -186,6 +186,8 @@ void loop(Switch& sw, Control* ctl, double stats_every) {
 int main(int argc, char** argv) {
   using namespace hvd_sparse::switch_emu;
   const Options o = parse(argc, argv);
+  std::unique_ptr<Control> ctl;  // first: a path that is no socket fails before DPDK starts
+  if (!o.control.empty()) ctl = std::make_unique<Control>(o.control);
   std::unique_ptr<AggregationEndpoint> agg = endpoint(o);
   start(o.eal);
   const uint16_t nports = rte_eth_dev_count_avail();
@@ -198,8 +200,6 @@ int main(int argc, char** argv) {
   std::stringstream list(o.names);
   for (std::string n; std::getline(list, n, ',');) names.push_back(n);
   Switch sw(open_ports(pool, names), pool, std::move(agg));
-  std::unique_ptr<Control> ctl;
-  if (!o.control.empty()) ctl = std::make_unique<Control>(o.control);
   std::printf("hvd-sparse switch: %u ports\n", nports);
   const omni::PipelineOptions& po = o.pipeline;
   if (!o.aggregate.empty())

@@ -4,7 +4,8 @@ SwitchML's controller does for a Tofino.
 
     hvd-sparse switch start --port w0 --port w1 ... --aggregate 10.77.0.254:9999
                             [--control PATH] [--auto-groups N] [--slots N]
-    hvd-sparse switch jobs [--install TOKEN WORKERS GROUPS | --remove TOKEN] [--control PATH]
+    hvd-sparse switch jobs [--install TOKEN WORKERS GROUPS | --remove TOKEN | --drop FIRST]
+                           [--control PATH]
     hvd-sparse switch stats|limits [--control PATH]
 
 Torch-free: a switch host needs neither torch nor Horovod.
@@ -60,8 +61,10 @@ class Client:
     def stats(self) -> dict:
         return self.call("stats")
 
-    def jobs(self) -> list[dict]:
-        return self.call("jobs")["jobs"]
+    def jobs(self, token: int | None = None) -> list[dict]:
+        """The installed jobs (or the one of ``token``), named by their first slot group: the
+        switch never prints a token."""
+        return self.call("jobs" if token is None else f"jobs {token}")["jobs"]
 
     def install(self, token: int, workers: int, groups: int) -> int:
         """Installs a job on ``groups`` slot groups; returns the first one."""
@@ -69,6 +72,10 @@ class Client:
 
     def remove(self, token: int) -> bool:
         return self.call(f"remove {token}")["removed"]
+
+    def drop(self, first: int) -> bool:
+        """Removes the job whose slot groups start at ``first`` (its token unknown)."""
+        return self.call(f"drop {first}")["removed"]
 
 
 def command(eal: str, names: list[str], *, aggregate: str | None = None,
@@ -125,6 +132,7 @@ def main(argv: list[str]) -> int:
     jobs = sp.choices["jobs"]
     jobs.add_argument("--install", nargs=3, type=int, metavar=("TOKEN", "WORKERS", "GROUPS"))
     jobs.add_argument("--remove", type=int, metavar="TOKEN")
+    jobs.add_argument("--drop", type=int, metavar="FIRST", help="remove the job at this group")
     a = ap.parse_args(argv)
     if a.cmd == "start":
         Path(a.control).parent.mkdir(parents=True, exist_ok=True)
@@ -139,6 +147,8 @@ def main(argv: list[str]) -> int:
             print(json.dumps({"first": client.install(*a.install)}))
         elif a.cmd == "jobs" and a.remove is not None:
             print(json.dumps({"removed": client.remove(a.remove)}))
+        elif a.cmd == "jobs" and a.drop is not None:
+            print(json.dumps({"removed": client.drop(a.drop)}))
         else:
             print(json.dumps(client.call(a.cmd), indent=1))
     except ControlError as e:
