@@ -77,3 +77,29 @@ def test_abandoned_reductions_fail_by_name_and_run_their_clean_up():
     assert engine.inflight() == 0
     with pytest.raises(HvdSparseError, match=r"tensor 'left': shut down"):
         engine.synchronize(h, timeout=5)
+
+
+@pytest.mark.parametrize("numel,tail", [(256 * 7, False), (256 * 7 + 100, True),
+                                        (256 * 7 + 100, False), (50, True)])
+def test_backup_restores_an_overwritten_tensor(numel: int, tail: bool) -> None:
+    """common.Backup keeps only the non-zero blocks, and restores the tensor after a reduction
+    scribbled over every element: the same values, the -0s in its non-zero blocks too."""
+    from hvd_sparse.schemes.common import Backup
+    g = torch.Generator().manual_seed(numel)
+    t = torch.randn(numel, generator=g)
+    keep = torch.rand(-(-numel // 256), generator=g) < 0.4
+    keep[-1] = tail
+    t *= keep.repeat_interleave(256)[:numel]
+    t[t.nonzero()[:1]] = -0.0  # a -0 inside a kept block
+    want = t.clone()
+    j = Job(name="b", tensor=t, shape=t.shape, average=False, prescale=1.0, postscale=1.0,
+            block_size=256, meta=0, scheme="test", ctx=None, comm=None, inplace=True)
+    b = Backup(j)
+    assert b.blocks.numel() + (0 if b.tail is None else b.tail.numel()) == \
+        int(keep.sum()) * 256 - (256 * len(keep) - numel if tail else 0)
+    t.copy_(torch.randn(numel, generator=g))
+    b.restore(j)
+    # exact, -0s in kept blocks included; all-zero blocks are +0 (local_mask makes them so)
+    kept = keep.repeat_interleave(256)[:numel]
+    assert torch.equal(t, want) and torch.equal(t.signbit() & kept, want.signbit() & kept)
+    assert not t[~kept].signbit().any()

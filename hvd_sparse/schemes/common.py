@@ -44,6 +44,28 @@ def output(job: Job) -> torch.Tensor:
     return t if job.inplace else blocks.zeros(t.numel(), t.dtype)
 
 
+class Backup:
+    """The caller's tensor as it was before an in-place reduction overwrote it: its non-zero
+    blocks copied (cost: the non-zero blocks, not the tensor), restored into a zeroed tensor
+    (``local_mask`` left +0 everywhere else: all-zero blocks come back as +0)."""
+
+    def __init__(self, job: Job) -> None:
+        t, bs = job.tensor, job.block_size
+        self.full = t.numel() // bs  # whole blocks; a partial last block is kept apart
+        mask = local_mask(job)
+        idx = mask[:self.full].nonzero().squeeze(1)
+        self.idx, self.blocks = idx, t[:self.full * bs].view(self.full, bs).index_select(0, idx)
+        tail = self.full < mask.numel() and bool(mask[self.full])
+        self.tail = t[self.full * bs:].clone() if tail else None
+
+    def restore(self, job: Job) -> None:
+        t, bs = job.tensor, job.block_size
+        t.zero_()
+        t[:self.full * bs].view(self.full, bs).index_copy_(0, self.idx, self.blocks)
+        if self.tail is not None:
+            t[self.full * bs:] = self.tail
+
+
 def decode_sum(job: Job, gathered: torch.Tensor, out: torch.Tensor, part_is_rank: bool) -> None:
     """Validates one segment per rank (csrc/segment.h) and writes their sum (added in rank order,
     scaled, rounded once) into ``out`` (from ``output``), touching only the blocks the segments

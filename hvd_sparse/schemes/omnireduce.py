@@ -13,7 +13,7 @@ from ..engine import Stage
 from ..errors import HvdSparseError
 from ..job import Job
 from . import dense
-from .common import agree, failed_anywhere, output, stream
+from .common import Backup, agree, failed_anywhere, output, stream
 
 log = logging.getLogger("hvd_sparse")
 
@@ -37,10 +37,9 @@ def run(job: Job) -> Stage:
             log.info("hvd_sparse: tensor %r holds NaN or Inf on some rank; reducing it dense",
                      job.name)
             return (yield from dense.run(job))
-    t = job.tensor
     out = output(job)  # results are scaled as they land, only in blocks some rank sent
     fallback = ctx.config.fallback == "dense"
-    backup = t.clone() if fallback and job.inplace else None  # results overwrite the input
+    backup = Backup(job) if job.inplace else None  # results overwrite the input
     failure = yield from stream(job, session, out, exponent, "omnireduce")
     if fallback:
         failed = yield from failed_anywhere(job, failure)
@@ -48,9 +47,12 @@ def run(job: Job) -> Stage:
             log.warning("hvd_sparse: tensor %r: aggregation failed on %d rank(s) (%s); "
                         "reducing it dense", job.name, failed, failure or "on a peer")
             if backup is not None:
-                t.copy_(backup)
+                backup.restore(job)
             return (yield from dense.run(job))
     if failure is not None:
+        if backup is not None:  # never half a result: the caller's tensor as it was
+            backup.restore(job)
+            failure += " (the tensor reduced in place is left as it was)"
         raise HvdSparseError(failure)
     job.stats.scheme = "omnireduce"
     return out

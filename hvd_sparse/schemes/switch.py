@@ -19,7 +19,7 @@ from ..engine import Stage
 from ..job import Job
 from ..session import Session
 from . import dense, omnireduce
-from .common import agree, failed_anywhere, output, stream
+from .common import Backup, agree, failed_anywhere, output, stream
 
 log = logging.getLogger("hvd_sparse")
 
@@ -62,13 +62,13 @@ def run(job: Job) -> Stage:
     turns = session.turns
     exponent, (number,) = yield from agree(
         job, float(turns.issue()) if job.rank == 0 else -1.0)
-    number, t = int(number), job.tensor
+    number = int(number)
     if exponent is None:  # fixed point cannot carry NaN/Inf
         turns.done(number)
         return (yield from elsewhere(job, "non-finite"))
     try:
         yield "turn", _Turn(session, number)
-        backup = t.clone() if job.inplace else None  # results overwrite the input
+        backup = Backup(job) if job.inplace else None  # results overwrite the input
         out = output(job)
         failure = yield from stream(job, session, out, exponent, "switch")
     finally:
@@ -76,7 +76,7 @@ def run(job: Job) -> Stage:
     failed = yield from failed_anywhere(job, failure)
     if failed:
         if backup is not None:
-            t.copy_(backup)
+            backup.restore(job)
         return (yield from elsewhere(job, f"failed on {failed} rank(s): "
                                           f"{failure or 'on a peer'}"))
     job.stats.scheme = "switch"

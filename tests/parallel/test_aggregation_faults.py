@@ -42,10 +42,11 @@ def data() -> torch.Tensor:
     return torch.randn(NUMEL, generator=g) * (torch.rand(NUMEL, generator=g) < 0.3)
 
 
-def kill_mid_flight(name: str, inplace: bool) -> torch.Tensor:
-    """Ranks 1.. start reducing `name`; rank 0 kills the aggregator once they have, then joins:
-    the aggregator dies with the reduction in flight on every peer."""
-    t = data()
+def kill_mid_flight(name: str, inplace: bool, t: torch.Tensor | None = None) -> torch.Tensor:
+    """Ranks 1.. start reducing `name` (``t``, else this rank's data); rank 0 kills the
+    aggregator once they have, then joins: the aggregator dies with the reduction in flight on
+    every peer."""
+    t = data() if t is None else t
     if hvd.rank() != 0:
         h = (hvd_sparse.allreduce_async_(t, name=name, scheme="omnireduce") if inplace else
              hvd_sparse.allreduce_async(t, name=name, scheme="omnireduce"))
@@ -86,3 +87,14 @@ def test_rank0_dies():
             json.dumps(pids))
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)  # horovodrun ends the job once rank 0 is gone
+
+
+def test_killed_aggregator_leaves_an_inplace_tensor_as_it_was(ref):
+    """fallback="error" in place: the error says so, and the caller's tensor holds its own
+    values again, not half a result."""
+    hvd_sparse.init(probe="off")  # fresh aggregators (an earlier test killed one), "error"
+    t = data()
+    want = t.clone()
+    with pytest.raises(hvd_sparse.HvdSparseError, match="left as it was"):
+        kill_mid_flight("killed.inplace", inplace=True, t=t)
+    assert torch.equal(t, want)
