@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
-from hvd_sparse import _C, aggregator, blocks, protocol
+from hvd_sparse import aggregator, blocks, protocol
 from hvd_sparse.tools import wire
 
 HOST = "127.0.0.1"
@@ -87,41 +86,6 @@ class Agg:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=15)
-
-
-# ------------------------------------------------------------------------------------------
-# Data and reference
-# ------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def aggs(tmp_path):
-    started: list[Agg] = []
-
-    def start(workers: int, *flags: str) -> Agg:
-        a = Agg(tmp_path / f"agg{len(started)}", workers, flags)
-        started.append(a)
-        return a
-
-    yield start
-    for a in started:
-        a.kill()
-
-
-@pytest.fixture
-def make_workers():
-    made: list = []
-
-    def make(agg_list: list[Agg], n: int, token: int = 0x5EED, register: bool = True, **kw):
-        ws = [_C.OmniWorker([a.addr for a in agg_list], token, r, n, **kw) for r in range(n)]
-        made.extend(ws)
-        if register:
-            for w in ws:
-                w.register(15.0)
-        return ws
-
-    yield make
-    for w in made:
-        w.close()
 
 
 # ------------------------------------------------------------------------------------------

@@ -52,6 +52,20 @@ def test_fuzz_malformed_and_foreign_packets_during_a_job(fuzz_job, junk):
     assert d["tensors"] == 1, f"malformed packets created tensor state: {d} {kinds}"
 
 
+def hand_workers(agg, token: int) -> list[socket.socket]:
+    """Three sockets on this host: workers 0 and 1 of a 2-worker job, registered with
+    ``agg``, and a third (the forger's)."""
+    w = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    for s in w:
+        s.bind((HOST, 0))
+        s.settimeout(5)
+    for r in range(2):
+        w[r].sendto(wire.header(type=T["REGISTER"], token=token, worker=r, nworkers=2),
+                    agg.addr)
+        assert wire.parse(w[r].recv(100))["type"] == T["REGACK"]
+    return w
+
+
 def test_malformed_packet_cannot_redirect_results(aggs):
     """Python workers speak the protocol by hand: the RESULT is the sum, sent to the workers'
     own addresses; a malformed DATA carrying the job token and a worker id (here for the
@@ -59,15 +73,8 @@ def test_malformed_packet_cannot_redirect_results(aggs):
     sender of the junk."""
     agg = aggs(2)
     token = 0xC0FFEE
-    w = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    w = hand_workers(agg, token)
     try:
-        for s in w:
-            s.bind((HOST, 0))
-            s.settimeout(5)
-        for r in range(2):
-            w[r].sendto(wire.header(type=T["REGISTER"], token=token, worker=r, nworkers=2),
-                        agg.addr)
-            assert wire.parse(w[r].recv(100))["type"] == T["REGACK"]
         vals = [np.arange(4, dtype=np.float32) + 1, np.full(4, 0.5, dtype=np.float32)]
         geom = {"token": token, "nworkers": 2, "tensor": 9, "slot": 0, "round": 0,
                 "block_size": 4, "nblocks": 1, "nslots": 1, "meta": 1, "dtype": 0}
@@ -144,15 +151,8 @@ def test_register_cannot_move_a_worker_nor_bye_end_its_job(aggs):
     RESULT goes to the registered addresses."""
     agg = aggs(2)
     token = 0xB0B
-    w = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    w = hand_workers(agg, token)
     try:
-        for s in w:
-            s.bind((HOST, 0))
-            s.settimeout(5)
-        for r in range(2):
-            w[r].sendto(wire.header(type=T["REGISTER"], token=token, worker=r, nworkers=2),
-                        agg.addr)
-            assert wire.parse(w[r].recv(100))["type"] == T["REGACK"]
         forged = [wire.header(type=T["REGISTER"], token=token, worker=0, nworkers=2)]
         forged += [wire.header(type=T[t], token=token, worker=r, nworkers=2, tensor=9)
                    for t in ("RELEASE", "BYE") for r in range(2)]
