@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -12,7 +11,6 @@ import horovod.torch as hvd
 
 from . import config as _config
 from . import costmodel, engine, runfile, session
-from ._C import set_threads
 from .comm import Collectives
 from .comm import horovod as collectives
 from .errors import HvdSparseError
@@ -60,18 +58,8 @@ def init(**kwargs: object) -> None:
     cfg = _config.from_env_and_kwargs(**kwargs)
     logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s")
     log.setLevel(cfg.log_level.upper())
-    # Ranks sharing a host share its cores; more threads than that make every loop crawl.
     comm = collectives.of(hvd.global_process_set)
-    set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // comm.local_size()))
-    omni = session.start(cfg, comm)
-    switch = session.join_switch(cfg, comm)
-    net = costmodel.load_or_probe(
-        comm, cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
-        layout=omni.layout() if omni else (0, 0), aggregators=omni.describe() if omni else "",
-        switch=switch.probe_time if switch else None,
-        switch_layout=switch.layout() if switch else (0, 0),
-        switch_name=switch.describe() if switch else "")
-    log.debug("hvd_sparse: network model (%s): %s", net.source, net)
+    omni, switch, net = session.join_all(cfg, comm)
     _state = State(cfg, net, (hvd.rank(), hvd.size()), comm, omni, switch)
     _start_run_file(cfg, comm, net, omni)
 

@@ -17,7 +17,6 @@ backward goes on. Horovod is not needed.
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 import logging
-import os
 import queue
 import threading
 import time
@@ -28,9 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import blocks, costmodel, engine, schemes, session
+from . import blocks, engine, schemes, session
 from . import config as _config
-from ._C import set_threads
 from .comm.distributed import TorchCollectives
 from .engine import Handle
 from .errors import HvdSparseError
@@ -70,19 +68,8 @@ class State:
         self.streams = [TorchCollectives(dist.new_group(backend="gloo", timeout=timeout))
                         for _ in range(streams)]
         self.comm = self.streams[0]
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
-        self.omni = session.start(cfg, self.comm)
-        self.switch = session.join_switch(cfg, self.comm)
-        omni, switch = self.omni, self.switch
-        self.net = costmodel.load_or_probe(
-            self.comm, cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
-            layout=omni.layout() if omni else (0, 0),
-            aggregators=omni.describe() if omni else "",
-            switch=switch.probe_time if switch else None,
-            switch_layout=switch.layout() if switch else (0, 0),
-            switch_name=switch.describe() if switch else "")
-        self.context = Context(cfg, self.net, omni, switch)
+        self.omni, self.switch, self.net = session.join_all(cfg, self.comm)
+        self.context = Context(cfg, self.net, self.omni, self.switch)
         self.sparsifier = sparsifier
         if sparsifier is not None:
             sparsifier.join(self.comm.rank, self.comm.size)
@@ -134,7 +121,7 @@ class State:
             if not blocks.supported(flat) or flat.numel() == 0:
                 scheme = "dense"
         job = Job(name=name, tensor=flat, shape=t.shape, average=True, prescale=1.0,
-                  postscale=1.0, block_size=self.config.block_size,
+                  postscale=1.0, block_size=bs,
                   meta=blocks.meta_hash(t.shape, t.dtype), scheme=scheme, ctx=self.context,
                   comm=comm, inplace=scheme != "rows" and flat.numel() > 0)
         h = engine.submit(job, schemes.run(job), _record)

@@ -21,8 +21,8 @@ from collections import defaultdict
 
 import torch
 
-from . import protocol
-from ._C import OmniWorker
+from . import costmodel, protocol
+from ._C import OmniWorker, set_threads
 from .aggregator import LocalAggregators
 from .comm import Collectives
 from .config import Config
@@ -198,6 +198,24 @@ def start(cfg: Config, comm: Collectives) -> Session | None:
         raise HvdSparseError(f"hvd_sparse: {e}") from e
     log.debug("hvd_sparse: omnireduce aggregators %s", addrs)
     return session
+
+
+def join_all(cfg: Config, comm: Collectives
+             ) -> tuple[Session | None, Session | None, costmodel.NetModel]:
+    """What either front end does at start, collective over ``comm`` (all ranks of the job):
+    the codec's threads (ranks sharing a host share its cores; more threads than that make
+    every loop crawl), the aggregators and the switch joined, and the network model."""
+    set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // comm.local_size()))
+    omni = start(cfg, comm)
+    switch = join_switch(cfg, comm)
+    net = costmodel.load_or_probe(
+        comm, cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
+        layout=omni.layout() if omni else (0, 0), aggregators=omni.describe() if omni else "",
+        switch=switch.probe_time if switch else None,
+        switch_layout=switch.layout() if switch else (0, 0),
+        switch_name=switch.describe() if switch else "")
+    log.debug("hvd_sparse: network model (%s): %s", net.source, net)
+    return omni, switch, net
 
 
 def _whereabouts() -> tuple[str, int, list[str]]:

@@ -5,6 +5,7 @@ reduces its buckets one after another on a thread of its own, over a group of it
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -138,6 +139,9 @@ class TorchCollectives(Collectives):
         yield dist.all_to_all_single(out, t, counts.tolist(), list(splits), group=self.group,
                                      async_op=True)
         return out, counts
+
+    def local_size(self) -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         box = [obj]
