@@ -42,7 +42,7 @@ def cuda_extensions() -> list:
 # torch-free executables: name -> sources. The aggregator gains the DPDK transport where
 # pkg-config finds libdpdk (Debian's libdpdk-dev); without it, --transport dpdk says so.
 BINARIES = {"hvd-sparse-aggregator": ["csrc/omni/aggregator/main.cpp",
-                                      "csrc/omni/aggregator/core.cpp",
+                                      "csrc/omni/aggregator/core.cpp", "csrc/omni/auth.cpp",
                                       "csrc/omni/transport/udp/transport.cpp"],
             "hvd-sparse-udpblast": ["csrc/omni/udpblast.cpp",  # raw UDP limit, for benchmarks
                                     "csrc/omni/transport/udp/transport.cpp"]}
@@ -67,10 +67,11 @@ def dpdk_flags() -> tuple[list[str], list[str]] | None:
 
 def binary_command(name: str, out: Path) -> list[str]:
     sources = [str(ROOT / s) for s in BINARIES[name]]
-    flags: list[str] = []
+    # OpenSSL (libcrypto) for the aggregator's packet authentication (csrc/omni/auth.h).
+    flags: list[str] = ["-lcrypto"] if name == "hvd-sparse-aggregator" else []
     if name == "hvd-sparse-aggregator" and (dpdk := dpdk_flags()) is not None:
         sources += [str(ROOT / s) for s in DPDK_SOURCES]
-        flags = ["-DHVD_SPARSE_DPDK", *dpdk[0], *dpdk[1]]
+        flags += ["-DHVD_SPARSE_DPDK", *dpdk[0], *dpdk[1]]
     elif name == "hvd-sparse-aggregator":
         print("hvd-sparse: libdpdk not found by pkg-config: the aggregator is built without "
               "the DPDK transport")
@@ -146,11 +147,12 @@ setup(
              "csrc/rows.cpp", "csrc/cuda/host.cpp", "csrc/omni/worker/binding.cpp",
              "csrc/omni/worker/worker.cpp", "csrc/omni/worker/engine.cpp",
              "csrc/omni/transport/udp/transport.cpp", "csrc/omni/aggregator/binding.cpp",
-             "csrc/omni/aggregator/core.cpp", "csrc/switch/binding.cpp",
+             "csrc/omni/aggregator/core.cpp", "csrc/omni/auth.cpp", "csrc/switch/binding.cpp",
              "csrc/switch/pipeline.cpp"],
             include_dirs=["csrc"],
             extra_compile_args=["-O3", "-std=c++17", "-march=x86-64-v2", "-fopenmp"],
             extra_link_args=["-fopenmp"],
+            libraries=["crypto"],
         ),
         # No torch, no pybind11: tools that only speak the wire protocol import it anywhere.
         Extension("hvd_sparse._protocol", ["csrc/omni/protocol_module.cpp"],

@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .auth import write_secret_file
 from .errors import HvdSparseError
 
 BINARY = Path(__file__).resolve().parent / "bin" / "hvd-sparse-aggregator"
@@ -27,20 +28,30 @@ def binary() -> Path:
 
 class LocalAggregators:
     """Aggregator processes this rank started; they die with it (PR_SET_PDEATHSIG plus a
-    parent check), so a killed rank leaves no orphans."""
+    parent check), so a killed rank leaves no orphans. With ``secret``, they share a fresh
+    secret (``self.secret``, in a file of mode 0600 in a directory of mode 0700) and take only
+    authenticated packets."""
 
-    def __init__(self, count: int, workers: int, bind: str, log_dir: str | None = None) -> None:
+    def __init__(self, count: int, workers: int, bind: str, log_dir: str | None = None,
+                 secret: bool = False) -> None:
         self.dir = Path(log_dir or tempfile.mkdtemp(prefix="hvd_sparse_agg_"))
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
+        self.secret = b""
+        extra: list[str] = []
         try:
+            if secret:
+                path = self.dir / "secret"
+                path.unlink(missing_ok=True)
+                self.secret = write_secret_file(path)
+                extra = ["--secret-file", str(path)]
             for i in range(count):
                 port_file = self.dir / f"agg{i}.port"
                 port_file.unlink(missing_ok=True)
                 log = open(self.dir / f"agg{i}.log", "w")  # noqa: SIM115 - lives with the process
                 self.procs.append(subprocess.Popen(
                     [str(binary()), "--bind", f"{bind}:0", "--workers", str(workers),
-                     "--parent-pid", str(os.getpid()), "--port-file", str(port_file)],
+                     "--parent-pid", str(os.getpid()), "--port-file", str(port_file), *extra],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
                 self.ports.append(self._wait_port(port_file, self.procs[-1], i))
         except BaseException:

@@ -27,12 +27,21 @@ class Config:
     local_aggregators: int = -1  # how many rank 0 starts; -1: one per 4 workers; 0: none
     aggregator_host: str = ""  # address workers reach local aggregators at; "": automatic
     fallback: str = "error"  # when aggregation fails: "error" raises, "dense" redoes it dense
+    # omnireduce: authenticate every packet to and from the aggregators (docs/PROTOCOL.md
+    # "Authentication"); turn off only on a fabric no one else can reach
+    auth: bool = True
+    # the deployment's secret the configured aggregators were started with (their
+    # --secret-file); read by rank 0 only. Local aggregators get a fresh one per job.
+    secret_file: str = ""
     # omnireduce: send values as int32 fixed point with one agreed exponent per tensor (what a
     # switch sums; docs/PROTOCOL.md "Fixed point"); tensors holding NaN/Inf go dense
     fixed_point: bool = False
     # scheme "switch": the in-network aggregator ("ip:port"; set by ``hvd-sparse testbed run``
     # when the testbed's switch is the emulator); "": none
     switch: str = ""
+    # scheme "switch" with float64 tensors: off, they go to the aggregators (or dense), exact;
+    # on, through the switch in fixed point (relative error up to about nworkers^2 x 2^-31)
+    switch_fixed_float64: bool = False
     payload_bytes: int = 64512  # block values per datagram (block fusion): 63 float32 blocks
     slots: int = 64  # slots per aggregator per tensor: packets in flight per tensor
     # least retransmission timeout, seconds; above it srtt + 4 rttvar of measured round times

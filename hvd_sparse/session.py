@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from . import costmodel, protocol
+from . import auth, costmodel, protocol
 from ._C import OmniWorker, set_threads
 from .aggregator import LocalAggregators
 from .comm import Collectives
@@ -32,12 +32,15 @@ from .fixedpoint import exponent
 log = logging.getLogger("hvd_sparse")
 
 
+RETRY_EVERY = 16  # calls of a tensor name between looks at aggregators that went down
+
+
 class Session:
     """This rank's worker engine, joined to the job's aggregators."""
 
     def __init__(self, cfg: Config, comm: Collectives, addrs: list[tuple[str, int]],
                  token: int, local: LocalAggregators | None, max_datagram: int | None = None,
-                 switch: bool = False) -> None:
+                 switch: bool = False, key: bytes = b"") -> None:
         self.cfg, self.addrs, self.local, self.switch = cfg, addrs, local, switch
         # Block values per packet: the configured fusion, cut so that a whole packet (header,
         # bitmap, up to MAX_LANES lane entries) fits one frame of the path: an IP fragment
@@ -45,7 +48,8 @@ class Session:
         # what one of its slots holds: the worker engine does that at register.)
         max_datagram = max_datagram or protocol.MAX_DATAGRAM
         payload = max(1, min(cfg.payload_bytes, max_datagram - protocol.HEADER_BYTES
-                             - protocol.BITMAP_BYTES - protocol.MAX_LANES * protocol.LANE_BYTES))
+                             - protocol.BITMAP_BYTES - protocol.MAX_LANES * protocol.LANE_BYTES
+                             - (protocol.AUTH_BYTES if key else 0)))
         # A switch sums one tensor at a time (see Turns)
         self.turns = Turns() if switch else None
         # The engine's own no-progress timeout fires a little before the caller's, so the error
@@ -53,13 +57,32 @@ class Session:
         self.size = comm.size
         self.worker = OmniWorker(addrs, token, comm.rank, comm.size, payload_bytes=payload,
                                  slots_per_aggregator=cfg.slots, rto=cfg.rto,
-                                 timeout=cfg.timeout * 0.9, seed=comm.rank)
+                                 timeout=cfg.timeout * 0.9, seed=comm.rank, key=key)
         self._calls: dict[str, int] = defaultdict(int)
+        # Aggregation is down after an aggregator timed out (``down`` says how), until the
+        # aggregators answer keep-alives again: see omnireduce.run.
+        self.down, self.down_since = "", 0.0
+        self._down_calls: dict[str, int] = defaultdict(int)
 
     def tensor_id(self, name: str) -> int:
         self._calls[name] += 1
         digest = hashlib.blake2b(f"{name}#{self._calls[name]}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") | 1  # never 0: ids name tensors, 0 names none
+
+    def mark_down(self, why: str) -> None:
+        self.down, self.down_since = why, time.monotonic()
+        self._down_calls.clear()
+
+    def retry_due(self, name: str) -> bool:
+        """While down, every RETRY_EVERY-th call of each tensor name looks again: the same
+        calls on every rank, whatever order the ranks submit tensors in."""
+        self._down_calls[name] += 1
+        return self._down_calls[name] % RETRY_EVERY == 0
+
+    def answered_since_down(self) -> bool:
+        """Whether every aggregator has answered a keep-alive (REGACK) since going down."""
+        ago = time.monotonic() - self.down_since
+        return all(a["heard_ago"] < ago for a in self.worker.stats()["aggregators"])
 
     @property
     def payload(self) -> int:
@@ -177,7 +200,7 @@ def start(cfg: Config, comm: Collectives) -> Session | None:
                 host = cfg.aggregator_host or ("127.0.0.1" if together else
                                                _address_toward([w[2] for w in where[1:]]))
                 local = LocalAggregators(count, comm.size, "127.0.0.1" if together
-                                         else "0.0.0.0")
+                                         else "0.0.0.0", secret=cfg.auth)
                 reply = [(host, p) for p in local.ports]
             except HvdSparseError as e:
                 reply = str(e)
@@ -187,17 +210,55 @@ def start(cfg: Config, comm: Collectives) -> Session | None:
         addrs = [tuple(a) for a in reply]  # type: ignore[union-attr]
     token = comm.broadcast_object(random.SystemRandom().getrandbits(63) | 1,
                                   "hvd_sparse.omni.token")
+    try:
+        key = _job_key(cfg, comm, local, token) if cfg.auth else b""
+    except HvdSparseError:
+        if local is not None:
+            local.stop()
+        raise
     # Every rank must lay tensors out alike: the smallest path MTU of any rank decides.
     mtu = comm.allreduce(torch.tensor([min(_max_datagram(h, p) for h, p in addrs)]),
                          "hvd_sparse.omni.mtu", "min").value()
-    session = Session(cfg, comm, addrs, token, local, int(mtu))
+    session = Session(cfg, comm, addrs, token, local, int(mtu), key=key)
     try:
         session.worker.register(cfg.timeout)
     except RuntimeError as e:
         session.close()
-        raise HvdSparseError(f"hvd_sparse: {e}") from e
+        hint = ""
+        if local is None and "did not answer registration" in str(e):
+            hint = (" (authentication is " + (
+                "on: the aggregators must run with --secret-file naming the secret of "
+                "HVD_SPARSE_SECRET_FILE" if key else
+                "off: the aggregators must run without --secret-file") + ")")
+        raise HvdSparseError(f"hvd_sparse: {e}{hint}") from e
     log.debug("hvd_sparse: omnireduce aggregators %s", addrs)
     return session
+
+
+def _job_key(cfg: Config, comm: Collectives, local: LocalAggregators | None,
+             token: int) -> bytes:
+    """The job's key on every rank (collective): rank 0 derives it from the local aggregators'
+    fresh secret or the configured secret file, and hands it over (auth.agree)."""
+    why, key = "", None
+    if comm.rank == 0:
+        try:
+            if local is not None:
+                secret = local.secret
+            elif cfg.secret_file:
+                secret = auth.read_secret_file(cfg.secret_file)
+            else:
+                raise HvdSparseError(
+                    "hvd_sparse: authentication is on (HVD_SPARSE_AUTH) and the aggregators "
+                    "are configured (HVD_SPARSE_AGGREGATORS): set HVD_SPARSE_SECRET_FILE to the "
+                    "secret file they run with (--secret-file), or HVD_SPARSE_AUTH=0 where no "
+                    "other host reaches the network (docs/PROTOCOL.md, Authentication)")
+            key = auth.job_key(secret, token)
+        except HvdSparseError as e:
+            why = str(e)
+    why = comm.broadcast_object(why, "hvd_sparse.auth.ready")
+    if why:
+        raise HvdSparseError(why)
+    return auth.agree(comm, key, token)
 
 
 def join_all(cfg: Config, comm: Collectives

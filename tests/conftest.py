@@ -13,13 +13,14 @@ FILE_TIERS = {
     "test_dissect.py": "unit", "test_engine.py": "unit", "test_rows.py": "unit",
     "test_sparsifiers.py": "unit", "test_sparsify_ops.py": "unit",
     "test_switch_pipeline.py": "unit", "test_switch_program.py": "unit",
-    "test_protocol_doc.py": "unit", "test_parallel_driver.py": "unit",
+    "test_protocol_doc.py": "unit", "test_parallel_driver.py": "unit", "test_auth.py": "unit",
     "test_aggregator_sums.py": "integration", "test_aggregator_cli.py": "integration",
     "test_aggregator_loss.py": "integration", "test_aggregator_junk.py": "integration",
     "test_aggregator_jobs.py": "integration", "test_docker.py": "integration",
     "test_install.py": "integration", "test_torchfree.py": "integration",
     "test_job_faults.py": "parallel",
     "test_testbed.py": "testbed", "test_dpdk.py": "testbed", "test_switch_emu.py": "testbed",
+    "test_hostile.py": "testbed",
     "test_gpu.py": "gpu",
 }
 # Fixtures that start aggregator processes: a test using one is an integration test.

@@ -222,6 +222,36 @@ def test_mismatched_workers_get_an_error():
     assert core.counters()["mismatch"] == 1
 
 
+@pytest.mark.parametrize("cap", ["max_job_bytes", "max_tensors"])
+def test_a_job_over_its_share_fails_alone(cap):
+    """One job's tensors beyond its share (memory, or tensors in flight) fail with ERROR
+    CAPACITY; another job on the same aggregator still gets its share (the memory of all jobs
+    would have held the greedy one's third tensor)."""
+    slot = 4 * 8  # one lane of 4 values, summed in float64
+    core = _C.AggregatorCore(max_slot_bytes=4 * slot,
+                             **{cap: 2 * slot if cap == "max_job_bytes" else 2})
+    greedy, other = 0xA, 0xB
+    for token in (greedy, other):
+        core.handle(wire.header(type=T["REGISTER"], token=token, worker=0, nworkers=1),
+                    ("10.0.0.1", 5000 + token), 0.0)
+
+    def first_round(token: int, tensor: int) -> dict:
+        """Round 0 of a two-block stream: the slot stays open (and holds memory) after it."""
+        p = wire.data([(0, 1)], {0: np.arange(4, dtype=np.float32).tobytes()}, token=token,
+                      worker=0, nworkers=1, dtype=0, tensor=tensor, block_size=4, nblocks=2,
+                      nslots=1, meta=1, round=0)
+        (_, reply), = core.handle(p, ("10.0.0.1", 5000 + token), 0.0)
+        return wire.parse(reply)
+    for tensor in (1, 2):
+        assert first_round(greedy, tensor)["type"] == T["RESULT"]
+    refused = first_round(greedy, 3)
+    assert (refused["type"], refused["round"]) == (T["ERROR"], protocol.ERRORS["CAPACITY"])
+    for tensor in (1, 2):
+        r = first_round(other, tensor)
+        assert r["type"] == T["RESULT"]
+        assert np.frombuffer(r["blocks"][0], np.float32).tolist() == [0, 1, 2, 3]
+
+
 def test_idle_tensors_and_jobs_expire():
     ws, _ = job(2, numel=64 * 10, bs=64, lanes=2, nslots=3, dtype=0, density=1.0, seed=2)
     core = _C.AggregatorCore(idle=5.0)

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from scapy.layers.inet import IP, UDP
 from scapy.packet import Raw, fuzz
 
-from hvd_sparse import blocks, protocol
+from hvd_sparse import _C, auth, blocks, protocol
 from hvd_sparse.tools import dissect, wire
 from hvd_sparse.tools.scapy_layer import AGGREGATOR_PORT, Body, HvdSparse, Lane, bind_port
 from hvd_sparse.tools.testbed import lifecycle, links, topology
@@ -115,6 +115,26 @@ def test_data_and_result_layers_match_wire() -> None:
         assert Body not in HvdSparse(raw) and dissect.check(HvdSparse(raw), len(raw)) is None
 
 
+def test_authenticated_packets_end_in_their_trailer() -> None:
+    """A packet flagged AUTH: header (and body), then the trailer layer with its sequence
+    number and tag; its structure is judged without the trailer, as receivers judge it."""
+    from hvd_sparse.tools.scapy_layer import Trailer
+    key = bytes(range(16))
+    for table, carried, fields in list(data_cases())[:3]:
+        raw = bytearray(wire.data(table, carried, **fields))
+        raw[7] |= protocol.FLAGS["AUTH"]
+        signed = _C.gmac_sign(key, bytes(raw), 1, 42)
+        p = HvdSparse(signed)
+        assert p[Trailer].seq == 42 and p[Trailer].tag == signed[-protocol.TAG_BYTES:]
+        assert p[Body].blocks == wire.parse(bytes(raw))["blocks"] and Raw not in p
+        assert dissect.check(p, len(signed)) is None
+        assert dissect.check(p, len(raw)) is not None  # the flag without its trailer
+    raw = bytearray(wire.header(type=T["BYE"], token=77, worker=1, nworkers=2))
+    raw[7] |= protocol.FLAGS["AUTH"]
+    p = HvdSparse(_C.gmac_sign(key, bytes(raw), 1, 7))
+    assert p[Trailer].seq == 7 and dissect.check(p, len(raw) + protocol.AUTH_BYTES) is None
+
+
 def test_bound_to_the_aggregation_port_both_ways() -> None:
     table, carried, fields = data_cases()[0]
     for sport, dport in ((40000, AGGREGATOR_PORT), (AGGREGATOR_PORT, 40000)):
@@ -166,9 +186,10 @@ RANK = r"""
 import json, sys, torch
 from hvd_sparse import _C
 host, port, rank, n, token, payload, slots = sys.argv[1:8]
-specs, out = json.loads(sys.argv[8]), sys.argv[9]
+specs, out, key = json.loads(sys.argv[8]), sys.argv[9], bytes.fromhex(sys.argv[10])
 w = _C.OmniWorker([(host, int(port))], int(token), int(rank), int(n),
-                  payload_bytes=int(payload), slots_per_aggregator=int(slots), timeout=60.0)
+                  payload_bytes=int(payload), slots_per_aggregator=int(slots), timeout=60.0,
+                  key=key)
 w.register(30.0)
 g = torch.Generator().manual_seed(int(rank) + 1)
 stats = []
@@ -207,6 +228,8 @@ def test_captured_testbed_job_is_dissected(tmp_path: Path) -> None:
         tb = lifecycle.up(topology.Testbed(name, workers=2, aggregators=1, rate="1gbit",
                                            mtu=9000))
         agg = tb.aggregator_hosts[0]
+        # authenticated, as every job on the testbed is: the capture holds trailers
+        key = auth.job_key(auth.read_secret_file(tb.secret_file()), TOKEN).hex()
         with open(sniff_err, "w") as err:
             sniffer = subprocess.Popen(
                 ["ip", "netns", "exec", agg.ns, *cli, "--iface", "eth0", "--timeout", "120",
@@ -218,7 +241,7 @@ def test_captured_testbed_job_is_dissected(tmp_path: Path) -> None:
         workers = [subprocess.Popen(
             ["ip", "netns", "exec", h.ns, sys.executable, "-c", RANK, agg.ip,
              str(AGGREGATOR_PORT), str(r), "2", str(TOKEN), str(PAYLOAD), str(SLOTS),
-             json.dumps(SPECS), str(outs[r])], env=env, stdout=subprocess.PIPE,
+             json.dumps(SPECS), str(outs[r]), key], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True) for r, h in enumerate(tb.worker_hosts)]
         procs += workers
         for w in workers:
@@ -249,6 +272,7 @@ def test_captured_testbed_job_is_dissected(tmp_path: Path) -> None:
     assert d["malformed"]["count"] == 0, d["malformed"]
     (job,) = d["jobs"]
     assert job["token"] == f"{TOKEN:#x}" and job["workers"] == [0, 1]
+    assert job["authenticated"] == live["datagrams"], job  # every packet carried its MAC
     ctl = job["control"]
     assert ctl["REGISTER"] >= 2 and ctl["REGACK"] >= 2 and ctl["BYE"] == 2, ctl
     assert ctl["RELEASE"] == 2 * len(SPECS) and "ERROR" not in ctl, ctl
@@ -355,7 +379,10 @@ def expected(payload: bytes) -> str:
     h, reason = dissect.classify(payload)
     if reason is not None:
         return "malformed"
-    assert h is not None and h.token != Job.token, "a well-formed packet of the job"
+    assert h is not None
+    if h.flags & protocol.FLAGS["AUTH"]:
+        return "bad_mac"  # authenticated, at an aggregator without a secret: it cannot check
+    assert h.token != Job.token, "a well-formed packet of the job"
     return "register" if h.type == T["REGISTER"] else "unknown"
 
 

@@ -44,7 +44,18 @@ inline const char* wire_dtype_name(uint8_t d) { return d == kFixed32 ? "fixed32"
 enum Flags : uint8_t {
   kFlagShadow = 1,  // round & 1: which of the slot's two sets this packet belongs to
   kFlagLast = 2,    // RESULT: every lane has finished; the slot is complete
+  kFlagAuth = 4,    // the packet ends with an authentication trailer (below)
 };
+
+// Authentication (docs/PROTOCOL.md "Authentication"): a packet flagged kFlagAuth ends with a
+// trailer {uint64 sequence number, 16-byte AES-128-GMAC tag} over every byte before the tag,
+// under the job's key, with the nonce (sender id, sequence number). A worker's sender id is its
+// worker id; an aggregator's is kAggregatorSender + its index in the job's aggregator list,
+// which every REGISTER carries in `slot`. The structural checks below see the packet without
+// its trailer.
+constexpr size_t kTagBytes = 16;
+constexpr size_t kAuthBytes = 8 + kTagBytes;
+constexpr uint32_t kAggregatorSender = 0x10000;
 
 constexpr uint32_t kInf = 0xFFFFFFFFu;  // lane position "none": no further non-zero block
 constexpr int kMaxLanes = 64;           // lanes per packet (fusion), bounded by the bitmap
@@ -111,6 +122,8 @@ constexpr bool header_packed() {
   return at == kHeaderBytes;
 }
 static_assert(header_packed(), "header fields must be contiguous and fill kHeaderBytes");
+constexpr size_t kFlagsOffset = 7;  // where a sender sets kFlagAuth in a packet it signs
+static_assert(kHeaderFields[4].offset == kFlagsOffset && kHeaderFields[4].size == 1);
 // DATA and RESULT follow the header with: a uint64 bitmap of the lanes that carry a block,
 // `lanes` entries {uint32 offset, uint32 next}, then `present` blocks of `block_size` values.
 constexpr size_t kBitmapBytes = 8;

@@ -23,7 +23,8 @@ constexpr Named kTypes[] = {{"DATA", omni::kData},         {"RESULT", omni::kRes
                             {"REGISTER", omni::kRegister}, {"REGACK", omni::kRegAck},
                             {"RELEASE", omni::kRelease},   {"BYE", omni::kBye},
                             {"ERROR", omni::kError}};
-constexpr Named kFlags[] = {{"SHADOW", omni::kFlagShadow}, {"LAST", omni::kFlagLast}};
+constexpr Named kFlags[] = {
+    {"SHADOW", omni::kFlagShadow}, {"LAST", omni::kFlagLast}, {"AUTH", omni::kFlagAuth}};
 constexpr Named kErrors[] = {{"MISMATCH", omni::kErrMismatch},
                              {"JOB", omni::kErrJob},
                              {"CAPACITY", omni::kErrCapacity},
@@ -164,6 +165,9 @@ PyMODINIT_FUNC PyInit__protocol() {
       PyModule_AddIntConstant(m, "HEADER_BYTES", omni::kHeaderBytes) == 0 &&
       PyModule_AddIntConstant(m, "BITMAP_BYTES", omni::kBitmapBytes) == 0 &&
       PyModule_AddIntConstant(m, "LANE_BYTES", omni::kLaneBytes) == 0 &&
+      PyModule_AddIntConstant(m, "TAG_BYTES", omni::kTagBytes) == 0 &&
+      PyModule_AddIntConstant(m, "AUTH_BYTES", omni::kAuthBytes) == 0 &&
+      PyModule_AddIntConstant(m, "AGGREGATOR_SENDER", omni::kAggregatorSender) == 0 &&
       add(m, "INF", PyLong_FromUnsignedLong(omni::kInf)) &&
       PyModule_AddIntConstant(m, "MAX_LANES", omni::kMaxLanes) == 0 &&
       PyModule_AddIntConstant(m, "MAX_WORKERS", omni::kMaxWorkers) == 0 &&

@@ -141,9 +141,15 @@ def stream(job: Job, session: Session, out: torch.Tensor, exponent: int | None,
     return failure
 
 
-def failed_anywhere(job: Job, failure: str | None) -> Generator[tuple[str, Pending], Any, int]:
-    """How many ranks' aggregation of the tensor failed (one tiny allreduce): they must all
-    fall back together, or none."""
-    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-    failed = yield "agree", job.comm.allreduce(flag, job.op_name("agree"))
-    return int(failed)
+TIMED_OUT = "no result from aggregator"  # the worker engine's error when one stops answering
+
+
+def failed_anywhere(job: Job, failure: str | None, what: str = "agree"
+                    ) -> Generator[tuple[str, Pending], Any, tuple[int, int]]:
+    """How many ranks' aggregation of the tensor failed, and how many of them because an
+    aggregator stopped answering (one tiny allreduce): they must all fall back together, or
+    none."""
+    flags = [failure is not None, failure is not None and TIMED_OUT in failure]
+    counts = yield what, job.comm.allreduce(torch.tensor(flags, dtype=torch.int32),
+                                            job.op_name(what))
+    return int(counts[0]), int(counts[1])

@@ -13,7 +13,7 @@ from ..engine import Stage
 from ..errors import HvdSparseError
 from ..job import Job
 from . import dense
-from .common import Backup, agree, failed_anywhere, output, stream
+from .common import TIMED_OUT, Backup, agree, failed_anywhere, output, stream
 
 log = logging.getLogger("hvd_sparse")
 
@@ -37,12 +37,30 @@ def run(job: Job) -> Stage:
             log.info("hvd_sparse: tensor %r holds NaN or Inf on some rank; reducing it dense",
                      job.name)
             return (yield from dense.run(job))
-    out = output(job)  # results are scaled as they land, only in blocks some rank sent
     fallback = ctx.config.fallback == "dense"
+    if session.down and session.retry_due(job.name):
+        # Back when every aggregator answers keep-alives again: on every rank (fallback=dense,
+        # which must stay in step) or on this one (error: a rank still down fails at once).
+        answered = session.answered_since_down()
+        if fallback:
+            missing, _ = yield from failed_anywhere(job, None if answered else "down", "alive")
+            answered = missing == 0
+        if answered:
+            log.warning("hvd_sparse: the aggregators answer again; aggregation resumes")
+            session.down = ""
+    if session.down:  # no timeout again for every tensor while an aggregator is down
+        if fallback:
+            job.stats.reason = "aggregator down"
+            return (yield from dense.run(job))
+        raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: not aggregated, an aggregator "
+                             f"is down (it resumes when they answer again): {session.down}")
+    out = output(job)  # results are scaled as they land, only in blocks some rank sent
     backup = Backup(job) if job.inplace else None  # results overwrite the input
     failure = yield from stream(job, session, out, exponent, "omnireduce")
     if fallback:
-        failed = yield from failed_anywhere(job, failure)
+        failed, timed_out = yield from failed_anywhere(job, failure)
+        if timed_out:
+            session.mark_down(failure or "an aggregator stopped answering a peer rank")
         if failed:
             log.warning("hvd_sparse: tensor %r: aggregation failed on %d rank(s) (%s); "
                         "reducing it dense", job.name, failed, failure or "on a peer")
@@ -50,6 +68,8 @@ def run(job: Job) -> Stage:
                 backup.restore(job)
             return (yield from dense.run(job))
     if failure is not None:
+        if TIMED_OUT in failure:
+            session.mark_down(failure)
         if backup is not None:  # never half a result: the caller's tensor as it was
             backup.restore(job)
             failure += " (the tensor reduced in place is left as it was)"

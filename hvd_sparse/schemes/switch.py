@@ -5,14 +5,17 @@ hvd_sparse/tools/switch/, csrc/switch/; docs/PROTOCOL.md "In-network aggregation
 Per tensor: one tiny max-allreduce agrees on the fixed-point exponent and on the tensor's turn
 (session.Turns: the switch takes one tensor at a time, in the same order on every rank); then
 the blocks go through the switch like an omnireduce submission. Whatever the switch cannot do
-(no switch joined, a process set, a block too large for a slot, NaN/Inf, any failure on any
-rank) goes elsewhere, never as a wrong sum: to the aggregators when there are, else dense,
+(no switch joined, a process set, a block too large for a slot, NaN/Inf, float64 unless
+``switch_fixed_float64`` allows its rounding, any failure on any rank) goes elsewhere, never
+as a wrong or silently rounded sum: to the aggregators when there are, else dense,
 with the reason logged and in the tensor's metrics ("reason").
 """
 from __future__ import annotations
 
 import logging
 import math
+
+import torch
 
 from .. import protocol
 from ..engine import Stage
@@ -44,6 +47,8 @@ def unsupported(job: Job, session: Session | None) -> str:
         return "no switch"
     if not job.comm.is_global:
         return "process set"
+    if job.tensor.dtype == torch.float64 and not job.ctx.config.switch_fixed_float64:
+        return "float64 (fixed point would round it; switch_fixed_float64 allows that)"
     # A packet's values (int32) must fit one slot's cells, a pass per `values` of a lane: the
     # switch's geometry, from its REGACK
     values, cells = session.worker.slot_geometry()
@@ -73,7 +78,7 @@ def run(job: Job) -> Stage:
         failure = yield from stream(job, session, out, exponent, "switch")
     finally:
         turns.done(number)
-    failed = yield from failed_anywhere(job, failure)
+    failed, _ = yield from failed_anywhere(job, failure)
     if failed:
         if backup is not None:
             backup.restore(job)
@@ -86,7 +91,8 @@ def run(job: Job) -> Stage:
 def elsewhere(job: Job, why: str) -> Stage:
     """The tensor without the switch: the aggregators when the job has them, else dense."""
     job.stats.reason = f"switch: {why}"
-    level = logging.DEBUG if why == "no switch" else logging.WARNING
+    level = (logging.DEBUG if why == "no switch" else logging.INFO if why.startswith("float64")
+             else logging.WARNING)
     log.log(level, "hvd_sparse: tensor %r: not through the switch (%s)", job.name, why)
     if job.ctx.omni is not None and job.comm.is_global:
         return (yield from omnireduce.run(job))

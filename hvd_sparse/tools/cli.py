@@ -1,6 +1,6 @@
 """``hvd-sparse``: the command-line entry point.
 
-    hvd-sparse aggregator --bind 0.0.0.0:9999 --workers 8 [--threads T] [--stats 10]
+    hvd-sparse aggregator --bind 0.0.0.0:9999 --workers 8 [--secret-file F] [--stats 10]
     hvd-sparse testbed {up,run,set,status,down} ...   (emulated hosts; needs root)
     hvd-sparse analyze RUN.json [--png out.png] [--json out.json]
     hvd-sparse dissect FILE.pcap | --iface IF [--count N] [--timeout S] [--port P] [--json]

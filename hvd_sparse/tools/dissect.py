@@ -40,6 +40,10 @@ def check(h: HvdSparse, length: int) -> str | None:
     ("bitmap"), which every receiver also checks; what needs the receiver's state (job, lane
     positions, rounds) is not judged. tests/test_dissect.py holds it to the aggregator's
     verdict on the same datagrams."""
+    if length >= protocol.HEADER_BYTES and h.flags & protocol.FLAGS["AUTH"]:
+        # the trailer (docs/PROTOCOL.md "Authentication") is not part of the structure
+        authed = protocol.HEADER_BYTES + protocol.AUTH_BYTES
+        length = length - protocol.AUTH_BYTES if length >= authed else 0
     if length < protocol.HEADER_BYTES:
         return "truncated"
     if h.magic != protocol.MAGIC:
@@ -101,7 +105,8 @@ class Summary:
 
     def _job(self, token: int) -> dict[str, Any]:
         return self.jobs.setdefault(token, {"workers": set(), "control": Counter(),
-                                            "errors": Counter(), "tensors": {}})
+                                            "errors": Counter(), "tensors": {},
+                                            "authenticated": 0})
 
     def add(self, payload: bytes, src: str, dst: str, to_aggregator: bool) -> None:
         """One UDP payload from ``src`` to ``dst`` ("ip:port")."""
@@ -115,6 +120,7 @@ class Summary:
             return
         assert h is not None
         job = self._job(h.token)
+        job["authenticated"] += bool(h.flags & protocol.FLAGS["AUTH"])  # carries a trailer
         name = _TYPE_NAMES[h.type]
         if to_aggregator:  # the sender's rank; replies carry the addressee or 0
             job["workers"].add(h.worker)
@@ -179,7 +185,7 @@ class Summary:
                         t["per_worker"].items(), key=lambda x: str(x[0]))}})
             jobs.append({"token": _hexid(token), "workers": sorted(j["workers"]),
                          "control": dict(j["control"]), "errors": dict(j["errors"]),
-                         "tensors": tensors})
+                         "authenticated": j["authenticated"], "tensors": tensors})
         return {"port": self.port, "datagrams": self.datagrams,
                 "malformed": {"count": sum(self.malformed.values()),
                               "reasons": dict(self.malformed), "listed": self.malformed_list},

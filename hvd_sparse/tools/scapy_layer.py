@@ -30,6 +30,7 @@ from scapy.fields import (
     XIntField,
     XLongField,
     XShortField,
+    XStrFixedLenField,
 )
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_layers
@@ -73,6 +74,8 @@ class HvdSparse(Packet):
         if self.type in (protocol.TYPES["DATA"], protocol.TYPES["RESULT"]) and \
                 self.dtype in protocol.ELEM_SIZE:
             return Body
+        if self.flags & protocol.FLAGS["AUTH"]:
+            return Trailer
         return super().guess_payload_class(payload)  # Raw: bytes a control packet must lack
 
     def post_build(self, pkt: bytes, pay: bytes) -> bytes:
@@ -123,6 +126,20 @@ class Body(Packet):
                                    else 0),
                        count_from=lambda p: h.present if (h := _header(p)) else 0),
     ]
+
+    def guess_payload_class(self, payload: bytes) -> type[Packet]:
+        h = _header(self)
+        if h is not None and h.flags & protocol.FLAGS["AUTH"]:
+            return Trailer
+        return super().guess_payload_class(payload)
+
+
+class Trailer(Packet):
+    """What ends a packet flagged AUTH: its sequence number and GMAC tag."""
+
+    name = "hvd-sparse auth"
+    fields_desc = [_PLAIN[protocol.AUTH_BYTES - protocol.TAG_BYTES]("seq", 0),
+                   XStrFixedLenField("tag", bytes(protocol.TAG_BYTES), protocol.TAG_BYTES)]
 
 
 def bind_port(port: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from driver import Launch
 from ranktools import close_to, start
 
 import hvd_sparse
-from hvd_sparse import basics
+from hvd_sparse import aggregator, basics
+from hvd_sparse.session import RETRY_EVERY
 
 LAUNCHES = [Launch(np=4, id="kill-aggregator", env={"HVD_SPARSE_TIMEOUT": "4"},
                    args=("-k", "not rank0_dies"), timeout=300)]
@@ -98,3 +100,56 @@ def test_killed_aggregator_leaves_an_inplace_tensor_as_it_was(ref):
     with pytest.raises(hvd_sparse.HvdSparseError, match="left as it was"):
         kill_mid_flight("killed.inplace", inplace=True, t=t)
     assert torch.equal(t, want)
+
+
+def test_down_fails_at_once_then_resumes(ref):
+    """fallback="error": after an aggregator timed out, later tensors fail at once (not after
+    another timeout); restarted at its address (same secret) it answers the keep-alives, and
+    aggregation resumes at the next look, exact."""
+    hvd_sparse.init(probe="off")
+    session = basics.state().omni
+    with pytest.raises(hvd_sparse.HvdSparseError, match="no result from aggregator"):
+        kill_mid_flight("down", inplace=False)
+    t0 = time.monotonic()
+    with pytest.raises(hvd_sparse.HvdSparseError, match="an aggregator is down"):
+        hvd_sparse.allreduce(data(), name="down.next", scheme="omnireduce")
+    assert time.monotonic() - t0 < 2, "a second timeout"
+    if hvd.rank() == 0:
+        restart(session.local)
+    deadline = time.monotonic() + 30  # keep-alives go every 10 s
+    while not session.answered_since_down():
+        assert time.monotonic() < deadline, "the restarted aggregator never answered"
+        time.sleep(0.1)
+    hvd.allreduce(torch.zeros(1), name="down.answered")
+    for i in range(RETRY_EVERY):  # the look comes at the RETRY_EVERY-th call of the name
+        try:
+            out = hvd_sparse.allreduce(data(), name="down.back", scheme="omnireduce")
+            break
+        except hvd_sparse.HvdSparseError as e:
+            assert "is down" in str(e) and i < RETRY_EVERY - 1, str(e)
+    assert session.down == "" and close_to(out, ref, torch.float32) == ""
+    assert hvd_sparse.metrics()["down.back"]["scheme"] == "omnireduce"
+
+
+def test_down_goes_dense_at_once(ref):
+    """fallback="dense": the failure that marks aggregation down is agreed by every rank, and
+    the next tensor goes dense without streaming, exact."""
+    hvd_sparse.init(probe="off", fallback="dense")
+    assert close_to(kill_mid_flight("dense.first", inplace=False), ref, torch.float32) == ""
+    out = hvd_sparse.allreduce(data(), name="dense.next", scheme="omnireduce")
+    assert close_to(out, ref, torch.float32) == ""
+    # straight to dense (the dense reduction itself takes seconds on this box: no timing)
+    assert hvd_sparse.metrics()["dense.next"]["reason"] == "aggregator down"
+
+
+def restart(local: aggregator.LocalAggregators) -> None:
+    """Aggregator 0 again, at its port, with the job's secret: an aggregator restart."""
+    port_file = local.dir / "restarted.port"
+    local.procs[0] = subprocess.Popen(
+        [str(aggregator.binary()), "--bind", f"127.0.0.1:{local.ports[0]}", "--workers",
+         str(hvd.size()), "--parent-pid", str(os.getpid()), "--port-file", str(port_file),
+         "--secret-file", str(local.dir / "secret")], stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not port_file.exists():
+        assert local.procs[0].poll() is None and time.monotonic() < deadline, "no restart"
+        time.sleep(0.01)

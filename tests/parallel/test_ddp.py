@@ -194,6 +194,10 @@ def test_dead_aggregator(fallback: str) -> None:
 
 def test_unreachable_aggregator_fails_the_state() -> None:
     with pytest.raises(HvdSparseError, match="127.0.0.1:9"):
+        ddp.State(scheme="omnireduce", probe="off", timeout=2, aggregators="127.0.0.1:9",
+                  auth=False)
+    # authenticated (the default), configured aggregators need the deployment's secret
+    with pytest.raises(HvdSparseError, match="HVD_SPARSE_SECRET_FILE"):
         ddp.State(scheme="omnireduce", probe="off", timeout=2, aggregators="127.0.0.1:9")
 
 

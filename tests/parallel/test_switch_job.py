@@ -11,7 +11,8 @@ own), with -k choosing the tests:
 Scheme "switch": float32, float16 and bfloat16 at element densities 0 .. 1 equal the float64
 sum of Horovod's allreduce within the fixed-point bound (hvd_sparse.fixedpoint.error_bound)
 plus one rounding to the dtype, bit-identical on every rank; tensors in flight together; what
-the switch cannot take (NaN, a block larger than a slot) falls back with its reason, exactly.
+the switch cannot take (NaN, a block larger than a slot, float64 unless fixed point is asked
+for) falls back with its reason, exactly.
 """
 from __future__ import annotations
 
@@ -130,6 +131,20 @@ def falls_back() -> str:
         bad.append(f"block 2112: {why}")
     if not hvd_sparse.metrics()["sw.big"].get("reason", "").startswith("switch: block size"):
         bad.append(f"block 2112: {hvd_sparse.metrics()['sw.big']}")
+    # float64: exact (through the aggregator host) unless fixed point is asked for, then
+    # through the switch within the fixed-point bound
+    t = data(42, torch.float64)
+    ref = hvd.allreduce(t, name="ref.f64", op=hvd.Sum)
+    out = hvd_sparse.allreduce(t, name="sw.f64", scheme="switch", op=hvd.Sum)
+    if why := close_to(out, ref, torch.float64):
+        bad.append(f"float64: {why}")
+    if not hvd_sparse.metrics()["sw.f64"].get("reason", "").startswith("switch: float64"):
+        bad.append(f"float64: {hvd_sparse.metrics()['sw.f64']}")
+    hvd_sparse.init(probe="off", timeout=20.0, switch_fixed_float64=True)
+    out = hvd_sparse.allreduce(t, name="sw.f64.fixed", scheme="switch", op=hvd.Sum)
+    bad += [f"float64 fixed: {w}" for w in (bounded(out, ref, t),
+                                             went_through_switch("sw.f64.fixed")) if w]
+    hvd_sparse.init(probe="off", timeout=20.0)
     return "; ".join(bad)
 
 

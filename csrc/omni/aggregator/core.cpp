@@ -10,6 +10,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "../auth.h"
 #include "../protocol.h"
 #include "../values.h"
 
@@ -38,6 +39,12 @@ struct Tensor {
 
 struct Job {
   uint16_t nworkers = 0;
+  // Authenticated jobs: the job's MAC, this aggregator's sender id in it, and a replay window
+  // per worker.
+  std::unique_ptr<Mac> mac;
+  uint32_t sender = 0;
+  std::vector<ReplayWindow> windows;
+  size_t slot_bytes = 0;  // its accumulators' memory
   std::vector<Endpoint> addr;
   std::vector<uint8_t> bye;
   uint32_t nbye = 0;
@@ -65,13 +72,19 @@ struct AggregatorCore::Impl {
       return;
     }
     Header h = load_header(p);
-    if (check_structure(h, len)) {
+    const bool mac = h.flags & kFlagAuth;  // the structure is that of the packet less its trailer
+    if (check_structure(h, mac ? (len >= kHeaderBytes + kAuthBytes ? len - kAuthBytes : 0) : len)) {
       c.malformed++;
+      return;
+    }
+    // With a secret every packet carries a MAC, without one none may (it could not be checked).
+    if (mac != !o_.secret.empty()) {
+      (mac ? c.bad_mac : c.unauthenticated)++;
       return;
     }
     std::lock_guard<std::mutex> lock(mu_);
     now_ = now;
-    if (h.type == kRegister) return on_register(h, from, out);
+    if (h.type == kRegister) return on_register(h, p, len, from, out);
     auto jt = jobs_.find(h.token);
     if (jt == jobs_.end()) {
       c.unknown_job++;
@@ -82,6 +95,8 @@ struct AggregatorCore::Impl {
       c.malformed++;
       return;
     }
+    uint64_t seq = 0;
+    if (mac && !authentic(*job.mac, &job.windows[h.worker], h, p, len, seq)) return;
     // A worker's address is pinned at its registration: a packet in its name from anywhere
     // else (a forged BYE or RELEASE, DATA of another sender) is dropped and counted as foreign
     // (a malformed one as malformed, whoever sent it).
@@ -127,17 +142,56 @@ struct AggregatorCore::Impl {
     return jobs_.size();
   }
 
-  void on_register(const Header& h, const Endpoint& from, std::vector<Out>& out) {
+  // A tag from worker h.worker under `mac`, with a sequence number not seen before (`window`;
+  // none for a job not created yet: `seq` is then kept for the new job's).
+  bool authentic(Mac& mac, ReplayWindow* window, const Header& h, const uint8_t* p, size_t len,
+                 uint64_t& seq) {
+    if (!mac.verify(p, len, h.worker, seq)) {
+      c.bad_mac++;
+      return false;
+    }
+    if (window && !window->accept(seq)) {
+      c.replayed++;
+      return false;
+    }
+    return true;
+  }
+
+  void on_register(const Header& h, const uint8_t* p, size_t len, const Endpoint& from,
+                   std::vector<Out>& out) {
     auto it = jobs_.find(h.token);
+    // Authenticated: the job's key, derived for a job not known yet (kept if it is created).
+    std::unique_ptr<Mac> fresh;
+    Mac* mac = nullptr;
+    uint64_t seq = 0;
+    if (!o_.secret.empty()) {
+      if (h.slot >= kAggregatorSender) {  // the aggregator's index, part of its sender id
+        c.malformed++;
+        return;
+      }
+      if (it != jobs_.end()) mac = it->second.mac.get();
+      else mac = (fresh = std::make_unique<Mac>(derive_job_key(o_.secret, h.token))).get();
+      const bool known = it != jobs_.end() && it->second.nworkers == h.nworkers;
+      if (!authentic(*mac, known ? &it->second.windows[h.worker] : nullptr, h, p, len, seq))
+        return;
+    }
     uint32_t err = 0;
     if (o_.workers && h.nworkers != o_.workers) err = kErrJob;
     else if (it != jobs_.end() && it->second.nworkers != h.nworkers) err = kErrJob;
+    else if (it != jobs_.end() && mac && it->second.sender != kAggregatorSender + h.slot)
+      err = kErrJob;  // the workers disagree on the aggregator list
     else if (it == jobs_.end() && jobs_.size() >= o_.max_jobs) err = kErrCapacity;
     if (!err && it == jobs_.end()) {
       Job j;
       j.nworkers = h.nworkers;
       j.addr.resize(h.nworkers);
       j.bye.assign(h.nworkers, 0);
+      if (mac) {
+        j.mac = std::move(fresh);
+        j.sender = kAggregatorSender + h.slot;
+        j.windows.resize(h.nworkers);
+        j.windows[h.worker].accept(seq);
+      }
       it = jobs_.emplace(h.token, std::move(j)).first;
       c.jobs++;
     }
@@ -152,9 +206,31 @@ struct AggregatorCore::Impl {
     }
     Header r = make_header(err ? kError : kRegAck, h.token, h.worker, h.nworkers);
     r.round = err;
-    auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
+    auto b = packet(kHeaderBytes);
     store_header(b->data(), r);
-    out.push_back({from, b});
+    out.push_back({from, seal(mac, kAggregatorSender + h.slot, std::move(b))});
+  }
+
+  // A packet of `n` bytes, with room for a trailer.
+  static std::shared_ptr<std::vector<uint8_t>> packet(size_t n) {
+    auto b = std::make_shared<std::vector<uint8_t>>();
+    b->reserve(n + kAuthBytes);
+    b->resize(n);
+    return b;
+  }
+  // The packet as it goes out: flagged and signed with the next sequence number when the job
+  // is authenticated (`mac`).
+  std::shared_ptr<std::vector<uint8_t>> seal(Mac* mac, uint32_t sender,
+                                             std::shared_ptr<std::vector<uint8_t>> b) {
+    if (!mac) return b;
+    const size_t n = b->size();
+    (*b)[kFlagsOffset] |= kFlagAuth;
+    b->resize(n + kAuthBytes);
+    mac->sign(b->data(), n, sender, ++seq_);
+    return b;
+  }
+  std::shared_ptr<std::vector<uint8_t>> seal(Job& job, std::shared_ptr<std::vector<uint8_t>> b) {
+    return seal(job.mac.get(), job.sender, std::move(b));
   }
 
   void on_release(Job& job, const Header& h) {
@@ -171,8 +247,13 @@ struct AggregatorCore::Impl {
 
   std::unordered_map<uint64_t, Tensor>::iterator drop_tensor(
       Job& job, std::unordered_map<uint64_t, Tensor>::iterator it) {
-    for (auto& [g, s] : it->second.slots) slot_bytes_ -= s.acc.size() * sizeof(double);
+    for (auto& [g, s] : it->second.slots) release_bytes(job, s.acc.size() * sizeof(double));
     return job.tensors.erase(it);
+  }
+
+  void release_bytes(Job& job, size_t bytes) {
+    slot_bytes_ -= bytes;
+    job.slot_bytes -= bytes;
   }
 
   void send_error(Job& job, const Header& h, uint32_t code, std::vector<Out>& out) {
@@ -180,8 +261,9 @@ struct AggregatorCore::Impl {
     e.tensor = h.tensor;
     e.slot = h.slot;
     e.round = code;
-    auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
+    auto b = packet(kHeaderBytes);
     store_header(b->data(), e);
+    b = seal(job, std::move(b));
     for (uint16_t w = 0; w < job.nworkers; ++w)
       if (job.addr[w].port) out.push_back({job.addr[w], b});
   }
@@ -263,11 +345,17 @@ struct AggregatorCore::Impl {
         c.duplicates++;
         job.touched = at.t->touched = now_;
         return;
-      case Data::kRetransmit:
+      case Data::kRetransmit: {
         c.retransmits++;
         accept(job, *at.t);
-        out.push_back({from, at.s->last});
+        if (!job.mac) return out.push_back({from, at.s->last});
+        // Every transmission carries a sequence number of its own: the sender's window would
+        // drop a copy of the one sent before as a replay.
+        auto b = packet(at.s->last->size() - kAuthBytes);
+        std::memcpy(b->data(), at.s->last->data(), b->size());
+        out.push_back({from, seal(job, std::move(b))});
         return;
+      }
       case Data::kOpen:
         if (!open(job, h, at, out)) return;
         [[fallthrough]];
@@ -278,6 +366,10 @@ struct AggregatorCore::Impl {
   // Opens the slot of a valid round 0 (and its tensor, for the first): false when the
   // accumulators' memory is full, which fails the tensor.
   bool open(Job& job, const Header& h, Target& at, std::vector<Out>& out) {
+    if (!at.t && job.tensors.size() >= o_.max_tensors) {  // nothing kept: its next DATA asks again
+      send_error(job, h, kErrCapacity, out);
+      return false;
+    }
     if (!at.t) {
       Tensor t;
       t.params = h;
@@ -286,7 +378,7 @@ struct AggregatorCore::Impl {
       c.tensors++;
     }
     const size_t bytes = size_t(h.lanes) * h.block_size * sizeof(double);
-    if (slot_bytes_ + bytes > o_.max_slot_bytes) {
+    if (slot_bytes_ + bytes > o_.max_slot_bytes || job.slot_bytes + bytes > o_.max_job_bytes) {
       at.t->error = kErrCapacity;
       send_error(job, h, at.t->error, out);
       return false;
@@ -299,6 +391,7 @@ struct AggregatorCore::Impl {
     s.acc.assign(size_t(h.lanes) * h.block_size, 0.0);
     s.seen.assign((job.nworkers + 63) / 64, 0);
     slot_bytes_ += bytes;
+    job.slot_bytes += bytes;
     at.s = &at.t->slots.emplace(h.slot, std::move(s)).first->second;
     return true;
   }
@@ -348,8 +441,7 @@ struct AggregatorCore::Impl {
     bool last = true;
     for (uint32_t n : s.next) last = last && n == kInf;
     const Header r = result_header(h, job.nworkers, h.dtype, s.round, present, last);
-    auto b =
-        std::make_shared<std::vector<uint8_t>>(data_bytes(h.lanes, present, h.block_size, h.dtype));
+    auto b = packet(data_bytes(h.lanes, present, h.block_size, h.dtype));
     uint8_t* p = b->data();
     store_header(p, r);
     st64(p + kHeaderBytes, s.present);
@@ -366,7 +458,7 @@ struct AggregatorCore::Impl {
       v += vb;
     }
     c.rounds++;
-    s.last = b;
+    s.last = b = seal(job, std::move(b));
     s.cur.swap(s.next);
     std::fill(s.next.begin(), s.next.end(), kInf);
     std::fill(s.seen.begin(), s.seen.end(), 0);
@@ -375,7 +467,7 @@ struct AggregatorCore::Impl {
     s.round++;
     if (last) {
       s.done = true;
-      slot_bytes_ -= s.acc.size() * sizeof(double);
+      release_bytes(job, s.acc.size() * sizeof(double));
       std::vector<double>().swap(s.acc);
     }
     for (uint16_t w = 0; w < job.nworkers; ++w) out.push_back({job.addr[w], b});
@@ -386,6 +478,7 @@ struct AggregatorCore::Impl {
   std::mutex mu_;
   std::unordered_map<uint64_t, Job> jobs_;
   size_t slot_bytes_ = 0;
+  uint64_t seq_ = first_sequence_number();  // of what this aggregator signs, in any job
 };
 
 AggregatorCore::AggregatorCore(const CoreOptions& o) : impl_(std::make_unique<Impl>(o)) {}

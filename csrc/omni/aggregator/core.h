@@ -16,14 +16,22 @@ namespace hvd_sparse::omni {
 struct CoreOptions {
   int workers = 0;    // 0: jobs of any size; else only jobs of exactly this many workers
   double idle = 120;  // seconds after which an idle tensor or job is forgotten
-  size_t max_slot_bytes = size_t(2) << 30;  // cap on the accumulators' memory
+  size_t max_slot_bytes = size_t(2) << 30;  // cap on the accumulators' memory, all jobs
   size_t max_jobs = 256;
+  // One job's share, so that no job starves the others: accumulator memory, and tensors in
+  // flight. A tensor over either fails with ERROR CAPACITY; other jobs go on.
+  size_t max_job_bytes = size_t(1) << 30;
+  size_t max_tensors = 4096;
+  // The deployment's secret (--secret-file): when set, every packet must carry a valid MAC
+  // under its job's key (auth.h) and unauthenticated ones are dropped; when empty, none may.
+  std::string secret;
 };
 
 // What the core counted; printed by the aggregator with its transports' counters.
 // clang-format off
 #define HS_CORE_COUNTERS(X) X(rounds) X(retransmits) X(duplicates) X(stale) X(malformed) \
-  X(unknown_job) X(mismatch) X(overflow) X(jobs) X(tensors) X(released) X(expired) X(foreign)
+  X(unknown_job) X(mismatch) X(overflow) X(jobs) X(tensors) X(released) X(expired) X(foreign) \
+  X(unauthenticated) X(bad_mac) X(replayed)
 // clang-format on
 
 class AggregatorCore final : public Aggregation {

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "../auth.h"
 #include "../protocol.h"
 #include "../transport/lossy.h"
 #include "../transport/udp/transport.h"
@@ -124,9 +125,16 @@ void usage() {
       stderr,
       "usage: hvd-sparse-aggregator --bind ADDR:PORT [--workers N] [--threads T]\n"
       "         [--transport udp|dpdk] [--dpdk \"EAL ARGS\"]\n"
-      "         [--stats SECONDS] [--idle SECONDS] [--parent-pid PID] [--port-file PATH]\n"
+      "         [--secret-file PATH] [--stats SECONDS] [--idle SECONDS] [--parent-pid PID]\n"
+      "         [--port-file PATH] [--max-job-bytes B] [--max-tensors N]\n"
       "         [--drop-rate P] [--drop-rate-out P] [--dup-rate P] [--reorder-rate P] [--seed S]\n"
       "Sums the non-zero blocks hvd-sparse workers stream to it (docs/PROTOCOL.md).\n"
+      "--secret-file: the deployment's secret (a file only its owner reads, >= 16 bytes):\n"
+      "  every packet must then be authenticated under its job's key, as hvd_sparse jobs\n"
+      "  do when given the same file (HVD_SPARSE_SECRET_FILE); without it the aggregator\n"
+      "  takes only unauthenticated jobs (HVD_SPARSE_AUTH=0: an isolated fabric only).\n"
+      "--max-job-bytes, --max-tensors: one job's share (accumulator memory, default 1 GiB of\n"
+      "  the 2 GiB; tensors in flight, default 4096): a tensor beyond fails, other jobs go on.\n"
       "--transport dpdk runs on a DPDK port (the first of the EAL's devices, e.g.\n"
       "  --dpdk \"--no-huge --no-pci -m 256 --vdev=net_af_packet0,iface=eth0\"), answering ARP\n"
       "  for ADDR itself; --threads is then its number of queues.\n"
@@ -157,8 +165,19 @@ Options parse(int argc, char** argv) {
     else if (a == "--threads") o.threads = std::max(1, std::atoi(val().c_str()));
     else if (a == "--transport") o.transport = val();
     else if (a == "--dpdk") o.dpdk_args = val();
-    else if (a == "--stats") o.stats_every = std::atof(val().c_str());
+    else if (a == "--secret-file") {
+      try {
+        o.core.secret = read_secret_file(val());
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "hvd-sparse-aggregator: %s\n", e.what());
+        std::exit(2);
+      }
+    } else if (a == "--stats") o.stats_every = std::atof(val().c_str());
     else if (a == "--idle") o.core.idle = std::atof(val().c_str());
+    else if (a == "--max-job-bytes")
+      o.core.max_job_bytes = std::strtoull(val().c_str(), nullptr, 10);
+    else if (a == "--max-tensors")
+      o.core.max_tensors = std::strtoull(val().c_str(), nullptr, 10);
     else if (a == "--parent-pid") o.parent = std::atoi(val().c_str());
     else if (a == "--port-file") o.port_file = val();
     else if (a == "--drop-rate") o.loss.drop_in = std::atof(val().c_str());

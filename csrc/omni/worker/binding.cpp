@@ -1,6 +1,7 @@
 // hvd_sparse._C.OmniWorker: the worker engine (worker.h) for Python, on torch tensors.
 #include <torch/extension.h>
 
+#include <cmath>
 #include <optional>
 
 #include "../../torch_dtype.h"
@@ -15,7 +16,7 @@ class PyWorker {
  public:
   PyWorker(const std::vector<std::pair<std::string, int>>& aggs, uint64_t token, int worker,
            int nworkers, int payload_bytes, int slots_per_agg, double rto, double timeout,
-           double drop_rate, double dup_rate, uint64_t seed) {
+           double drop_rate, double dup_rate, uint64_t seed, const std::string& key) {
     TORCH_CHECK(nworkers >= 1 && nworkers <= kMaxWorkers && worker >= 0 && worker < nworkers,
                 "omnireduce: bad worker id ", worker, " of ", nworkers);
     WorkerOptions o;
@@ -29,6 +30,7 @@ class PyWorker {
     o.seed = seed;
     o.drop_rate = drop_rate;
     o.dup_rate = dup_rate;
+    o.key = key;
     w_ = std::make_unique<Worker>(aggs, o);
   }
 
@@ -105,12 +107,14 @@ class PyWorker {
     }
     py::dict d;
     for (auto& [k, v] : s.counters) d[k] = v;
-    py::list aggs;  // the congestion state of each aggregator's path
+    py::list aggs;  // the congestion state of each aggregator's path, and when it answered
+    const double now = monotonic_s();
     for (size_t i = 0; i < s.paths.size(); ++i) {
       const AggregatorPath& a = s.paths[i];
       aggs.append(py::dict(py::arg("name") = a.name, py::arg("window") = a.cwnd,
                            py::arg("ssthresh") = a.ssthresh, py::arg("srtt") = a.srtt,
-                           py::arg("rto") = s.rto[i], py::arg("window_cuts") = double(a.cuts)));
+                           py::arg("rto") = s.rto[i], py::arg("window_cuts") = double(a.cuts),
+                           py::arg("heard_ago") = a.heard ? now - a.heard : INFINITY));
     }
     d["aggregators"] = aggs;
     return d;
@@ -129,11 +133,11 @@ void register_omni(py::module_& m) {
   const WorkerOptions d;  // the engine's defaults, which are hvd_sparse.config.Config's
   py::class_<PyWorker>(m, "OmniWorker")
       .def(py::init<const std::vector<std::pair<std::string, int>>&, uint64_t, int, int, int, int,
-                    double, double, double, double, uint64_t>(),
+                    double, double, double, double, uint64_t, const std::string&>(),
            py::arg("aggregators"), py::arg("token"), py::arg("worker"), py::arg("nworkers"),
            py::arg("payload_bytes") = d.payload, py::arg("slots_per_aggregator") = d.slots_per_agg,
            py::arg("rto") = d.rto, py::arg("timeout") = d.timeout, py::arg("drop_rate") = 0.0,
-           py::arg("dup_rate") = 0.0, py::arg("seed") = 0)
+           py::arg("dup_rate") = 0.0, py::arg("seed") = 0, py::arg("key") = py::bytes())
       .def(
           "register", [](PyWorker& w, double timeout) { w.worker().register_all(timeout); },
           py::arg("timeout"), nogil())

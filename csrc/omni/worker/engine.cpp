@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -58,9 +59,11 @@ void dequantize(uint8_t* o, const uint8_t* q, size_t n, uint8_t dtype, int e, do
 
 Engine::Engine(std::vector<AggregatorPath> aggs, const EngineOptions& o, Transport& io,
                std::function<void()> finished)
-    : o_(o), io_(io), finished_(std::move(finished)), rng_(o.seed), aggs_(std::move(aggs)),
-      payload_(o.payload) {
+    : o_(o), io_(io), finished_(std::move(finished)),
+      mac_(o.key.empty() ? nullptr : std::make_unique<Mac>(o.key)), rng_(o.seed),
+      aggs_(std::move(aggs)), payload_(o.payload) {
   if (aggs_.empty()) throw std::runtime_error("omnireduce: no aggregators");
+  windows_.resize(aggs_.size());
   if (o.nworkers < 1 || o.nworkers > kMaxWorkers || o.worker >= o.nworkers)
     throw std::runtime_error("omnireduce: bad worker id " + std::to_string(o.worker) + " of " +
                              std::to_string(o.nworkers));
@@ -229,14 +232,14 @@ void Engine::build_data(TensorW& t, SlotW& s) {
       ++present;
     }
   }
-  s.pkt.resize(data_bytes(t.lanes, present, t.bs, t.wire));
+  s.pkt.resize(data_bytes(t.lanes, present, t.bs, t.wire) + trailer());
   uint8_t* p = s.pkt.data();
   Header h = make_header(kData, o_.token, o_.worker, o_.nworkers);
   h.dtype = t.wire;
   h.slot = s.g;
   h.tensor = t.id;
   h.round = s.round;
-  h.flags = s.round & 1 ? kFlagShadow : 0;
+  h.flags = uint8_t((s.round & 1 ? kFlagShadow : 0) | auth_flag());
   h.lanes = uint16_t(t.lanes);
   h.block_size = uint16_t(t.bs);
   h.nblocks = t.nblocks;
@@ -273,9 +276,15 @@ void Engine::send_slot(TensorW& t, SlotW& s, double now) {
   send_raw(s.agg, s.pkt.data(), s.pkt.size());
 }
 
-void Engine::send_raw(int agg, const uint8_t* p, size_t n) {
+// The sequence numbers of every packet this process signs: one counter, so that two engines
+// of one worker (streams) never sign two packets with one nonce.
+std::atomic<uint64_t> g_seq{first_sequence_number()};
+
+void Engine::send_raw(int agg, uint8_t* p, size_t n) {
   c_.tx_packets++;
   c_.tx_bytes += n;
+  // Signed at each send: a retransmission is a new packet to the receiver's replay window.
+  if (mac_) mac_->sign(p, n - kAuthBytes, o_.worker, ++g_seq);
   // A full socket buffer loses the datagram; the slot's timer resends it.
   const Datagram d{p, n, aggs_[agg].addr};
   io_.send(&d, 1);
@@ -283,11 +292,12 @@ void Engine::send_raw(int agg, const uint8_t* p, size_t n) {
 
 void Engine::send_control(int agg, uint8_t type, uint64_t tensor, uint32_t slot) {
   Header h = make_header(type, o_.token, o_.worker, o_.nworkers);
+  h.flags = auth_flag();
   h.tensor = tensor;
   h.slot = slot;
-  uint8_t p[kHeaderBytes];
+  uint8_t p[kHeaderBytes + kAuthBytes];
   store_header(p, h);
-  send_raw(agg, p, kHeaderBytes);
+  send_raw(agg, p, kHeaderBytes + trailer());
 }
 
 // Writes one block of the result, times scale. Blocks no worker sends are never written: the
@@ -378,14 +388,37 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
   c_.rx_packets++;
   c_.rx_bytes += len;
   Header h = load_header(p);
+  const bool mac = h.flags & kFlagAuth;  // the structure is that of the packet less its trailer
+  if (mac) len = len >= kHeaderBytes + kAuthBytes ? len - kAuthBytes : 0;
   if (check_structure(h, len) || h.token != o_.token) {
     c_.malformed++;
     return;
   }
+  if (mac != bool(mac_)) {  // authenticated jobs take only tags, others none (no key to check)
+    (mac ? c_.bad_mac : c_.unauthenticated)++;
+    return;
+  }
+  if (mac_) {  // from one of our aggregators, under its sender id, and never seen before
+    size_t k = 0;
+    while (k < aggs_.size() && !(from == aggs_[k].addr)) ++k;
+    uint64_t seq = 0;
+    if (k == aggs_.size()) {
+      c_.foreign++;
+      return;
+    }
+    if (!mac_->verify(p, len + kAuthBytes, kAggregatorSender + uint32_t(k), seq)) {
+      c_.bad_mac++;
+      return;
+    }
+    if (!windows_[k].accept(seq)) {
+      c_.replayed++;
+      return;
+    }
+  }
   // Registration replies: REGACK, or an ERROR refusing the job (never a tensor's error).
   if (h.type == kRegAck || (h.type == kError && h.round == kErrJob) ||
       (h.type == kError && registering_ && (h.round == kErrCapacity || h.round == kErrUnsupported)))
-    return on_registration(h, from);
+    return on_registration(h, from, now);
   auto it = by_id_.find(h.tensor);
   // None: a late duplicate of a finished tensor.
   if (it == by_id_.end()) {
@@ -422,11 +455,12 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
 }
 
 // A REGACK or a refusal from the aggregator at `from`.
-void Engine::on_registration(const Header& h, const Endpoint& from) {
+void Engine::on_registration(const Header& h, const Endpoint& from, double now) {
   for (size_t k = 0; k < aggs_.size() && k < acked_.size(); ++k) {
     if (!(from == aggs_[k].addr)) continue;
     if (h.type == kRegAck) {
       acked_[k] = 1;
+      aggs_[k].heard = now;
       on_regack(load_regack(h));
       continue;
     }
@@ -467,7 +501,9 @@ std::string Engine::error_text(uint32_t code) const {
                            : std::to_string(bytes / 1024) + " KiB") +
              " of values per packet)";
     }
-    default: return "aggregator out of memory";
+    default:
+      return "the aggregator's capacity is reached (its memory, or this job's share: "
+             "--max-job-bytes, --max-tensors)";
   }
 }
 
@@ -513,7 +549,7 @@ void Engine::tick(double now) {
   for (size_t k = 0; k < aggs_.size(); ++k) pump(k, now);
   if (last_keepalive_ == 0) last_keepalive_ = now;
   if (now - last_keepalive_ > kKeepalive) {  // aggregators forget jobs idle for long
-    for (size_t k = 0; k < aggs_.size(); ++k) send_control(int(k), kRegister, 0);
+    for (size_t k = 0; k < aggs_.size(); ++k) send_control(int(k), kRegister, 0, uint32_t(k));
     last_keepalive_ = now;
   }
 }
@@ -536,7 +572,7 @@ bool Engine::register_step() {
   for (size_t k = 0; k < aggs_.size(); ++k) {
     if (acked_[k]) continue;
     all = false;
-    send_control(int(k), kRegister, 0);
+    send_control(int(k), kRegister, 0, uint32_t(k));  // its index: the aggregator's sender id
   }
   return all;
 }

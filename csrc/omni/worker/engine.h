@@ -30,6 +30,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "../auth.h"
 #include "../protocol.h"
 #include "../transport/transport.h"
 
@@ -46,6 +47,7 @@ struct AggregatorPath {
   double answered_sent_at = 0;       // latest send time of an answered round
   double next_send = 0;              // pacing: earliest time of the next send
   uint64_t cuts = 0;
+  double heard = 0;  // when its latest REGACK came (keep-alives: it is up); 0: never
   std::deque<std::pair<uint64_t, uint32_t>> ready;  // (tensor, slot) waiting for the window
 };
 
@@ -99,11 +101,15 @@ struct EngineOptions {
   double rto = 0.05;           // floor of the retransmission timeout
   double timeout = 30.0;       // no progress for this long fails a tensor
   uint64_t seed = 0;
+  // The job's key (auth.h, kKeyBytes): every packet either way is authenticated under it, and
+  // what fails (no tag, a bad tag, a replay) is dropped and counted. Empty: no authentication
+  // (a switch; an isolated fabric).
+  std::string key;
 };
 
 // clang-format off
 #define HS_WORKER_COUNTERS(X) X(tx_packets) X(tx_bytes) X(rx_packets) X(rx_bytes) \
-  X(retransmits) X(malformed) X(stale) X(foreign)
+  X(retransmits) X(malformed) X(stale) X(foreign) X(unauthenticated) X(bad_mac) X(replayed)
 // clang-format on
 
 class Engine {
@@ -158,11 +164,15 @@ class Engine {
   void release_window(TensorW& t);
   void build_data(TensorW& t, SlotW& s);
   void send_slot(TensorW& t, SlotW& s, double now);
-  void send_raw(int agg, const uint8_t* p, size_t n);
+  // Sends `n` bytes, the trailer's room included when authenticated (trailer() bytes at the
+  // end, which it fills).
+  void send_raw(int agg, uint8_t* p, size_t n);
+  size_t trailer() const { return mac_ ? kAuthBytes : 0; }
+  uint8_t auth_flag() const { return mac_ ? kFlagAuth : 0; }
   void send_control(int agg, uint8_t type, uint64_t tensor, uint32_t slot = 0);
   void write_block(TensorW& t, uint64_t b, const uint8_t* v);
   void on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, double now);
-  void on_registration(const Header& h, const Endpoint& from);
+  void on_registration(const Header& h, const Endpoint& from, double now);
   void on_regack(const RegAck& a);
   std::string error_text(uint32_t code) const;
   void complete(TensorW& t);
@@ -174,6 +184,8 @@ class Engine {
   const EngineOptions o_;
   Transport& io_;
   std::function<void()> finished_;
+  std::unique_ptr<Mac> mac_;
+  std::vector<ReplayWindow> windows_;  // per aggregator
   std::mt19937_64 rng_;
   std::uniform_real_distribution<double> unif_{0.0, 1.0};
   std::vector<AggregatorPath> aggs_;

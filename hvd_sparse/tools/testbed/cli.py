@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the aggregators' transport (dpdk: an af_packet vdev on the host's veth)")
     u.add_argument("--switch", choices=("bridge", "emu"), default="bridge",
                    help="the switch: a Linux bridge, or the emulated switch (DPDK, MAC learning)")
+    u.add_argument("--no-auth", dest="auth", action="store_false",
+                   help="aggregators without a secret: jobs run unauthenticated "
+                        "(HVD_SPARSE_AUTH=0)")
     u.add_argument("--loss", type=float, default=0.0, help="drop rate on every switch port")
     u.add_argument("--loss-proto", choices=("all", "udp"), default="all",
                    help="drop any frame, or only UDP (keeps MPI's TCP out of it)")
@@ -56,7 +59,7 @@ def status(tb: Testbed) -> dict:
     return {"name": tb.name, "rate": tb.rate, "mtu": tb.mtu, "loss": tb.loss,
             "loss_proto": tb.loss_proto, "dropped_by_loss": loss.dropped(tb),
             "aggregators": tb.aggregator_addresses(), "transport": tb.transport,
-            "switch": tb.switch,
+            "switch": tb.switch, "auth": tb.auth,
             "hosts": [{"host": h.name, "namespace": h.ns, "ip": h.ip, "loss": h.loss,
                        "rate": h.rate or tb.rate,
                        "link": "down" if h.down else "up",
@@ -84,7 +87,7 @@ def main(argv: list[str]) -> int:
     try:
         if a.cmd == "up":
             tb = lifecycle.up(Testbed(a.name, a.workers, a.aggregators, a.rate, a.mtu, a.loss,
-                                      a.loss_proto, a.transport, a.switch))
+                                      a.loss_proto, a.transport, a.switch, a.auth))
             _print_status(status(tb))
         elif a.cmd == "down":
             removed = lifecycle.down(a.name)

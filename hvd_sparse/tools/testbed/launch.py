@@ -25,6 +25,7 @@ from pyroute2 import netns
 
 from ... import protocol
 from ...aggregator import binary
+from ...auth import write_secret_file
 from . import links
 from .topology import AGGREGATOR_PORT, Testbed
 
@@ -32,11 +33,16 @@ from .topology import AGGREGATOR_PORT, Testbed
 def start_aggregators(tb: Testbed) -> None:
     """Starts `hvd-sparse aggregator` on every aggregator host; they run until `down`."""
     tb.log_dir().mkdir(parents=True, exist_ok=True)
+    # The testbed's secret: its aggregators take only jobs authenticated with it (job_env).
+    if tb.auth and tb.aggregator_hosts and not tb.secret_file().exists():
+        write_secret_file(tb.secret_file())
     for h in tb.aggregator_hosts:
         port_file = tb.log_dir() / f"{h.name}.port"
         port_file.unlink(missing_ok=True)
         cmd = [str(binary()), "--bind", f"{h.ip}:{AGGREGATOR_PORT}", "--workers",
                str(tb.workers), "--port-file", str(port_file)]
+        if tb.auth:
+            cmd += ["--secret-file", str(tb.secret_file())]
         if tb.transport == "dpdk":
             cmd += ["--transport", "dpdk", "--dpdk", dpdk_args(tb, h.name)]
             # DPDK owns the host's address: without it the kernel answers neither ARP nor,
@@ -168,6 +174,10 @@ def job_env(tb: Testbed, extra: dict[str, str] | None = None) -> dict[str, str]:
     }
     if tb.aggregator_hosts:
         env["HVD_SPARSE_AGGREGATORS"] = tb.aggregator_addresses()
+        if tb.auth:
+            env["HVD_SPARSE_SECRET_FILE"] = str(tb.secret_file())
+        else:
+            env["HVD_SPARSE_AUTH"] = "0"
     if tb.switch == "emu":
         env["HVD_SPARSE_SWITCH"] = tb.switch_address
     env.update(extra or {})

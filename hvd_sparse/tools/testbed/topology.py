@@ -52,6 +52,7 @@ class Testbed:
     loss_proto: str = "all"  # "all" or "udp": what the drop rules apply to
     transport: str = "udp"  # the aggregators': kernel sockets, or DPDK on an af_packet vdev
     switch: str = "bridge"  # a Linux bridge, or "emu": the emulated switch (DPDK, MAC learning)
+    auth: bool = True  # aggregators take only authenticated jobs (the testbed's secret file)
     hosts: list[Host] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # aggregator host -> its process
 
@@ -116,6 +117,10 @@ class Testbed:
 
     def log_dir(self) -> Path:
         return STATE_DIR / f"testbed-{self.name}"
+
+    def secret_file(self) -> Path:
+        """The secret its aggregators run with, which its jobs authenticate with."""
+        return self.log_dir() / "secret"
 
     def save(self) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)

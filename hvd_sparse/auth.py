@@ -1,0 +1,97 @@
+"""The job's authentication key (docs/PROTOCOL.md "Authentication").
+
+Aggregators hold the deployment's secret (``--secret-file``) and derive each job's key from it
+and the job's token; rank 0 does the same and hands the key to the other ranks over the job's
+own collectives, wrapped under an X25519 agreement with each, so that a host that reads the
+collectives' traffic does not learn it. The packets' MACs are C++'s (csrc/omni/auth.h).
+Torch-free: aggregator hosts and the testbed read and write secrets with it.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import HvdSparseError
+
+if TYPE_CHECKING:  # torch-free at import: aggregator hosts and the testbed read secrets too
+    from .comm import Collectives
+
+KEY_BYTES = 16
+MIN_SECRET_BYTES = 16
+_JOB_LABEL = b"hvd-sparse job key v1"
+_WRAP_LABEL = b"hvd-sparse key wrap v1"
+
+
+def read_secret_file(path: str | Path) -> bytes:
+    """The secret in ``path``, read as the aggregator reads it: the file's bytes less trailing
+    whitespace, at least 16, from a regular file only its owner may read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise HvdSparseError(f"hvd_sparse: secret file {path}: {e.strerror}") from e
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise HvdSparseError(f"hvd_sparse: secret file {path}: not a file")
+        if st.st_mode & 0o077:
+            raise HvdSparseError(f"hvd_sparse: secret file {path}: readable by others "
+                                 "(chmod 600 it)")
+        secret = f.read(1 << 20).rstrip(b" \t\r\n")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise HvdSparseError(f"hvd_sparse: secret file {path}: fewer than "
+                             f"{MIN_SECRET_BYTES} bytes of secret")
+    return secret
+
+
+def write_secret_file(path: str | Path) -> bytes:
+    """A fresh secret (64 hex digits) in a new file of mode 0600 at ``path``."""
+    secret = os.urandom(32).hex().encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret + b"\n")
+    return secret
+
+
+def job_key(secret: bytes, token: int) -> bytes:
+    """HMAC-SHA256(secret, label || token), first 16 bytes: what every aggregator derives."""
+    msg = _JOB_LABEL + token.to_bytes(8, "big")
+    return hmac.new(secret, msg, hashlib.sha256).digest()[:KEY_BYTES]
+
+
+def agree(comm: Collectives, key: bytes | None, token: int) -> bytes:
+    """Rank 0's ``key`` on every rank. Collective over ``comm``. Each rank sends an X25519
+    public key; rank 0 sends back the key masked for each rank under their shared secret; every
+    rank then shows a check value of what it holds, so that a rank with another key fails here
+    rather than at its first packet."""
+    from . import _C
+    mine, public = _C.x25519_keypair()
+    publics = comm.allgather_object(public, "hvd_sparse.auth.public")
+    wrapped = None
+    if comm.rank == 0:
+        assert key is not None and len(key) == KEY_BYTES
+        wrapped = [_xor(key, _mask(_C.x25519(mine, p), token)) for p in publics]
+    wrapped = comm.broadcast_object((publics[0], wrapped), "hvd_sparse.auth.wrapped")
+    root, masked = wrapped
+    if comm.rank != 0:
+        key = _xor(masked[comm.rank], _mask(_C.x25519(mine, root), token))
+    assert key is not None
+    check = hmac.new(key, b"check", hashlib.sha256).hexdigest()[:16]
+    checks = comm.allgather_object(check, "hvd_sparse.auth.check")
+    if len(set(checks)) != 1:
+        bad = [r for r, c in enumerate(checks) if c != checks[0]]
+        raise HvdSparseError(f"hvd_sparse: ranks {bad} hold another job key than rank 0: the "
+                             "key exchange was tampered with")
+    return key
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return bytes(x ^ y for x, y in zip(a, b, strict=True))
+
+
+def _mask(shared: bytes, token: int) -> bytes:
+    return hmac.new(shared, _WRAP_LABEL + token.to_bytes(8, "big"),
+                    hashlib.sha256).digest()[:KEY_BYTES]
