@@ -64,7 +64,7 @@ def check(scheme: str, api: str, kind: str) -> str:
         opt.synchronize()
         for n, p in model.named_parameters():
             err = close_to(p.grad.cpu(), ref[n].double(), torch.float32)
-            if err:
+            if err != "":
                 return f"step {step}, {n}: {err}"
         with opt.skip_synchronize():
             opt.step()
