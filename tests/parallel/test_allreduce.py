@@ -14,7 +14,7 @@ import horovod.torch as hvd
 import pytest
 import torch
 from driver import Launch
-from ranktools import DEVICE, close_to, differing_ranks, digest, start
+from ranktools import DEVICE, close_to, codec_paths, differing_ranks, digest, start
 
 import hvd_sparse
 from hvd_sparse import device
@@ -92,7 +92,7 @@ def test_matches_dense_and_is_identical_on_every_rank(case):
     m = hvd_sparse.metrics()[name]
     assert scheme in ("auto", m["scheme"]) or "reason" in m, \
         f"reduced by scheme {m['scheme']!r}, not {scheme!r}, unsaid"
-    assert close_to(out, ref, dtype) == ""
+    assert close_to(out, ref, dtype, DEVICE) == ""
     assert differ == [], f"result differs from rank 0's on ranks {differ}"
 
 
@@ -120,7 +120,7 @@ def test_async_out_of_order():
         for n in order}
     errors = []
     for n in (order[::-1] if rank % 2 == 0 else order):
-        err = close_to(hvd_sparse.synchronize(handles[n]), refs[n], torch.float32)
+        err = close_to(hvd_sparse.synchronize(handles[n]), refs[n], torch.float32, DEVICE)
         if err != "":
             errors.append(f"{n}: {err}")
     assert errors == []
@@ -134,7 +134,7 @@ def test_scaling_factors():
     for s in SCHEMES:
         out = hvd_sparse.allreduce(t, name=f"scaled.{s}", op=hvd.Average, scheme=s,
                                    prescale_factor=0.5, postscale_factor=3.0)
-        errs += [f"{s}: {e}" for e in [close_to(out, ref, torch.float32)] if e != ""]
+        errs += [f"{s}: {e}" for e in [close_to(out, ref, torch.float32, DEVICE)] if e != ""]
     assert errs == []
 
 
@@ -148,7 +148,7 @@ def test_compression_is_functional():
     for s in SCHEMES:
         out = hvd.allreduce(t, name=f"compression.{s}", op=hvd.Sum, postscale_factor=3.0,
                             compression=hvd_sparse.Compression.sparse(scheme=s))
-        errs += [f"{s}: {e}" for e in [close_to(out, ref, torch.float32)] if e != ""]
+        errs += [f"{s}: {e}" for e in [close_to(out, ref, torch.float32, DEVICE)] if e != ""]
         if not torch.equal(t, orig):
             errs.append(f"{s}: the input was modified")
             t.copy_(orig)
@@ -166,7 +166,7 @@ def test_inplace():
                 out = hvd_sparse.allreduce_(t, name=f"inplace.{s}.{dtype}.{layout}", scheme=s)
                 if out is not t:
                     errs.append(f"{s}/{dtype}/{layout}: not the same tensor")
-                if (e := close_to(t, want, dtype)) != "":
+                if (e := close_to(t, want, dtype, DEVICE)) != "":
                     errs.append(f"{s}/{dtype}/{layout}: {e}")
     assert errs == []
 
@@ -196,3 +196,4 @@ def test_every_tensor_went_the_path_of_this_run():
     staged = ["staged" in m for m in hvd_sparse.metrics().values()]
     counts = sum(staged), len(staged) - sum(staged)
     assert (counts[1] == 0 < counts[0]) if STAGED else counts[0] == 0, counts
+    assert codec_paths() == ""  # CUDA tensors: the kernels ran, not torch operations
