@@ -9,6 +9,8 @@ not), their values as [k, block_size] with the tail block zero-padded.
 from __future__ import annotations
 
 import os
+import threading
+from collections import Counter
 from typing import Any
 
 import torch
@@ -40,6 +42,32 @@ _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 CPU_AS_DEVICE = os.environ.get("HVD_SPARSE_CPU_AS_DEVICE") == "1"
 
 
+# Which path each operation took, (op, "kernel" or "torch") -> calls, counted always (a locked
+# dict increment per call): the CUDA path falls back to torch operations silently, so this is
+# how a test (or a user) knows that the kernels ran.
+_paths: Counter[tuple[str, str]] = Counter()
+_paths_lock = threading.Lock()
+
+
+def _took(op: str, kernel: bool) -> bool:
+    with _paths_lock:
+        _paths[op, "kernel" if kernel else "torch"] += 1
+    return kernel
+
+
+def path_counts() -> dict[tuple[str, str], int]:
+    """Calls per (operation, path) since the last ``reset_path_counts``: operation "pack"
+    (``pack`` or ``pack_begin``), "unpack" or "select_ge"; path "kernel" (``hvd_sparse._cuda``)
+    or "torch"."""
+    with _paths_lock:
+        return dict(_paths)
+
+
+def reset_path_counts() -> None:
+    with _paths_lock:
+        _paths.clear()
+
+
 def on_device(t: torch.Tensor) -> bool:
     """Whether ``t`` takes the accelerator path (not the C++ CPU kernels)."""
     return t.device.type != "cpu" or CPU_AS_DEVICE
@@ -64,7 +92,7 @@ def pack(t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     [k, block_size])."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if kernels(t):
+    if _took("pack", kernels(t)):
         return _pack(t.contiguous(), block_size)
     return torch_pack(t, block_size)
 
@@ -72,7 +100,7 @@ def pack(t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_begin(t: torch.Tensor, block_size: int) -> tuple[Any, torch.Tensor]:
     """pack()'s first half, reading nothing back: (state for ``pack_end``, the number of
     non-zero blocks as a one-element int64 tensor on t's device)."""
-    if kernels(t):
+    if _took("pack", kernels(t)):
         flags, offsets = _mask_scan(t.contiguous(), block_size)
         return (flags, offsets), offsets[-1:]
     mask = _torch_mask(t, block_size)
@@ -107,7 +135,7 @@ def unpack(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, block_size:
     its device."""
     if not out.is_contiguous():
         raise ValueError("unpack: the output must be contiguous")
-    if kernels(out):
+    if _took("unpack", kernels(out)):
         return _unpack(out, idx, vals, block_size)
     torch_unpack(out, idx, vals, block_size)
 
@@ -128,7 +156,7 @@ def torch_unpack(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor,
 def select_ge(x: torch.Tensor, thr: float) -> torch.Tensor:
     """Ascending int64 indices of the elements of flat ``x`` with |x| >= thr (thr rounded to
     x's dtype; NaN never passes), on its device."""
-    if kernels(x) and x.dtype in (torch.float32, torch.float64):
+    if _took("select_ge", kernels(x) and x.dtype in (torch.float32, torch.float64)):
         return _select_ge(x.contiguous(), thr)
     bar = torch.tensor(thr, dtype=x.dtype, device=x.device)
     return (x.reshape(-1).abs() >= bar).nonzero().view(-1)

@@ -17,7 +17,6 @@ import torch
 from horovod.torch.optimizer import DistributedOptimizer as _HvdDistributedOptimizer
 
 from . import basics, schemes
-from .comm import horovod as collectives
 from .engine import Handle
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
@@ -187,7 +186,7 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
         raise ValueError("gradient_predivide_factor requires op=hvd.Average")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
-    schemes.check(scheme, collectives.of(process_set))
+    schemes.check(scheme)
     if sparsifier is not None and not isinstance(sparsifier, Sparsifier):
         raise ValueError(f"sparsifier must be an hvd_sparse Sparsifier, got {sparsifier!r}")
     namespace = dict(_SparseDistributedOptimizer.__dict__)

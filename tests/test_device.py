@@ -16,6 +16,11 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     return x.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
 
 
+def same_values(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal values, NaN where NaN, Inf where Inf (nan_to_num would turn both into numbers)."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 @settings(max_examples=200, deadline=None)
 @given(tensors(ALL_DTYPES))
 def test_pack_and_unpack_match_the_cpu_codec(case):
@@ -30,8 +35,7 @@ def test_pack_and_unpack_match_the_cpu_codec(case):
     out, ref = torch.ones_like(t), torch.ones_like(t)
     device.unpack(out, idx, vals, bs)
     blocks.unpack(ref, ref_idx, ref_vals, bs)
-    assert torch.equal(out.isnan(), ref.isnan())
-    assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+    same_values(out, ref)
 
 
 def test_bad_arguments_are_refused():
@@ -55,7 +59,44 @@ def test_staging_round_trip_keeps_every_value(case):
     _C.block_mask(cleared, bs, True)
     assert torch.equal(bits(cleared), bits(host))
     assert host.dtype == t.dtype and host.shape == (t.numel(),)
-    assert torch.equal(host.isnan(), t.isnan()) and torch.equal(host.nan_to_num(), t.nan_to_num())
+    same_values(host, t)  # a -0 in an all-zero block comes back +0: values, not bits
     out = torch.full_like(t, 7.0)
     assert staging.to_device(host, out, bs) is out
-    assert torch.equal(out.isnan(), t.isnan()) and torch.equal(out.nan_to_num(), t.nan_to_num())
+    same_values(out, t)
+
+
+def test_path_counts_say_which_path_ran(monkeypatch):
+    """Every pack/unpack/select_ge call counts the path it took: here (no GPU) torch operations
+    on a CPU tensor; with the kernels' condition forced and stand-ins for them, the kernel path
+    and it alone (what tests/test_gpu.py asserts on a GPU)."""
+    t = torch.zeros(1000)
+    t[3], t[700] = 1.0, float("nan")
+    device.reset_path_counts()
+    assert device.path_counts() == {}
+    idx, vals = device.pack(t, 256)
+    state, count = device.pack_begin(t, 256)
+    device.pack_end(t, 256, state, int(count))
+    device.unpack(torch.zeros(1000), idx, vals, 256)
+    device.select_ge(t, 0.5)
+    assert device.path_counts() == {("pack", "torch"): 2, ("unpack", "torch"): 1,
+                                    ("select_ge", "torch"): 1}
+
+    calls = []
+    fake = {name: (lambda *a, name=name: calls.append(name) or (idx, vals))
+            for name in ("_pack", "_mask_scan", "_pack_counted", "_unpack", "_select_ge")}
+    fake["_mask_scan"] = lambda *a: calls.append("_mask_scan") or (idx, count)
+    for name, f in fake.items():
+        monkeypatch.setattr(device, name, f, raising=False)
+    monkeypatch.setattr(device, "kernels", lambda x: True)
+    device.reset_path_counts()
+    device.pack(t, 256)
+    state, _ = device.pack_begin(t, 256)
+    device.pack_end(t, 256, state, 2)
+    device.unpack(torch.zeros(1000), idx, vals, 256)
+    device.select_ge(t, 0.5)
+    device.select_ge(t.half(), 0.5)  # the kernel takes float32/float64 only: torch for half
+    assert calls == ["_pack", "_mask_scan", "_pack_counted", "_unpack", "_select_ge"]
+    assert device.path_counts() == {("pack", "kernel"): 2, ("unpack", "kernel"): 1,
+                                    ("select_ge", "kernel"): 1, ("select_ge", "torch"): 1}
+    device.reset_path_counts()
+    assert device.path_counts() == {}

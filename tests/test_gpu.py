@@ -41,40 +41,62 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     return x.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
 
 
+def same_values(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal values, NaN where NaN (its bits may differ: a CUDA addition returns the canonical
+    NaN, the CPU's keeps the operand's payload), -0 equal to +0."""
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)
+
+
+def only_kernels(*ops: str) -> None:
+    """Each of ``ops`` ran on the CUDA kernels since the last reset, never on the torch
+    fallback (which device.py takes silently where the kernels are not built)."""
+    counts = device.path_counts()
+    assert device.KERNELS_BUILT, "hvd_sparse._cuda is not built: torch operations ran instead"
+    for op in ops:
+        assert counts.get((op, "kernel"), 0) > 0 and (op, "torch") not in counts, \
+            f"{op}: {counts}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("numel,bs", [(1, 256), (1000, 3), (1 << 20, 256), ((1 << 22) + 17, 256)])
 def test_the_codec_on_cuda_matches_the_cpu_codec(dtype, numel, bs):
-    """The CUDA kernels (float32, float64) or torch operations (float16, bfloat16)."""
+    """The CUDA kernels (every dtype of device._KERNEL_DTYPES), asserted to have run."""
     t = sample(numel, dtype)
+    device.reset_path_counts()
     idx, vals = device.pack(t.cuda(), bs)
     ref_idx, ref_vals = blocks.pack(t, bs)
-    assert idx.is_cuda and torch.equal(idx.cpu(), ref_idx)
-    assert torch.equal(bits(vals.cpu()), bits(ref_vals))
+    assert idx.is_cuda and vals.is_cuda and torch.equal(idx.cpu(), ref_idx)
+    assert torch.equal(bits(vals.cpu()), bits(ref_vals))  # a copy: NaN's bits too
     out, ref = torch.ones_like(t).cuda(), torch.ones_like(t)
     device.unpack(out, idx, vals, bs)
     blocks.unpack(ref, ref_idx, ref_vals, bs)
-    assert torch.equal(out.cpu().nan_to_num(), ref.nan_to_num())
-    assert torch.equal(out.cpu().isnan(), ref.isnan())
+    assert out.is_cuda
+    same_values(out, ref)
+    only_kernels("pack", "unpack")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_staging_round_trip_on_cuda(dtype):
     t = sample((1 << 20) + 5, dtype).cuda()
     assert staging.staged(t)
+    device.reset_path_counts()
     host = staging.to_host(t, 256)
     assert host.device.type == "cpu"
-    assert torch.equal(host.nan_to_num(), t.cpu().nan_to_num())
+    same_values(host, t.cpu())  # a -0 in an all-zero block comes back +0: values, not bits
     out = torch.full_like(t, 7.0)
-    assert staging.to_device(host, out, 256) is out
-    assert torch.equal(out.nan_to_num(), t.nan_to_num())
+    assert staging.to_device(host, out, 256) is out and out.is_cuda
+    same_values(out, t.cpu())
+    only_kernels("pack", "unpack")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", sorted(SPARSIFIERS))
 def test_sparsifiers_on_cuda_select_what_the_cpu_kernels_select(kind, dtype):
-    """Five error-feedback steps on CUDA (torch operations, memory on the GPU) against the same
-    sparsifier on the CPU (hvd_sparse._C): the same gradients, bit for bit."""
+    """Five error-feedback steps on CUDA (torch operations and the select_ge kernel, memory on
+    the GPU) against the same sparsifier on the CPU (hvd_sparse._C): the same gradients, bit
+    for bit."""
     gpu, cpu = SPARSIFIERS[kind](), SPARSIFIERS[kind]()
+    device.reset_path_counts()
     g = torch.Generator().manual_seed(3)
     for step in range(5):
         x = (torch.randn(1_000_003, generator=g) * (torch.rand(1_000_003, generator=g) < 0.5))
@@ -83,6 +105,8 @@ def test_sparsifiers_on_cuda_select_what_the_cpu_kernels_select(kind, dtype):
         assert got.is_cuda and torch.equal(got.cpu(), want), f"step {step}"
         gpu.observe("w", want.cuda() * 2, 4)
         cpu.observe("w", want * 2, 4)
+    if dtype == torch.float32 and kind in ("threshold", "dgc"):  # the ones selecting by |x|
+        only_kernels("select_ge")
 
 
 @pytest.mark.parametrize("module,launch", GPU_LAUNCHES,

@@ -210,7 +210,7 @@ def test_ddp_front_end_without_horovod(tmp_path: Path, wheel: Path) -> None:
     for r in range(2):
         rep = json.loads((out / f"rank{r}.json").read_text())
         assert Path(rep["file"]).resolve().is_relative_to(installed.resolve()), rep["file"]
-        assert not rep["horovod_imported"]
+        assert rep["horovod_imported"] is False
         for scheme, err in rep["errors"].items():
             assert err <= 1e-6, f"rank {r} {scheme}: max error {err}"
             assert scheme in rep["schemes"][scheme], rep["schemes"]

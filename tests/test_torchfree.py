@@ -113,4 +113,4 @@ def test_aggregator_and_wire_without_torch(tmp_path: Path) -> None:
     assert report["nblocks"] == 2 and report["nslots"] == 1, report
     assert report["regack"] and report["result"] and report["last"], report
     assert report["blocks_equal"], report
-    assert not report["torch"] and not report["horovod"], report
+    assert report["torch"] is False and report["horovod"] is False, report

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..comm import Collectives
 from ..config import SCHEMES
 from ..engine import Stage
 from ..job import Job
@@ -24,13 +23,12 @@ assert set(RUN) - {"rows"} == set(SCHEMES) - {"auto"}
 SMALL_GO_DENSE = ("auto", "omnireduce", "switch")
 
 
-def check(scheme: str | None, comm: Collectives | None = None) -> None:
-    """ValueError for a scheme the user may not ask for (over these ranks)."""
+def check(scheme: str | None) -> None:
+    """ValueError for a scheme the user may not ask for. (A scheme that cannot serve a tensor,
+    omnireduce or the switch on a process set, say, falls back alike on every rank of its set,
+    with the reason in metrics(): an error there would stop only the set's ranks.)"""
     if scheme is not None and scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    if scheme == "omnireduce" and comm is not None and not comm.is_global:
-        raise ValueError("scheme 'omnireduce' reduces over all ranks of the job, not over a "
-                         f"process set ({comm.ranks}); use another scheme")
 
 
 def run(job: Job) -> Stage:

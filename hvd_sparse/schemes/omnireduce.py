@@ -16,19 +16,27 @@ from . import dense
 from .common import TIMED_OUT, Backup, agree, failed_anywhere, output, stream
 
 log = logging.getLogger("hvd_sparse")
+_warned: set[str] = set()  # tensors already said to go dense on a process set
 
 
 def run(job: Job) -> Stage:
     ctx = job.ctx
     session = ctx.omni
+    if not job.comm.is_global:
+        # The aggregators sum over every rank of the job. Falls back, never raises: only the
+        # set's ranks get here (Horovod's optimizer calls compress on them alone), so an error
+        # would stop them while the ranks outside go on, into the next collective (a hang).
+        job.stats.reason = "process set"
+        if job.name not in _warned:  # once per tensor, not at every step
+            _warned.add(job.name)
+            log.warning("hvd_sparse: tensor %r: scheme 'omnireduce' sums over every rank of "
+                        "the job, not over process set %s: reducing it dense", job.name,
+                        job.comm.ranks)
+        return (yield from dense.run(job))
     if session is None:
         raise HvdSparseError(
             f"hvd_sparse: tensor {job.name!r}: scheme 'omnireduce' needs aggregators: set "
             "HVD_SPARSE_AGGREGATORS=host:port,... or leave local_aggregators on")
-    if not job.comm.is_global:
-        raise HvdSparseError(
-            f"hvd_sparse: tensor {job.name!r}: scheme 'omnireduce' reduces over all ranks of "
-            f"the job, not over a process set ({job.comm.ranks}); use another scheme")
     exponent = None
     if ctx.config.fixed_point:
         exponent, _ = yield from agree(job)

@@ -62,7 +62,7 @@ def differs(ref: nn.Module, test: nn.Module, when: str) -> str:
             why = "" if torch.equal(a, b) else "frozen parameter changed"
         else:
             why = close_to(b.detach(), a.detach(), torch.float64)
-        if why:
+        if why != "":
             return f"{when}: {n}: {why}"
     return ""
 
@@ -100,7 +100,7 @@ def lockstep(ref: nn.Module, ref_opt: torch.optim.Optimizer, test: nn.Module,
                     opt.step()
             else:
                 opt.step()
-        if err := differs(ref, test, f"step {step}"):
+        if (err := differs(ref, test, f"step {step}")) != "":
             return err
     return ""
 

@@ -10,6 +10,7 @@ import horovod.torch as hvd
 import torch
 
 import hvd_sparse
+from hvd_sparse import device as codec
 
 TOL = {torch.float32: (1e-5, 1e-6), torch.float64: (1e-12, 1e-12),
        torch.float16: (1e-2, 2e-3), torch.bfloat16: (2e-2, 1e-2)}
@@ -27,9 +28,12 @@ def barrier(name: str) -> None:
     hvd.allreduce(torch.zeros(1), name=f"barrier.{name}")
 
 
-def close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str:
-    """'' when out (on any device) matches the float64 reference within dtype rounding, else
-    why not."""
+def close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
+             device: str | None = None) -> str:
+    """'' when out (on ``device``'s type where given, else any) matches the float64 reference
+    within dtype rounding, NaN where it has NaN, else why not."""
+    if device is not None and out.device.type != device:
+        return f"on {out.device}, not on {device}"
     out = out.cpu()
     if out.dtype != dtype:
         return f"dtype {out.dtype} != {dtype}"
@@ -41,6 +45,25 @@ def close_to(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str:
         err = (out.double() - ref).abs().nan_to_num(0).max().item()
         return f"max abs error {err:g} (scale {scale:g})"
     return ""
+
+
+def codec_paths() -> str:
+    """'' when every tensor this process packed and unpacked on a device took the path of this
+    launch (the CUDA kernels for CUDA tensors; torch operations for CPU tensors posing as a
+    device's; none for plain CPU tensors, which the C++ codec takes), else the counts: device.py
+    falls back to torch operations silently where the kernels are missing."""
+    counts = {k: v for k, v in codec.path_counts().items() if k[0] in ("pack", "unpack")}
+    if DEVICE == "cuda":
+        want = "kernel"
+        if not codec.KERNELS_BUILT:
+            return "hvd_sparse._cuda is not built: the codec ran on torch operations"
+    elif codec.CPU_AS_DEVICE:
+        want = "torch"
+    else:
+        return "" if not counts else f"CPU tensors went through the device codec: {counts}"
+    ran = {op for (op, path), n in counts.items() if path == want and n > 0}
+    other = {k: v for k, v in counts.items() if k[1] != want}
+    return "" if ran == {"pack", "unpack"} and not other else f"not only {want}: {counts}"
 
 
 def digest(t: torch.Tensor) -> str:

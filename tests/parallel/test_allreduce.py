@@ -9,12 +9,13 @@ tensors on the GPU, the references on the CPU (gpu launches, skipped without a G
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import horovod.torch as hvd
 import pytest
 import torch
 from driver import Launch
-from ranktools import DEVICE, close_to, differing_ranks, digest, start
+from ranktools import DEVICE, close_to, codec_paths, differing_ranks, digest, start
 
 import hvd_sparse
 from hvd_sparse import device
@@ -44,6 +45,18 @@ if os.environ.get("HVD_SPARSE_TEST_QUICK"):
 GRID = [(k, *c) for k, c in enumerate(((s, d, x, sh) for s in SCHEMES for d in DTYPES
                                        for x in DENSITIES for sh in SHAPES), start=1)]
 STAGED = DEVICE != "cpu" or bool(os.environ.get("HVD_SPARSE_CPU_AS_DEVICE"))
+# What each grid case ran on this rank: name -> (scheme asked, scheme that ran, reason)
+RAN: dict[str, tuple[str, str, str | None]] = {}
+# Per scheme asked, the fewest grid cases that must run it ("auto": decide, rather than be sent
+# dense as small), full grid and quick. A case may go elsewhere only with a reason, and the one
+# reason here is "small": under small_bytes=1024, omnireduce and auto go dense. That depends on
+# dtype and shape alone, so the counts are exact, measured: omnireduce and auto run in 65 of
+# the 140 full cases (float32 4 of 7 shapes, float64 5, float16 and bfloat16 2 each, x 5
+# densities), 15 of the 40 quick ones (float32 (257,) and (100003,), float16 (100003,)); dense,
+# allgather and zen in all. The floor is the count itself: one case more going elsewhere fails.
+FLOORS = ({"dense": 40, "allgather": 40, "zen": 40, "omnireduce": 15, "auto": 15}
+          if os.environ.get("HVD_SPARSE_TEST_QUICK") else
+          {"dense": 140, "allgather": 140, "zen": 140, "omnireduce": 65, "auto": 65})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,10 +103,25 @@ def test_matches_dense_and_is_identical_on_every_rank(case):
     out = hvd_sparse.allreduce(t, name=name, op=op, scheme=scheme)
     differ = differing_ranks(digest(out), name)  # before any assert: every rank takes part
     m = hvd_sparse.metrics()[name]
+    RAN[name] = (scheme, m["scheme"], m.get("reason"))
     assert scheme in ("auto", m["scheme"]) or "reason" in m, \
         f"reduced by scheme {m['scheme']!r}, not {scheme!r}, unsaid"
-    assert close_to(out, ref, dtype) == ""
-    assert not differ, f"result differs from rank 0's on ranks {differ}"
+    assert close_to(out, ref, dtype, DEVICE) == ""
+    assert differ == [], f"result differs from rank 0's on ranks {differ}"
+
+
+def test_enough_cases_ran_the_scheme_asked_for():
+    """Right after the grid: the cases that ran the scheme asked for, counted per scheme, at
+    least FLOORS, the same on every rank (a case accepted with a reason ran something else)."""
+    ran = Counter(asked for asked, got, reason in RAN.values()
+                  if got == asked or (asked == "auto" and reason is None))
+    counts = {s: ran[s] for s in SCHEMES}
+    every = hvd.allgather_object(counts, name="grid.ran")
+    assert [c for c in every if c != counts] == [], f"ranks counted otherwise: {every}"
+    asked = Counter(c[1] for c in GRID)
+    low = [s for s in SCHEMES if counts[s] < FLOORS[s]]
+    assert low == [], "too few cases ran the scheme asked for: " + ", ".join(
+        f"{s} {counts[s]} of {asked[s]} (floor {FLOORS[s]})" for s in SCHEMES)
 
 
 def test_auto_choice_is_visible_and_consistent():
@@ -120,10 +148,10 @@ def test_async_out_of_order():
         for n in order}
     errors = []
     for n in (order[::-1] if rank % 2 == 0 else order):
-        err = close_to(hvd_sparse.synchronize(handles[n]), refs[n], torch.float32)
-        if err:
+        err = close_to(hvd_sparse.synchronize(handles[n]), refs[n], torch.float32, DEVICE)
+        if err != "":
             errors.append(f"{n}: {err}")
-    assert not errors
+    assert errors == []
 
 
 def test_scaling_factors():
@@ -134,8 +162,8 @@ def test_scaling_factors():
     for s in SCHEMES:
         out = hvd_sparse.allreduce(t, name=f"scaled.{s}", op=hvd.Average, scheme=s,
                                    prescale_factor=0.5, postscale_factor=3.0)
-        errs += [f"{s}: {e}" for e in [close_to(out, ref, torch.float32)] if e]
-    assert not errs
+        errs += [f"{s}: {e}" for e in [close_to(out, ref, torch.float32, DEVICE)] if e != ""]
+    assert errs == []
 
 
 def test_compression_is_functional():
@@ -148,11 +176,11 @@ def test_compression_is_functional():
     for s in SCHEMES:
         out = hvd.allreduce(t, name=f"compression.{s}", op=hvd.Sum, postscale_factor=3.0,
                             compression=hvd_sparse.Compression.sparse(scheme=s))
-        errs += [f"{s}: {e}" for e in [close_to(out, ref, torch.float32)] if e]
+        errs += [f"{s}: {e}" for e in [close_to(out, ref, torch.float32, DEVICE)] if e != ""]
         if not torch.equal(t, orig):
             errs.append(f"{s}: the input was modified")
             t.copy_(orig)
-    assert not errs
+    assert errs == []
 
 
 def test_inplace():
@@ -166,8 +194,9 @@ def test_inplace():
                 out = hvd_sparse.allreduce_(t, name=f"inplace.{s}.{dtype}.{layout}", scheme=s)
                 if out is not t:
                     errs.append(f"{s}/{dtype}/{layout}: not the same tensor")
-                errs += [f"{s}/{dtype}/{layout}: {e}" for e in [close_to(t, want, dtype)] if e]
-    assert not errs
+                if (e := close_to(t, want, dtype, DEVICE)) != "":
+                    errs.append(f"{s}/{dtype}/{layout}: {e}")
+    assert errs == []
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -186,7 +215,7 @@ def test_inplace_bits(scheme, dtype):
     ints = torch.int64 if dtype == torch.float64 else torch.int32
     assert (torch.equal(t, out) if scheme == "auto"
             else torch.equal(t.view(ints), out.view(ints))), "in place differs from out of place"
-    assert not differ, f"result differs from rank 0's on ranks {differ}"
+    assert differ == [], f"result differs from rank 0's on ranks {differ}"
 
 
 def test_every_tensor_went_the_path_of_this_run():
@@ -195,3 +224,4 @@ def test_every_tensor_went_the_path_of_this_run():
     staged = ["staged" in m for m in hvd_sparse.metrics().values()]
     counts = sum(staged), len(staged) - sum(staged)
     assert (counts[1] == 0 < counts[0]) if STAGED else counts[0] == 0, counts
+    assert codec_paths() == ""  # CUDA tensors: the kernels ran, not torch operations

@@ -87,7 +87,7 @@ def test_within_the_bound_and_the_integer_model_identical_on_every_rank(case):
     differ = differing_ranks(digest(out), name)
     rec = hvd_sparse.metrics()[name]
     assert rec["scheme"] == "omnireduce", f"went {rec['scheme']} ({rec.get('reason')})"
-    assert not differ, f"result differs from rank 0's on ranks {differ}"
+    assert differ == [], f"result differs from rank 0's on ranks {differ}"
     scale = 1.0 if op == hvd.Sum else 1.0 / n
     got, ref = out.double().numpy(), xs.sum(axis=0) * scale
     m = float(np.abs(xs).max())
@@ -103,7 +103,7 @@ def test_within_the_bound_and_the_integer_model_identical_on_every_rank(case):
     q = np.rint(np.ldexp(xs, e)).astype(np.int64).sum(axis=0)  # ties to even
     model = round_to(np.ldexp(q.astype(np.float64), -e) * scale, dtype)
     bad = np.flatnonzero(got != model)
-    assert not bad.size, f"{bad.size} values differ from the integer model, e.g. {bad[:3]}"
+    assert bad.size == 0, f"{bad.size} values differ from the integer model, e.g. {bad[:3]}"
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])

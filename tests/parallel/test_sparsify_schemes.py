@@ -17,7 +17,7 @@ import horovod.torch as hvd
 import pytest
 import torch
 from driver import Launch
-from ranktools import DEVICE, close_to, start
+from ranktools import DEVICE, close_to, codec_paths, start
 from torch import nn
 
 import hvd_sparse
@@ -63,8 +63,8 @@ def check(scheme: str, api: str, kind: str) -> str:
         model(x.to(DEVICE)).pow(2).mean().backward()
         opt.synchronize()
         for n, p in model.named_parameters():
-            err = close_to(p.grad.cpu(), ref[n].double(), torch.float32)
-            if err:
+            err = close_to(p.grad, ref[n].double(), torch.float32, DEVICE)
+            if err != "":
                 return f"step {step}, {n}: {err}"
         with opt.skip_synchronize():
             opt.step()
@@ -167,3 +167,8 @@ def test_dgc_takes_the_optimizers_momentum(api):
             hvd_sparse.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, **kw),
                                             named_parameters=model.named_parameters(),
                                             sparsifier=hvd_sparse.DGC(0.05, **dgc))
+
+
+def test_the_codec_ran_on_the_path_of_this_launch():
+    """Last: CUDA tensors took the kernels, CPU tensors posing as a device's torch operations."""
+    assert codec_paths() == ""

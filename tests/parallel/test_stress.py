@@ -55,7 +55,7 @@ def run(scheme: str, iters: int) -> str:
             for i, out in outs.items():
                 ref = sum(data(r, it, i).double() for r in range(hvd.size()))
                 err = close_to(out, ref, torch.float32)
-                if err:
+                if err != "":
                     return f"iteration {it}, tensor {i}: {err}"
     return ""
 

@@ -53,7 +53,7 @@ def schemes() -> str:
             ref = hvd.allreduce(t.double(), name=f"ref.{scheme}.{dtype}", op=hvd.Average)
             out = hvd_sparse.allreduce(t, name=f"s.{scheme}.{dtype}", scheme=scheme)
             why = close_to(out, ref, dtype)
-            if why:
+            if why != "":
                 bad.append(f"{scheme} {dtype}: {why}")
     return "; ".join(bad)
 

@@ -15,7 +15,7 @@ import horovod.torch as hvd
 import pytest
 import torch
 from driver import Launch
-from ranktools import DEVICE, start
+from ranktools import DEVICE, codec_paths, start
 from torch import nn
 
 import hvd_sparse
@@ -51,6 +51,8 @@ def compare(make_ref, make_test, steps: int, passes: int = 1, sparse: bool = Fal
                 m.loss(*(x.to(dev) for x in batch(step, sub))).backward()
             opt.step()
         for (n, a), b in zip(ref_model.named_parameters(), test_model.parameters(), strict=True):
+            if b.device.type != DEVICE:
+                return f"step {step}: {n} on {b.device}, not on {DEVICE}"
             if not torch.allclose(a, b.cpu(), rtol=1e-4, atol=1e-6):
                 return f"step {step}: {n} differs by {(a - b.cpu()).abs().max().item():g}"
     return ""
@@ -154,3 +156,8 @@ def test_adasum_rejected():
     with pytest.raises(hvd_sparse.HvdSparseError, match="Adasum"):
         m.loss(*batch(0)).backward()
         opt.step()
+
+
+def test_the_codec_ran_on_the_path_of_this_launch():
+    """Last: CUDA tensors took the kernels (device.py falls back to torch operations silently)."""
+    assert codec_paths() == ""
