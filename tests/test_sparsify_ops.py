@@ -122,6 +122,7 @@ SPARSIFIERS = {
     "threshold": lambda: Threshold(1.5, rank=0, size=1),
     "dgc": lambda: DGC(0.02, rank=0, size=1),
     "exdyna": lambda: ExDyna(0.01, rank=1, size=4),
+    "exdyna-blocks": lambda: ExDyna(0.01, rank=1, size=4, per_element=False),
     "exdyna-warmup": lambda: ExDyna(0.01, warmup=3, rank=3, size=4),
 }
 
