@@ -20,6 +20,11 @@ BINARY = Path(__file__).resolve().parent / "bin" / "hvd-sparse-aggregator"
 
 
 def binary() -> Path:
+    """The aggregator executable: the package's, or HVD_SPARSE_AGGREGATOR_BINARY (another
+    build of it, e.g. `make sanitize`'s)."""
+    other = os.environ.get("HVD_SPARSE_AGGREGATOR_BINARY")
+    if other:
+        return Path(other)
     if not BINARY.exists():
         raise HvdSparseError(f"hvd_sparse: aggregator binary missing at {BINARY}: build the "
                              "package (make build, or pip install .)")
