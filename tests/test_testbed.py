@@ -72,7 +72,7 @@ def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
     t0 = time.monotonic()
     outcome = run_job(testbed, "test_testbed_job.py", tmp_path, timeout=240)
     took = time.monotonic() - t0
-    assert len(outcome.tests()) == 5, outcome.tests()
+    assert len(outcome.tests()) == 6, outcome.tests()
     # The traffic went over the testbed's links: every worker and the aggregator host moved
     # megabytes (the tensors are 8 MiB each).
     after = links.counters(testbed)

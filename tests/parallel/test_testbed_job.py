@@ -6,7 +6,8 @@ host; no LAUNCHES of its own: it needs the testbed that test brings up):
 * 1% loss on the switch (UDP): omnireduce results bit-identical to the lossless run, with
   retransmissions counted;
 * the aggregator host's link cut with a reduction in flight: HvdSparseError naming it on every
-  rank within the timeout; with fallback="dense" the right answer;
+  rank within the timeout; with fallback="dense" the right answer; down for 1.5 s only (a
+  flap shorter than the timeout): the reductions complete, exact;
 * rank 0's own local aggregator, with ranks in different namespaces sharing a hostname:
   reachable by every rank (it used to bind 127.0.0.1).
 Rank 0 changes the testbed itself (loss, link) through hvd_sparse.tools.testbed, as root.
@@ -123,6 +124,34 @@ def link_cut_fallback() -> str:
     return close_to(out, ref, torch.float32)
 
 
+def link_flap() -> str:
+    """The aggregator host's link down for 1.5 s (less than the timeout) while tensors stream:
+    they complete after retransmissions, exact, and aggregation is not marked down."""
+    hvd_sparse.init(probe="off", timeout=TIMEOUT)
+    worker = basics.state().omni.worker
+    xs = [data(200 + i, density=1.0) for i in range(4)]  # 32 MiB per rank: about 1 s on a0
+    refs = [hvd.allreduce(x.double(), name=f"ref.flap{i}", op=hvd.Sum) for i, x in enumerate(xs)]
+    before = worker.stats()["retransmits"]
+    hs = [hvd_sparse.allreduce_async(x, name=f"flap{i}", scheme="omnireduce", op=hvd.Sum)
+          for i, x in enumerate(xs)]
+    barrier("flap")
+    if hvd.rank() == 0:
+        tb = Testbed.load(os.environ["HVD_SPARSE_TESTBED"])
+        lifecycle.update(tb, host="a0", link_up=False)
+        time.sleep(1.5)
+        lifecycle.update(tb, host="a0", link_up=True)
+    outs = [hvd_sparse.synchronize(h) for h in hs]
+    bad = [f"flap{i}: {w}" for i, (o, r) in enumerate(zip(outs, refs, strict=True))
+           if (w := close_to(o, r, torch.float32)) != ""]
+    retx = hvd.allreduce(torch.tensor([worker.stats()["retransmits"] - before]), op=hvd.Sum,
+                         name="flap.retx")
+    if int(retx) == 0:
+        bad.append("no retransmission: the link went down after the tensors were done")
+    if basics.state().omni.down != "":
+        bad.append(f"aggregation marked down: {basics.state().omni.down}")
+    return "; ".join(bad)
+
+
 def local_aggregator() -> str:
     """No aggregator given: rank 0 starts one, which the other namespaces must reach."""
     hvd_sparse.init(probe="off", timeout=TIMEOUT, aggregators="", local_aggregators=1)
@@ -156,6 +185,10 @@ def test_link_cut_is_an_error_naming_the_aggregator():
 
 def test_link_cut_with_fallback_is_right():
     assert link_cut_fallback() == ""
+
+
+def test_link_flap_shorter_than_the_timeout_recovers():
+    assert link_flap() == ""
 
 
 def test_rank0_local_aggregator_is_reachable():
