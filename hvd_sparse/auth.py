@@ -67,17 +67,17 @@ def agree(comm: Collectives, key: bytes | None, token: int) -> bytes:
     public key; rank 0 sends back the key masked for each rank under their shared secret; every
     rank then shows a check value of what it holds, so that a rank with another key fails here
     rather than at its first packet."""
-    from . import _C
-    mine, public = _C.x25519_keypair()
+    from ._C import x25519, x25519_keypair  # here: importing this module needs no torch
+    mine, public = x25519_keypair()
     publics = comm.allgather_object(public, "hvd_sparse.auth.public")
     wrapped = None
     if comm.rank == 0:
         assert key is not None and len(key) == KEY_BYTES
-        wrapped = [_xor(key, _mask(_C.x25519(mine, p), token)) for p in publics]
+        wrapped = [_xor(key, _mask(x25519(mine, p), token)) for p in publics]
     wrapped = comm.broadcast_object((publics[0], wrapped), "hvd_sparse.auth.wrapped")
     root, masked = wrapped
     if comm.rank != 0:
-        key = _xor(masked[comm.rank], _mask(_C.x25519(mine, root), token))
+        key = _xor(masked[comm.rank], _mask(x25519(mine, root), token))
     assert key is not None
     check = hmac.new(key, b"check", hashlib.sha256).hexdigest()[:16]
     checks = comm.allgather_object(check, "hvd_sparse.auth.check")
