@@ -39,6 +39,10 @@ class Config:
     # scheme "switch": the in-network aggregator ("ip:port"; set by ``hvd-sparse testbed run``
     # when the testbed's switch is the emulator); "": none
     switch: str = ""
+    # the switch's control socket: rank 0 installs the job there with every worker's address,
+    # so that the switch takes the job's packets from those hosts only (set by ``hvd-sparse
+    # testbed run``); "": the switch must install jobs at their first REGISTER
+    switch_control: str = ""
     # scheme "switch" with float64 tensors: off, they go to the aggregators (or dense), exact;
     # on, through the switch in fixed point (relative error up to about nworkers^2 x 2^-31)
     switch_fixed_float64: bool = False

@@ -21,8 +21,8 @@ from collections import defaultdict
 
 import torch
 
-from . import auth, costmodel, protocol
-from ._C import OmniWorker, set_threads
+from . import auth, costmodel, protocol, switch_control
+from ._C import AggregatorTimeout, OmniWorker, set_threads
 from .aggregator import LocalAggregators
 from .comm import Collectives
 from .config import Config
@@ -40,8 +40,10 @@ class Session:
 
     def __init__(self, cfg: Config, comm: Collectives, addrs: list[tuple[str, int]],
                  token: int, local: LocalAggregators | None, max_datagram: int | None = None,
-                 switch: bool = False, key: bytes = b"") -> None:
+                 switch: bool = False, key: bytes = b"",
+                 control: switch_control.Client | None = None) -> None:
         self.cfg, self.addrs, self.local, self.switch = cfg, addrs, local, switch
+        self.token, self.control = token, control  # control: the switch's, where rank 0 installed
         # Block values per packet: the configured fusion, cut so that a whole packet (header,
         # bitmap, up to MAX_LANES lane entries) fits one frame of the path: an IP fragment
         # lost on a busy link loses the whole datagram. (A switch's REGACK cuts it further, to
@@ -120,6 +122,11 @@ class Session:
         self.worker.close()
         if self.local is not None:
             self.local.stop()
+        if self.control is not None:  # the job's groups back to the switch's pool
+            try:
+                self.control.remove(self.token)
+            except switch_control.ControlError as e:
+                log.warning("hvd_sparse: removing the job from the switch: %s", e)
 
 
 class Turns:
@@ -162,7 +169,12 @@ def join_switch(cfg: Config, comm: Collectives) -> Session | None:
                                   "hvd_sparse.switch.token")
     mtu = comm.allreduce(torch.tensor([_max_datagram(*addr)]), "hvd_sparse.switch.mtu",
                          "min").value()
-    session = Session(cfg, comm, [addr], token, None, int(mtu), switch=True)
+    control = _install_on_switch(cfg, comm, token, addr) if cfg.switch_control else None
+    if isinstance(control, str):
+        log.warning("hvd_sparse: the switch at %s:%d cannot aggregate this job (%s); scheme "
+                    "'switch' falls back", *addr, control)
+        return None
+    session = Session(cfg, comm, [addr], token, None, int(mtu), switch=True, control=control)
     why = ""
     try:
         session.worker.register(cfg.timeout)
@@ -177,6 +189,32 @@ def join_switch(cfg: Config, comm: Collectives) -> Session | None:
         return None
     log.debug("hvd_sparse: switch %s:%d joined", *addr)
     return session
+
+
+def _install_on_switch(cfg: Config, comm: Collectives, token: int, addr: tuple[str, int]
+                       ) -> switch_control.Client | str | None:
+    """Rank 0 installs the job on the switch's control plane with every worker's address (the
+    one its REGISTER will come from), so that the switch takes the job's packets from those
+    hosts only. Collective. Returns the client on rank 0 (None elsewhere), or why the switch
+    refused the job (on every rank)."""
+    try:
+        ip = _address_toward([[addr[0]]])
+    except HvdSparseError:
+        ip = ""  # told below, alike on every rank
+    ips = comm.allgather_object(ip, "hvd_sparse.switch.ips")
+    why, client = "", None
+    if comm.rank == 0 and "" in ips:
+        why = f"rank {ips.index('')} has no route to {addr[0]}"
+    elif comm.rank == 0:
+        client = switch_control.Client(cfg.switch_control)
+        try:
+            lim = client.limits()
+            free = lim["groups"] - sum(j["groups"] for j in client.jobs())
+            client.install(token, comm.size, max(1, min(lim["groups"] // 4, free)), ips)
+        except switch_control.ControlError as e:
+            why = str(e)
+    why = comm.broadcast_object(why, "hvd_sparse.switch.installed")
+    return why or client
 
 
 def start(cfg: Config, comm: Collectives) -> Session | None:
@@ -225,7 +263,7 @@ def start(cfg: Config, comm: Collectives) -> Session | None:
     except RuntimeError as e:
         session.close()
         hint = ""
-        if local is None and "did not answer registration" in str(e):
+        if local is None and isinstance(e, AggregatorTimeout):
             hint = (" (authentication is " + (
                 "on: the aggregators must run with --secret-file naming the secret of "
                 "HVD_SPARSE_SECRET_FILE" if key else

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,30 @@ def test_bad_eal_arguments_fail_with_a_clear_error() -> None:
     unbound = subprocess.run([str(binary()), "--transport", "dpdk", "--bind", "0.0.0.0:0"],
                              capture_output=True, text=True, timeout=60)
     assert unbound.returncode == 2 and "explicit --bind" in unbound.stderr, unbound.stderr
+
+
+# From a worker host: datagrams to the aggregator with the right UDP checksum, none (0, allowed
+# over IPv4) and a broken one, `count` times each. argv: aggregator ip, port, count.
+BAD_CHECKSUMS = """
+import sys
+from scapy.all import Ether, IP, UDP, Raw, getmacbyip, sendp
+ip, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+mac = getmacbyip(ip)
+for i in range(n):
+    for chksum in (None, 0, 0x1234):  # scapy's (right), none, broken
+        sendp(Ether(dst=mac) / IP(dst=ip) / UDP(sport=40000, dport=port, chksum=chksum)
+              / Raw(b"x" * 40), iface="eth0", verbose=False)
+"""
+
+
+def test_dpdk_aggregator_drops_broken_udp_checksums(testbed: topology.Testbed) -> None:
+    """Datagrams whose UDP checksum fails are dropped and counted (rx_bad_checksum), never
+    parsed; those with a right checksum reach the core (malformed: 40 bytes of junk)."""
+    before = launch.counters(testbed, "a0")
+    host, port = testbed.aggregator_addresses().split(",")[0].split(":")
+    subprocess.run(["ip", "netns", "exec", testbed.host("w0").ns, sys.executable, "-c",
+                    BAD_CHECKSUMS, host, port, "5"], check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    after = launch.counters(testbed, "a0")
+    d = {k: after[k] - before[k] for k in after}
+    assert d["rx_bad_checksum"] == 5 and d["malformed"] == 10, d

@@ -16,7 +16,7 @@ from pyroute2 import NetNS
 from test_testbed import run_job, running
 
 from hvd_sparse.tools.switch import control
-from hvd_sparse.tools.testbed import launch, lifecycle, loss, topology
+from hvd_sparse.tools.testbed import launch, lifecycle, links, loss, topology
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,9 +46,14 @@ def test_jobs_cross_and_aggregate_in_the_emulated_switch(testbed: topology.Testb
     for b in before["ports"]:  # every host's traffic went through the switch
         assert ports[b["name"]]["rx"] - b["rx"] > 100, (b, ports[b["name"]])
         assert ports[b["name"]]["tx"] - b["tx"] > 100, (b, ports[b["name"]])
-    assert after["macs"] >= len(testbed.hosts)
+    assert after["macs"] >= len(testbed.hosts) and after["hosts"] == len(testbed.hosts)
+    assert all(p["spoofed"] == 0 for p in after["ports"]), after["ports"]
     agg, was = after["aggregation"], before["aggregation"]
     assert agg["results"] - was["results"] > 0, agg
+    # every job installed itself with its workers' addresses, took its packets from them only,
+    # with their checksums intact, and gave its groups back at shutdown
+    assert agg["unbound"] == agg["bad_checksum"] == agg["foreign"] == 0, agg
+    assert agg["jobs"] - was["jobs"] >= 1 and agg["jobs_installed"] == 0, agg
     # oversized blocks were kept from the switch by the scheme, not refused by it
     assert agg["unsupported"] == was["unsupported"] and agg["overflow"] == 0, agg
     assert agg["malformed"] == was["malformed"], agg
@@ -87,9 +92,12 @@ def test_a_refused_job_falls_back(testbed: topology.Testbed, tmp_path: Path) -> 
 
 
 def test_two_jobs_share_the_switch(testbed: topology.Testbed, tmp_path: Path) -> None:
-    """Two raw jobs of two workers each, at once: each installs its own groups and gets its
-    exact sum."""
+    """Two raw jobs of two workers each, at once, installed with their workers' addresses:
+    each gets its own groups and its exact sum."""
     hosts = testbed.hosts[:4]
+    c = control.Client(testbed.switch_control)
+    for t in (0x7001, 0x7002):
+        c.install(t, 2, 64, [h.ip for h in hosts[2 * (t - 0x7001):][:2]])
     procs = [subprocess.Popen(["ip", "netns", "exec", h.ns, sys.executable,
                                str(ROOT / "tests" / "switch_raw.py"), str(i % 2), "2",
                                testbed.switch_address, str(tmp_path / f"raw{i}.json"),
@@ -99,7 +107,6 @@ def test_two_jobs_share_the_switch(testbed: topology.Testbed, tmp_path: Path) ->
     assert [p.wait(timeout=60) for p in procs] == [0] * 4
     reports = [json.loads((tmp_path / f"raw{i}.json").read_text()) for i in range(4)]
     assert all(r["done"] and r["exact"] for r in reports), reports
-    c = control.Client(testbed.switch_control)
     jobs = [c.jobs(t) for t in (0x7001, 0x7002)]
     assert [len(j) for j in jobs] == [1, 1], jobs
     assert all("token" not in j for j in c.jobs()), c.jobs()  # tokens are never printed
@@ -114,11 +121,13 @@ def test_the_switch_aggregates_in_the_network(testbed: topology.Testbed, tmp_pat
     """Raw workers in the worker namespaces stream FIXED32 blocks to the switch's own address:
     each gets numpy's exact int64 sum back, through real frames (ARP for the switch's address,
     results out of each worker's port), also with 2% of the UDP frames lost on every port; the
-    job installed itself and, without loss, all its groups are released."""
+    job is installed by the control plane with its workers' addresses and, without loss, all
+    its groups are released."""
     n = testbed.workers
     c = control.Client(testbed.switch_control)
     for j in c.jobs():  # the module's earlier jobs: a lossy one may hold groups (a RELEASE or
         c.drop(j["first"])  # BYE lost) until it expires, and "occupied" counts every job's
+    c.install(0x5A17, n, 256, [h.ip for h in testbed.hosts[:n]])
     tb = lifecycle.update(topology.Testbed.load(NAME), loss_rate=lossy)
     lost = loss.dropped(tb)
     was = launch.counters(tb, "switch")["aggregation"]
@@ -143,7 +152,7 @@ def test_the_switch_aggregates_in_the_network(testbed: topology.Testbed, tmp_pat
     assert agg["recirculations"] % 7 == 0, agg
     assert agg["recirculations"] >= 7 * n * agg["results"], agg
     job = c.jobs(0x5A17)
-    assert [(j["workers"], j["registered"], j["automatic"]) for j in job] == [(n, n, True)]
+    assert [(j["workers"], j["registered"], j["automatic"]) for j in job] == [(n, n, False)]
     if not lossy:
         assert agg["occupied"] == 0 and agg["released"] >= reports[0]["nslots"], (agg, c.jobs())
     assert c.remove(0x5A17)  # the next run's job is new
@@ -204,3 +213,75 @@ def test_control_socket_is_the_owners_alone(testbed: topology.Testbed) -> None:
     out = p.stdout + p.stderr
     assert "refused:" in out or "permission denied" in out, out
     assert '"jobs"' not in out, out
+
+
+# A host that knows a job's token (an insider) forges what it can at the switch from its own
+# port, from its own MAC unless told: argv: switch ip, victim ip, victim mac, token, seconds.
+FORGER = """
+import sys, time
+from scapy.all import Ether, IP, UDP, Raw, get_if_hwaddr, get_if_addr, sendp
+from hvd_sparse import protocol
+from hvd_sparse.tools import wire
+sw_ip, victim_ip, victim_mac, token, seconds = sys.argv[1:6]
+T, PORT, SWMAC = protocol.TYPES, protocol.AGGREGATOR_PORT, "02:68:73:77:00:01"
+mine, my_ip = get_if_hwaddr("eth0"), get_if_addr("eth0")
+reg = wire.header(type=T["REGISTER"], token=int(token), worker=0, nworkers=2)
+def frame(src_mac, src_ip, payload, dst_mac=SWMAC, dst_ip=sw_ip, sport=40000, dport=PORT,
+          **udp):
+    return (Ether(src=src_mac, dst=dst_mac) / IP(src=src_ip, dst=dst_ip)
+            / UDP(sport=sport, dport=dport, **udp) / Raw(payload))
+kinds = [
+    frame(mine, victim_ip, reg),                        # the victim's address: spoofed
+    frame(victim_mac, victim_ip, reg),                  # its MAC too: spoofed (wrong port)
+    frame(SWMAC, my_ip, reg),                           # the switch's MAC: spoofed
+    frame(mine, sw_ip, wire.header(type=T["ERROR"], token=int(token), worker=0, nworkers=2),
+          dst_mac=victim_mac, dst_ip=victim_ip, sport=PORT, dport=40000),  # the switch's IP
+    frame(mine, my_ip, reg),                            # worker 0 from this host: foreign
+    frame(mine, my_ip, reg, chksum=0x1234),             # a bad UDP checksum
+]
+end, sent = time.monotonic() + float(seconds), 0
+while time.monotonic() < end:
+    sendp(kinds[sent % len(kinds)], iface="eth0", verbose=False)
+    sent += 1
+    time.sleep(0.01)
+print(sent)
+"""
+
+
+def test_hostile_host_at_the_switch(testbed: topology.Testbed, tmp_path: Path) -> None:
+    """While a raw 2-worker job runs (installed with its workers' addresses), a third host
+    holding the job's token forges at the switch: the victim's IP, its MAC, the switch's own
+    MAC and IP (an ERROR to the victim), REGISTER as the victim's worker from its own address,
+    a broken UDP checksum. The switch drops each where the issue says (source guard, worker
+    binding, checksum), counts it, and the job's sums stay exact."""
+    token, (w0, w1, bad) = 0x5B17, testbed.hosts[:3]
+    c = control.Client(testbed.switch_control)
+    c.install(token, 2, 64, [w0.ip, w1.ip])
+    was = launch.counters(testbed, "switch")
+    try:
+        forger = subprocess.Popen(
+            ["ip", "netns", "exec", bad.ns, sys.executable, "-c", FORGER,
+             testbed.switch_address.split(":")[0], w0.ip, links.mac(w0.ns), str(token), "4"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+        procs = [subprocess.Popen(["ip", "netns", "exec", h.ns, sys.executable,
+                                   str(ROOT / "tests" / "switch_raw.py"), str(r), "2",
+                                   testbed.switch_address, str(tmp_path / f"raw{r}.json"),
+                                   str(token)],
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+                 for r, h in enumerate((w0, w1))]
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+        sent = int(forger.communicate(timeout=60)[0])
+    finally:
+        c.remove(token)
+    reports = [json.loads((tmp_path / f"raw{r}.json").read_text()) for r in range(2)]
+    assert all(r["done"] and r["exact"] for r in reports), reports
+    now = launch.counters(testbed, "switch")
+    spoofed = {p["name"]: p["spoofed"] for p in now["ports"]}
+    spoofed_was = {p["name"]: p["spoofed"] for p in was["ports"]}
+    agg = {k: now["aggregation"][k] - was["aggregation"][k] for k in was["aggregation"]}
+    kinds = 6
+    assert sent >= 2 * kinds, sent
+    # four of the six kinds claim an address that is not the forger's: dropped at its port
+    assert spoofed[bad.name] - spoofed_was[bad.name] >= 4 * (sent // kinds), (spoofed, sent)
+    assert all(spoofed[h] == spoofed_was[h] for h in spoofed if h != bad.name), spoofed
+    assert agg["foreign"] >= sent // kinds and agg["bad_checksum"] >= sent // kinds, agg

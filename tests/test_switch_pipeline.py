@@ -120,7 +120,8 @@ def test_what_a_switch_cannot_sum_is_refused():
     register(sw, big)  # 5 lanes of 64 values: 5 passes, 4 cells per slot
     out = [wire.parse(b) for _, b in sw.handle(big[0].data(0), big[0].addr)]
     assert [(x["type"], x["round"]) for x in out] == [(T["ERROR"], ERR["UNSUPPORTED"])] * 2
-    assert sw.counters()["unsupported"] == 2 and sw.counters()["refused"] == 1
+    # refused: the 33-worker REGISTER and the 33-worker install
+    assert sw.counters()["unsupported"] == 2 and sw.counters()["refused"] == 2
 
 
 def test_jobs_get_disjoint_ranges_and_run_together():
@@ -263,3 +264,46 @@ def test_the_regack_geometry_reaches_the_worker(core, geometry):
     finally:
         w.close()
         relay.close()
+
+
+def test_installed_workers_are_bound_to_their_hosts():
+    """A job installed with its workers' addresses takes each worker's REGISTER only from its
+    own host: another host claiming the worker gets no reply (counted foreign), and cannot
+    take over a worker that already registered; the job still sums exactly."""
+    sw = _C.SwitchPipeline()
+    ws, ref = fixed_job(2, 64 * 16, 64, 4, 2, 0.5, seed=3)
+    sw.install(token=0x77, nworkers=2, groups=4, ips=[w.addr[0] for w in ws])
+    forged = wire.header(type=T["REGISTER"], token=0x77, worker=0, nworkers=2)
+    assert sw.handle(forged, ("10.0.0.9", 5000)) == []  # worker 0 claimed from another host
+    assert sw.counters()["foreign"] == 1
+    simulate(sw, ws, np.random.default_rng(0))
+    assert sw.handle(forged, ("10.0.0.9", 5000)) == []
+    assert sw.handle(forged, ("10.0.0.1", 5999)) == []  # its host, another port: pinned
+    assert sw.counters()["foreign"] == 3
+    for w in ws:
+        assert np.array_equal(w.result()[:ref.size].astype(np.int64), ref), f"rank {w.rank}"
+    with pytest.raises(RuntimeError, match="1 worker addresses for 2 workers"):
+        sw.install(token=0x78, nworkers=2, groups=1, ips=["10.0.0.1"])
+
+
+def test_a_group_left_mid_round_is_reclaimed():
+    """A slot group whose round never completes (a worker died mid-round) holds its group:
+    another tensor's round 0 waits ("busy") until nothing touched the group for `abandon`
+    seconds, then binds it and sums exactly; a live round is never taken."""
+    sw = _C.SwitchPipeline(auto_groups=1, abandon=10.0)  # one group: every slot maps to it
+    x = np.arange(64, dtype=np.int32)
+    dead = [SimWorker(r, 2, 0x77, x, 64, 1, 1, FIX, tensor=5) for r in range(2)]
+    register(sw, dead)
+    assert sw.handle(dead[0].data(0), dead[0].addr, 0.0) == []  # worker 1 never sends
+    ws = [SimWorker(r, 2, 0x77, x * (r + 1), 64, 1, 1, FIX, tensor=6) for r in range(2)]
+    assert sw.handle(ws[0].data(0), ws[0].addr, 5.0) == []
+    assert sw.handle(dead[0].data(0), dead[0].addr, 9.0) == []  # a retransmission: alive
+    assert sw.handle(ws[0].data(0), ws[0].addr, 18.0) == []
+    assert sw.counters()["busy"] == 2 and sw.counters()["abandoned"] == 0
+    assert sw.handle(ws[0].data(0), ws[0].addr, 19.5) == []  # 10.5 s untouched: taken
+    out = sw.handle(ws[1].data(0), ws[1].addr, 19.6)
+    assert sw.counters()["abandoned"] == 1
+    assert [a for a, _ in out] == [w.addr for w in ws]
+    for w in ws:
+        w.on_result(wire.parse(out[0][1]))
+        assert np.array_equal(w.result()[:64], x * 3)

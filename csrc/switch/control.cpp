@@ -1,6 +1,7 @@
 // The emulated switch's control plane socket: see control.h.
 #include "control.h"
 
+#include <arpa/inet.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -50,14 +51,33 @@ std::string set_loss(Switch& sw, std::istringstream& in) {
   return R"({"loss": true})";
 }
 
+std::string bind_host(Switch& sw, std::istringstream& in) {
+  std::string port, mac, ip;
+  if (!(in >> port >> mac >> ip)) return R"({"error": "usage: host PORT MAC IP"})";
+  const std::string why = sw.bind(port, mac, ip);
+  return why.empty() ? R"({"bound": true})" : "{\"error\": \"" + why + "\"}";
+}
+
+// install TOKEN WORKERS GROUPS [IP,IP,..]: with addresses (one per worker, each a bound host),
+// every worker of the job is bound to its host.
 std::string install_job(Switch& sw, omni::Pipeline& p, std::istringstream& in) {
   uint64_t token = 0;
   unsigned workers = 0, groups = 0;
+  std::string list;
   if (!(in >> token >> workers >> groups) || workers > 65535)
-    return R"({"error": "usage: install TOKEN WORKERS GROUPS"})";
+    return R"({"error": "usage: install TOKEN WORKERS GROUPS [IP,IP,..]"})";
+  std::vector<uint32_t> ips;
+  std::stringstream addrs(in >> list ? list : "");
+  for (std::string a; std::getline(addrs, a, ',');) {
+    uint32_t ip = 0;
+    if (inet_pton(AF_INET, a.c_str(), &ip) != 1 || !sw.bound(ip))
+      return "{\"error\": \"worker " + std::to_string(ips.size()) + "'s address " + a +
+             " is no bound host (host PORT MAC IP first)\"}";
+    ips.push_back(ip);
+  }
   try {
-    return "{\"first\": " + std::to_string(p.install(token, uint16_t(workers), groups, sw.now())) +
-           "}";
+    return "{\"first\": " +
+           std::to_string(p.install(token, uint16_t(workers), groups, sw.now(), ips)) + "}";
   } catch (const std::exception& e) {
     return std::string("{\"error\": \"") + e.what() + "\"}";
   }
@@ -110,7 +130,7 @@ Control::~Control() {
 
 void Control::poll(Switch& sw) {
   for (;;) {
-    char buf[256];
+    char buf[4096];  // an install names up to 32 workers' addresses
     sockaddr_un from{};
     iovec iov{buf, sizeof buf - 1};
     alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(ucred))];
@@ -144,13 +164,14 @@ std::string Control::run(Switch& sw, const std::string& line) {
   in >> cmd;
   if (cmd == "stats") return sw.stats_json();
   if (cmd == "loss") return set_loss(sw, in);
+  if (cmd == "host") return bind_host(sw, in);
   if (!p) return R"({"error": "no aggregation program: start the switch with --aggregate"})";
   if (cmd == "limits") return limits_json(p->options());
   if (cmd == "jobs") return jobs_json(*p, in);
   if (cmd == "install") return install_job(sw, *p, in);
   if (cmd == "remove") return remove_job(*p, in);
   if (cmd == "drop") return drop_job(*p, in);
-  return R"({"error": "unknown command: limits | jobs | stats | install | remove | drop | loss"})";
+  return R"({"error": "unknown command: limits | jobs | stats | host | install | remove | drop | loss"})";
 }
 
 }  // namespace hvd_sparse::switch_emu

@@ -1,7 +1,8 @@
 // The emulated switch's control plane socket (hvd-sparse-switch --control PATH): a local
 // datagram socket, one text command per datagram, one JSON reply to its sender
 // (hvd_sparse/tools/switch/control.py speaks it). Commands: limits | jobs [TOKEN] | stats |
-// install TOKEN WORKERS GROUPS | remove TOKEN | drop FIRST | loss PORT|* RATE [udp|all].
+// host PORT MAC IP | install TOKEN WORKERS GROUPS [IP,IP,..] | remove TOKEN | drop FIRST |
+// loss PORT|* RATE [udp|all].
 // A job's token is its credential on the wire: it is never printed (jobs are named by their
 // first slot group). The socket is the owner's alone (mode 0600) and every command's sender is
 // checked (SCM_CREDENTIALS): root or the switch's own user.

@@ -4,9 +4,10 @@
 // and Gloo flow as through a Linux bridge (ports.h). With --aggregate IP:PORT the switch also
 // owns that address (it answers ARP for it) and runs the aggregation program (pipeline.h;
 // declared and fitted to the switch's limits by hvd_sparse/tools/switch/program.py) on the
-// datagrams sent to it: each RESULT leaves once per worker, from the port it is learned on (the
-// job's multicast group). A local control socket (--control PATH, text commands, JSON replies;
-// control.h) installs, removes and lists jobs and reads the counters:
+// datagrams sent to it from hosts the control plane bound: each RESULT leaves once per worker,
+// out of its host's bound port (the job's multicast group). A local control socket (--control
+// PATH, text commands, JSON replies; control.h) binds hosts, installs, removes and lists jobs
+// and reads the counters:
 // hvd_sparse/tools/switch/control.py speaks it. This file: the options, the wiring and the polling
 // loop.
 //

@@ -71,8 +71,12 @@ struct Pipeline::Impl {
 
   // ---- control plane ----------------------------------------------------------------------
 
-  uint32_t install(uint64_t token, uint16_t nworkers, uint32_t groups, double now, bool automatic) {
+  uint32_t install(uint64_t token, uint16_t nworkers, uint32_t groups, double now, bool automatic,
+                   const std::vector<uint32_t>& ips = {}) {
     if (jobs_.count(token)) throw std::runtime_error("job already installed");
+    if (!ips.empty() && ips.size() != nworkers)
+      throw std::runtime_error(std::to_string(ips.size()) + " worker addresses for " +
+                               std::to_string(nworkers) + " workers");
     if (nworkers == 0 || nworkers > o_.max_workers)
       throw std::runtime_error(std::to_string(nworkers) + " workers: a switch job has at most " +
                                std::to_string(o_.max_workers) + " (a " + std::to_string(kSeenBits) +
@@ -94,6 +98,7 @@ struct Pipeline::Impl {
     j.groups = groups;
     j.automatic = automatic;
     j.addr.resize(nworkers);
+    j.ips = ips;
     j.touched = now;
     for (uint32_t g = at; g < at + groups; ++g) g_[g] = GroupRegs{};
     ranges_[at] = token;
@@ -217,8 +222,10 @@ struct Pipeline::Impl {
       err = kErrJob;
     }
     if (!err) {
+      const std::vector<uint32_t>& ips = it->second.ips;
       Endpoint& pinned = it->second.addr[h.worker];
-      if (pinned.port && !(pinned == from)) {  // a REGISTER must not move a worker: no reply
+      // A REGISTER must not move a worker, nor claim one installed on another host: no reply
+      if ((pinned.port && !(pinned == from)) || (!ips.empty() && ips[h.worker] != from.ip)) {
         c.foreign++;
         return;
       }
@@ -315,9 +322,10 @@ struct Pipeline::Impl {
     if (((h.flags & kFlagShadow) != 0) != ((h.round & 1) != 0)) return Data::kJunk;
     const GroupRegs& g = g_[at.gi];
     if (g.tag != at.tag) {
-      // Stage 0: only a round 0 binds a group: a free one, or one completed and unreleased
-      // for `hold` seconds; anything else for an unbound slot is stale, or waits.
-      const bool reclaim = g.tag != 0 && g.done && now - g.touched > o_.hold;
+      // Stage 0: only a round 0 binds a group: a free one, one completed and unreleased for
+      // `hold` seconds, or one left mid-round for `abandon`; anything else for an unbound slot
+      // is stale, or waits.
+      const bool reclaim = g.tag != 0 && now - g.touched > (g.done ? o_.hold : o_.abandon);
       if (h.round != 0) return Data::kStale;
       if (g.tag != 0 && !reclaim) return Data::kBusy;
       return lanes_valid(h, p, nullptr) ? Data::kBind : Data::kMalformed;
@@ -384,7 +392,7 @@ struct Pipeline::Impl {
   // first positions.
   void bind(const Where& at, const Header& h, double now) {
     GroupRegs& g = g_[at.gi];
-    if (g.tag != 0) c.reclaimed++;
+    if (g.tag != 0) ++(g.done ? c.reclaimed : c.abandoned);
     g = GroupRegs{};
     g.tag = at.tag;
     g.params = h;
@@ -486,8 +494,14 @@ struct Pipeline::Impl {
 Pipeline::Pipeline(const PipelineOptions& o) : impl_(std::make_unique<Impl>(o)) {}
 Pipeline::~Pipeline() = default;
 
-uint32_t Pipeline::install(uint64_t token, uint16_t nworkers, uint32_t groups, double now) {
-  return impl_->install(token, nworkers, groups, now, false);
+uint32_t Pipeline::install(uint64_t token, uint16_t nworkers, uint32_t groups, double now,
+                           const std::vector<uint32_t>& ips) {
+  try {
+    return impl_->install(token, nworkers, groups, now, false, ips);
+  } catch (const std::exception&) {
+    impl_->c.refused++;  // as a REGISTER refused at an automatic install is
+    throw;
+  }
 }
 bool Pipeline::remove(uint64_t token) { return impl_->remove(token); }
 std::vector<SwitchJob> Pipeline::jobs() const {

@@ -18,7 +18,12 @@
 //   group (the group index is a hash of the tensor id plus the slot within the job's range):
 //   another tensor's round 0 finding it bound is dropped ("busy") and resent by its worker's
 //   timer. Workers free a group with a per-slot RELEASE after its last RESULT; a completed
-//   group whose RELEASEs were lost is reclaimed after `hold` seconds;
+//   group whose RELEASEs were lost is reclaimed after `hold` seconds, and a group left
+//   mid-round (its workers dead or gone elsewhere: nothing touched it for `abandon` seconds)
+//   by the next round 0 that needs it;
+// - each worker of an installed job is bound to the address the control plane gave for it:
+//   a REGISTER in its name from another address is dropped (the switch's ports check that the
+//   address arrives from its host's port and MAC, ports.h);
 // - a REGACK tells each worker the job's groups and the slot geometry (values per pass, cells
 //   per slot), so that it sends no packet larger than a slot holds.
 //
@@ -44,13 +49,15 @@ struct PipelineOptions {
   uint32_t max_workers = kSwitchMaxWorkers;         // at most the seen-bitmap's bits
   uint32_t auto_groups = 0;  // groups for a job that REGISTERs uninstalled (0: refuse it)
   double hold = 2.0;         // seconds before a completed, unreleased group is reclaimed
+  double abandon = 10.0;     // seconds before a group untouched mid-round is reclaimed
   double idle = 120.0;       // an auto-installed job idle this long is removed
 };
 
 // clang-format off
 #define HS_PIPELINE_COUNTERS(X) X(packets) X(passes) X(recirculations) X(results)          \
   X(retransmits) X(duplicates) X(stale) X(busy) X(malformed) X(unknown_job) X(mismatch)   \
-  X(overflow) X(unsupported) X(reclaimed) X(released) X(jobs) X(refused) X(foreign)
+  X(overflow) X(unsupported) X(reclaimed) X(abandoned) X(released) X(jobs) X(refused)     \
+  X(foreign)
 // clang-format on
 
 struct SwitchJob {
@@ -59,6 +66,7 @@ struct SwitchJob {
   uint32_t first = 0, groups = 0;  // its range of slot groups
   bool automatic = false;          // installed by its first REGISTER, removed by its BYEs
   std::vector<Endpoint> addr;      // the multicast group: worker -> where its results go
+  std::vector<uint32_t> ips;       // installed: worker -> its host's IPv4 (empty: automatic)
   uint32_t bye = 0;
   double touched = 0;
 };
@@ -70,7 +78,9 @@ class Pipeline final : public Aggregation {
 
   // Control plane. install() takes a range of `groups` slot groups (first fit) for the job and
   // returns its first group; it throws std::runtime_error naming the limit it would exceed.
-  uint32_t install(uint64_t token, uint16_t nworkers, uint32_t groups, double now);
+  // `ips` (network order, one per worker, or empty) binds each worker to its host's address.
+  uint32_t install(uint64_t token, uint16_t nworkers, uint32_t groups, double now,
+                   const std::vector<uint32_t>& ips = {});
   bool remove(uint64_t token);
   std::vector<SwitchJob> jobs() const;
   void expire(double now) override;  // removes idle auto-installed jobs

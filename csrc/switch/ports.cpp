@@ -1,6 +1,7 @@
 // The emulated switch's ports: see ports.h.
 #include "ports.h"
 
+#include <arpa/inet.h>
 #include <netinet/in.h>
 
 #include <chrono>
@@ -146,15 +147,19 @@ std::string Switch::stats_json() const {
          ", \"flooded\": " + std::to_string(q.flooded) +
          ", \"dropped\": " + std::to_string(q.dropped + q.egress->failed()) +
          ", \"lost\": " + std::to_string(q.lost) + ", \"missed\": " + std::to_string(e.imissed) +
-         "}";
+         ", \"spoofed\": " + std::to_string(q.spoofed) + "}";
   }
-  s += "], \"macs\": " + std::to_string(macs_.size());
+  s += "], \"macs\": " + std::to_string(macs_.size()) +
+       ", \"macs_full\": " + std::to_string(macs_full_) +
+       ", \"hosts\": " + std::to_string(hosts_.size());
   if (agg_) {
     const omni::Pipeline& p = *agg_->pipeline;
     s += ", \"aggregation\": {\"rx\": " + std::to_string(agg_->rx) +
          ", \"tx\": " + std::to_string(agg_->tx) +
          ", \"no_route\": " + std::to_string(agg_->no_route) +
          ", \"ignored\": " + std::to_string(agg_->ignored) +
+         ", \"unbound\": " + std::to_string(agg_->unbound) +
+         ", \"bad_checksum\": " + std::to_string(agg_->bad_checksum) +
          ", \"occupied\": " + std::to_string(p.occupied()) +
          ", \"jobs_installed\": " + std::to_string(p.jobs().size());
     for (auto& [name, v] : p.counters())
@@ -175,15 +180,65 @@ void Switch::set_loss(const std::string& port, double rate, bool udp_only) {
     if (p.name == port) p.loss = rate;
 }
 
+std::string Switch::bind(const std::string& port, const std::string& mac, const std::string& ip) {
+  size_t p = 0;
+  while (p < ports_.size() && ports_[p].name != port) ++p;
+  Binding b{{}, p};
+  uint32_t addr = 0;
+  if (p == ports_.size()) return "no port " + port;
+  if (rte_ether_unformat_addr(mac.c_str(), &b.mac) != 0 || !rte_is_unicast_ether_addr(&b.mac))
+    return "not a unicast MAC: " + mac;
+  if (inet_pton(AF_INET, ip.c_str(), &addr) != 1 || addr == 0) return "not an IPv4 address: " + ip;
+  if (agg_ && (addr == agg_->self.ip || rte_is_same_ether_addr(&b.mac, &agg_->mac)))
+    return "the switch's own address";
+  if (!hosts_.count(addr) && hosts_.size() >= kMaxHosts)
+    return "host table full (" + std::to_string(kMaxHosts) + ")";
+  if (auto old = hosts_.find(addr); old != hosts_.end()) bound_macs_.erase(mac_key(old->second.mac));
+  hosts_[addr] = b;
+  bound_macs_[mac_key(b.mac)] = p;
+  macs_[mac_key(b.mac)] = p;  // a static entry: learning never moves it (the guard drops that)
+  return "";
+}
+
+// The source guard (ports.h): does this frame claim an address that is not its sender's?
+bool Switch::spoofed(size_t in, rte_mbuf* m) const {
+  const auto* eth = rte_pktmbuf_mtod(m, const rte_ether_hdr*);
+  if (agg_ && rte_is_same_ether_addr(&eth->src_addr, &agg_->mac)) return true;
+  if (auto b = bound_macs_.find(mac_key(eth->src_addr)); b != bound_macs_.end() && b->second != in)
+    return true;
+  uint32_t sip = 0;
+  if (const rte_arp_hdr* arp = frames::arp_of(m)) {
+    sip = arp->arp_data.arp_sip;
+  } else if (eth->ether_type == rte_cpu_to_be_16(RTE_ETHER_TYPE_IPV4) &&
+             m->data_len >= sizeof *eth + sizeof(rte_ipv4_hdr)) {
+    sip = reinterpret_cast<const rte_ipv4_hdr*>(eth + 1)->src_addr;
+  }
+  if (sip == 0) return false;
+  if (agg_ && sip == agg_->self.ip) return true;
+  auto h = hosts_.find(sip);
+  return h != hosts_.end() &&
+         (h->second.port != in || !rte_is_same_ether_addr(&h->second.mac, &eth->src_addr));
+}
+
 void Switch::forward(size_t in, rte_mbuf* m) {
   if (m->data_len < sizeof(rte_ether_hdr)) {
     rte_pktmbuf_free(m);
     return;
   }
   if (lost(in, m, loss_ + ports_[in].loss)) return;
+  if (spoofed(in, m)) {
+    ports_[in].spoofed++;
+    rte_pktmbuf_free(m);
+    return;
+  }
   if (agg_ && take(in, m)) return;
   auto* eth = rte_pktmbuf_mtod(m, rte_ether_hdr*);
-  if (!rte_is_multicast_ether_addr(&eth->src_addr)) macs_[mac_key(eth->src_addr)] = in;
+  if (!rte_is_multicast_ether_addr(&eth->src_addr)) {
+    const uint64_t k = mac_key(eth->src_addr);
+    if (auto it = macs_.find(k); it != macs_.end()) it->second = in;
+    else if (macs_.size() < kMaxMacs) macs_.emplace(k, in);
+    else macs_full_++;  // not learnt: frames to it flood, as a full switch table does
+  }
   auto it =
       rte_is_unicast_ether_addr(&eth->dst_addr) ? macs_.find(mac_key(eth->dst_addr)) : macs_.end();
   if (it != macs_.end()) {
@@ -208,12 +263,12 @@ void Switch::forward(size_t in, rte_mbuf* m) {
 }
 
 // Frames for the switch's own address: ARP requests for it are answered, datagrams to its
-// aggregation port go through the pipeline. Returns false for frames to forward.
+// aggregation port from bound hosts go through the pipeline (the source guard has checked
+// their port and MAC). Returns false for frames to forward.
 bool Switch::take(size_t in, rte_mbuf* m) {
   AggregationEndpoint& a = *agg_;
   if (const rte_arp_hdr* arp = frames::arp_of(m)) {
     const rte_arp_ipv4& d = arp->arp_data;
-    if (d.arp_sip) a.hosts[d.arp_sip] = {d.arp_sha, in};
     if (d.arp_tip != a.self.ip) return false;
     if (rte_be_to_cpu_16(arp->arp_opcode) == RTE_ARP_OP_REQUEST)
       if (rte_mbuf* r = frames::arp_frame(pool_, RTE_ARP_OP_REPLY, a.mac, a.self.ip, d.arp_sha,
@@ -227,7 +282,11 @@ bool Switch::take(size_t in, rte_mbuf* m) {
   frames::Udp u;
   if (frames::parse_udp(m, &u) && u.to == a.self && !u.fragment) {
     a.rx++;
-    a.hosts[u.from.ip] = {u.eth->src_addr, in};
+    if (!u.checksum_ok || !hosts_.count(u.from.ip)) {
+      ++(u.checksum_ok ? a.unbound : a.bad_checksum);
+      rte_pktmbuf_free(m);
+      return true;
+    }
     a.out.clear();
     omni::Aggregation& program = *a.pipeline;
     program.handle(u.data, u.len, u.from, now_, a.out);
@@ -239,20 +298,26 @@ bool Switch::take(size_t in, rte_mbuf* m) {
   return true;
 }
 
-// One datagram from the switch's endpoint, out of the port its addressee was learned on.
+// One datagram from the switch's endpoint, out of its addressee's bound port, checksummed.
 void Switch::send(const omni::Out& o) {
   AggregationEndpoint& a = *agg_;
-  auto it = a.hosts.find(o.to.ip);
-  rte_mbuf* m = it == a.hosts.end() ? nullptr : rte_pktmbuf_alloc(pool_);
+  auto it = hosts_.find(o.to.ip);
+  rte_mbuf* m = it == hosts_.end() ? nullptr : rte_pktmbuf_alloc(pool_);
   if (!m || o.bytes->size() + frames::kHeaders > kDataRoom) {
     if (m) rte_pktmbuf_free(m);
     a.no_route++;
     return;
   }
-  frames::write_udp(m, a.mac, it->second.first, a.self, o.to, o.bytes->data(), o.bytes->size(),
-                    a.ip_id++);
+  rte_udp_hdr* udp = frames::write_udp(m, a.mac, it->second.mac, a.self, o.to, o.bytes->data(),
+                                       o.bytes->size(), a.ip_id++);
+  if (a.summed != o.bytes) {
+    a.summed = o.bytes;
+    a.payload_sum = rte_raw_cksum(o.bytes->data(), o.bytes->size());
+  }
+  udp->dgram_cksum =
+      frames::udp_checksum(reinterpret_cast<const rte_ipv4_hdr*>(udp) - 1, udp, a.payload_sum);
   a.tx++;
-  queue(it->second.second, m, true);
+  queue(it->second.port, m, true);
 }
 
 bool Switch::lost(size_t port, rte_mbuf* m, double rate) {

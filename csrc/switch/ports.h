@@ -4,6 +4,13 @@
 // Gloo flow as through a Linux bridge; each port's output queue is drained by a thread of its
 // own; loss is emulated per port and switch-wide. Frames for the switch's own aggregation
 // address (AggregationEndpoint) are answered (ARP) or handed to the aggregation program.
+//
+// Hosts are bound by the control plane, never learnt from traffic: `bind` installs a host's
+// (port, MAC, IPv4). Aggregation datagrams are taken from bound hosts only, and results leave
+// toward bound hosts only. At ingress a source guard drops frames that claim a bound host's
+// IPv4 from another port or MAC, and frames that claim the switch's own addresses (so no host
+// can speak as a worker or as the switch). Tables are bounded: kMaxMacs learnt MACs (beyond,
+// unknown destinations flood), kMaxHosts bindings.
 #pragma once
 #include <rte_ethdev.h>
 #include <rte_ether.h>
@@ -32,6 +39,8 @@ constexpr uint16_t kRing = 512;        // descriptors of each port's receive and
 constexpr unsigned kEgress = 512;      // frames an egress port buffers beyond its driver's ring
 constexpr uint16_t kDataRoom = 16384;  // a whole jumbo frame per mbuf
 constexpr uint16_t kBurst = 32;
+constexpr size_t kMaxMacs = 4096;   // the forwarding table's entries, as a switch's MAC table
+constexpr size_t kMaxHosts = 1024;  // host bindings the control plane may install
 
 // Prints "hvd-sparse switch: WHY" and exits with status 2.
 [[noreturn]] void fail(const std::string& why);
@@ -70,6 +79,7 @@ struct Port {
   uint16_t id = 0;
   std::string name;
   uint64_t rx = 0, flooded = 0, dropped = 0, lost = 0;
+  uint64_t spoofed = 0;  // dropped by the source guard
   double loss = 0;  // drop rate of frames entering or leaving this port
   std::unique_ptr<Egress> egress;
 };
@@ -80,15 +90,25 @@ std::vector<Port> open_ports(rte_mempool* pool, const std::vector<std::string>& 
 // Stops and closes every port (after Switch::stop()).
 void close_ports();
 
+// A host as the control plane bound it.
+struct Binding {
+  rte_ether_addr mac;
+  size_t port;
+};
+
 // The switch's own endpoint and the aggregation program behind it.
 struct AggregationEndpoint {
   omni::Endpoint self;
   rte_ether_addr mac{};  // locally administered, owned by no host
   std::unique_ptr<omni::Pipeline> pipeline;
-  std::unordered_map<uint32_t, std::pair<rte_ether_addr, size_t>> hosts;  // ip -> (MAC, port)
-  uint64_t rx = 0, tx = 0, no_route = 0, ignored = 0;
+  // unbound: datagrams from no bound host; bad_checksum: UDP checksum failed (never summed)
+  uint64_t rx = 0, tx = 0, no_route = 0, ignored = 0, unbound = 0, bad_checksum = 0;
   uint16_t ip_id = 0;
   std::vector<omni::Out> out;
+  // A RESULT leaves once per worker as the same bytes: its payload is summed once (the
+  // pointer held, so the sum never outlives its bytes)
+  std::shared_ptr<const std::vector<uint8_t>> summed;
+  uint32_t payload_sum = 0;
 };
 
 class Switch {
@@ -99,6 +119,10 @@ class Switch {
   // One pass over every port at time `now`: receive a burst, learn, forward. Returns the frames
   // received.
   unsigned poll(double now);
+  // Control plane: binds IPv4 `ip` to the host on port `port` (its name) with `mac`
+  // ("aa:bb:.."), replacing that address's binding. Returns "" or why it cannot.
+  std::string bind(const std::string& port, const std::string& mac, const std::string& ip);
+  bool bound(uint32_t ip) const { return hosts_.count(ip) != 0; }
   std::string stats_json() const;
   // Stops the egress threads (before the ports close).
   void stop();
@@ -113,6 +137,7 @@ class Switch {
 
  private:
   void forward(size_t in, rte_mbuf* m);
+  bool spoofed(size_t in, rte_mbuf* m) const;
   bool take(size_t in, rte_mbuf* m);
   void send(const omni::Out& o);
   bool lost(size_t port, rte_mbuf* m, double rate);
@@ -129,6 +154,9 @@ class Switch {
   std::mt19937_64 rng_{0x5157};
   std::uniform_real_distribution<double> unif_{0.0, 1.0};
   std::unordered_map<uint64_t, size_t> macs_;  // MAC -> port
+  uint64_t macs_full_ = 0;                      // frames whose source MAC found no room
+  std::unordered_map<uint32_t, Binding> hosts_;  // IPv4 -> its host, as the control plane bound it
+  std::unordered_map<uint64_t, size_t> bound_macs_;  // a bound host's MAC -> its port
   std::unordered_map<size_t, std::vector<rte_mbuf*>> out_;
 };
 

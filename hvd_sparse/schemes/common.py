@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import blocks, fixedpoint
-from .._C import OmniWorker, block_mask
+from .._C import AggregatorTimeout, OmniWorker, block_mask
 from .._C import decode_sum as _decode_sum
 from ..comm import Pending
 from ..errors import HvdSparseError
@@ -117,21 +118,21 @@ class Ticket:
 
 
 def stream(job: Job, session: Session, out: torch.Tensor, exponent: int | None,
-           stage: str) -> Generator[tuple[str, Ticket], Any, str | None]:
+           stage: str) -> Generator[tuple[str, Ticket], Any, Failure | None]:
     """Submits the tensor to ``session`` (results land in ``out``, scaled) and waits for it;
     returns None, or why it failed on this rank. On success the job's stats say what it took."""
     t = job.tensor
     ticket = session.worker.submit(session.tensor_id(job.name), t, out, job.block_size,
                                    job.meta & 0xFFFFFFFF, local_mask(job), job.name, job.scale,
                                    exponent)
-    failure: str | None = None
+    failure: Failure | None = None
     try:
         yield stage, Ticket(session.worker, ticket)
     finally:  # also when abandoned: the engine must not keep writing into `out`
         try:
             stats = session.worker.finish(ticket)
         except RuntimeError as e:
-            failure = f"hvd_sparse: {e}"
+            failure = Failure(f"hvd_sparse: {e}", isinstance(e, AggregatorTimeout))
     if failure is None:
         s = job.stats
         s.bytes_sent, s.bytes_received = stats["bytes_sent"], stats["bytes_received"]
@@ -141,15 +142,24 @@ def stream(job: Job, session: Session, out: torch.Tensor, exponent: int | None,
     return failure
 
 
-TIMED_OUT = "no result from aggregator"  # the worker engine's error when one stops answering
+@dataclass(frozen=True)
+class Failure:
+    """Why a tensor's aggregation failed on this rank. ``timed_out``: an aggregator stopped
+    answering (the worker engine's AggregatorTimeout), after which aggregation is down."""
+
+    why: str
+    timed_out: bool = False
+
+    def __str__(self) -> str:
+        return self.why
 
 
-def failed_anywhere(job: Job, failure: str | None, what: str = "agree"
+def failed_anywhere(job: Job, failure: Failure | None, what: str = "agree"
                     ) -> Generator[tuple[str, Pending], Any, tuple[int, int]]:
     """How many ranks' aggregation of the tensor failed, and how many of them because an
     aggregator stopped answering (one tiny allreduce): they must all fall back together, or
     none."""
-    flags = [failure is not None, failure is not None and TIMED_OUT in failure]
+    flags = [failure is not None, failure is not None and failure.timed_out]
     counts = yield what, job.comm.allreduce(torch.tensor(flags, dtype=torch.int32),
                                             job.op_name(what))
     return int(counts[0]), int(counts[1])

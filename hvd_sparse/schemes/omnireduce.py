@@ -13,7 +13,7 @@ from ..engine import Stage
 from ..errors import HvdSparseError
 from ..job import Job
 from . import dense
-from .common import TIMED_OUT, Backup, agree, failed_anywhere, output, stream
+from .common import Backup, Failure, agree, failed_anywhere, output, stream
 
 log = logging.getLogger("hvd_sparse")
 _warned: set[str] = set()  # tensors already said to go dense on a process set
@@ -51,7 +51,8 @@ def run(job: Job) -> Stage:
         # which must stay in step) or on this one (error: a rank still down fails at once).
         answered = session.answered_since_down()
         if fallback:
-            missing, _ = yield from failed_anywhere(job, None if answered else "down", "alive")
+            missing, _ = yield from failed_anywhere(job, None if answered else Failure("down"),
+                                                  "alive")
             answered = missing == 0
         if answered:
             log.warning("hvd_sparse: the aggregators answer again; aggregation resumes")
@@ -68,7 +69,7 @@ def run(job: Job) -> Stage:
     if fallback:
         failed, timed_out = yield from failed_anywhere(job, failure)
         if timed_out:
-            session.mark_down(failure or "an aggregator stopped answering a peer rank")
+            session.mark_down(str(failure or "an aggregator stopped answering a peer rank"))
         if failed:
             log.warning("hvd_sparse: tensor %r: aggregation failed on %d rank(s) (%s); "
                         "reducing it dense", job.name, failed, failure or "on a peer")
@@ -76,11 +77,12 @@ def run(job: Job) -> Stage:
                 backup.restore(job)
             return (yield from dense.run(job))
     if failure is not None:
-        if TIMED_OUT in failure:
-            session.mark_down(failure)
+        if failure.timed_out:
+            session.mark_down(str(failure))
+        why = str(failure)
         if backup is not None:  # never half a result: the caller's tensor as it was
             backup.restore(job)
-            failure += " (the tensor reduced in place is left as it was)"
-        raise HvdSparseError(failure)
+            why += " (the tensor reduced in place is left as it was)"
+        raise HvdSparseError(why)
     job.stats.scheme = "omnireduce"
     return out

@@ -36,11 +36,12 @@ struct Datagram {
 };
 
 // What a transport counted. rx_ignored: frames that were not UDP datagrams for us (ARP, other
-// ports, IP fragments); tx_dropped: datagrams the link or queue could not take (loss recovery
-// resends them).
+// ports, IP fragments); rx_bad_checksum: UDP datagrams whose checksum failed (DPDK: the kernel
+// drops those before a socket sees them); tx_dropped: datagrams the link or queue could not take
+// (loss recovery resends them).
 // clang-format off
 #define HS_TRANSPORT_COUNTERS(X) X(rx_packets) X(rx_bytes) X(tx_packets) X(tx_bytes) \
-  X(tx_dropped) X(rx_ignored) X(injected_drops) X(injected_dups)
+  X(tx_dropped) X(rx_ignored) X(rx_bad_checksum) X(injected_drops) X(injected_dups)
 // clang-format on
 struct TransportCounters {
 #define HS_DECL(n) uint64_t n = 0;

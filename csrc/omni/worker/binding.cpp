@@ -85,7 +85,10 @@ class PyWorker {
       py::gil_scoped_release nogil;
       t = w_->take(ticket);
     }
-    if (!t->error.empty()) throw std::runtime_error(t->error);
+    if (!t->error.empty()) {
+      if (t->timed_out) throw AggregatorTimeout(t->error);
+      throw std::runtime_error(t->error);
+    }
     py::dict d;
     d["packets"] = t->packets;
     d["bytes_sent"] = t->bytes_sent;
@@ -131,6 +134,7 @@ class PyWorker {
 void register_omni(py::module_& m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   const WorkerOptions d;  // the engine's defaults, which are hvd_sparse.config.Config's
+  py::register_exception<AggregatorTimeout>(m, "AggregatorTimeout", PyExc_RuntimeError);
   py::class_<PyWorker>(m, "OmniWorker")
       .def(py::init<const std::vector<std::pair<std::string, int>>&, uint64_t, int, int, int, int,
                     double, double, double, double, uint64_t, const std::string&>(),

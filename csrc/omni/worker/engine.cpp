@@ -538,7 +538,10 @@ void Engine::check_timers(double now) {
       }
     }
   }
-  for (auto& [t, why] : failed) fail(*t, why);
+  for (auto& [t, why] : failed) {
+    t->timed_out = true;
+    fail(*t, why);
+  }
 }
 
 void Engine::tick(double now) {

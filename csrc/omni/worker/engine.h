@@ -26,6 +26,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -35,6 +36,12 @@
 #include "../transport/transport.h"
 
 namespace hvd_sparse::omni {
+
+// An aggregator did not answer within the timeout (a tensor's slot, or registration): the one
+// failure after which the schemes treat aggregation as down (hvd_sparse._C.AggregatorTimeout).
+struct AggregatorTimeout : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 // One aggregator as this worker sees it: its address and the congestion state of the path.
 struct AggregatorPath {
@@ -88,6 +95,7 @@ struct TensorW {
   uint32_t remaining = 0;
   bool finished = false;
   std::string error;
+  bool timed_out = false;  // the error is an aggregator's silence (AggregatorTimeout)
   uint64_t packets = 0, bytes_sent = 0, bytes_received = 0, retransmits = 0, rounds = 0,
            union_blocks = 0, nnz_local = 0;
 };

@@ -74,7 +74,7 @@ void Worker::register_all(double timeout) {
       std::lock_guard<std::mutex> lock(mu_);
       if (engine_->register_step()) return;
       if (monotonic_s() > deadline)
-        throw std::runtime_error("omnireduce: aggregator(s) " + engine_->unregistered() +
+        throw AggregatorTimeout("omnireduce: aggregator(s) " + engine_->unregistered() +
                                  " did not answer registration within " + std::to_string(timeout) +
                                  " s");
     }

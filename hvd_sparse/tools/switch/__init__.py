@@ -10,12 +10,17 @@ bridge (``hvd-sparse testbed up --switch emu``). Torch-free.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 BINARY = Path(__file__).resolve().parents[2] / "bin" / "hvd-sparse-switch"
 
 
 def binary() -> Path:
+    """The switch executable: the package's, or HVD_SPARSE_SWITCH_BINARY (another build of it,
+    e.g. `make sanitize`'s)."""
+    if other := os.environ.get("HVD_SPARSE_SWITCH_BINARY"):
+        return Path(other)
     if not BINARY.exists():
         raise FileNotFoundError(f"hvd-sparse: the emulated switch {BINARY} is missing: setup.py "
                                 "builds it with DPDK (libdpdk-dev, installed by make build)")

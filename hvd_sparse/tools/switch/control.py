@@ -4,8 +4,9 @@ SwitchML's controller does for a Tofino.
 
     hvd-sparse switch start --port w0 --port w1 ... --aggregate 10.77.0.254:9999
                             [--control PATH] [--auto-groups N] [--slots N]
-    hvd-sparse switch jobs [--install TOKEN WORKERS GROUPS | --remove TOKEN | --drop FIRST]
-                           [--control PATH]
+    hvd-sparse switch jobs [--install TOKEN WORKERS GROUPS [IP,IP,..] | --remove TOKEN |
+                            --drop FIRST] [--control PATH]
+    hvd-sparse switch host PORT MAC IP [--control PATH]
     hvd-sparse switch stats|limits [--control PATH]
 
 Torch-free: a switch host needs neither torch nor Horovod.
@@ -15,67 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from ... import protocol
+from ...switch_control import Client, ControlError
 from . import binary, program
 
 CONTROL = "/run/hvd-sparse/switch.sock"
 # The switch geometry, defined once in csrc/omni/protocol.h (hvd_sparse.protocol)
 CELLS_PER_SLOT = protocol.SWITCH_CELLS_PER_SLOT  # a slot's largest packet, in passes: 8 KiB
 VALUES_PER_PASS = protocol.SWITCH_VALUES_PER_PASS  # int32 values one pass sums (256 B)
-
-
-class ControlError(RuntimeError):
-    """The switch refused a command, or did not answer."""
-
-
-class Client:
-    """One command per datagram to the switch's control socket, one JSON reply."""
-
-    def __init__(self, path: str | Path = CONTROL, timeout: float = 5.0) -> None:
-        self.path, self.timeout = str(path), timeout
-
-    def call(self, command: str) -> dict:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s, \
-                tempfile.TemporaryDirectory(prefix="hvd-sparse-ctl-") as d:
-            s.bind(os.path.join(d, "client"))  # the switch replies to this address
-            s.settimeout(self.timeout)
-            try:
-                s.sendto(command.encode(), self.path)
-                reply = json.loads(s.recv(1 << 20))
-            except (OSError, TimeoutError) as e:
-                raise ControlError(f"switch control socket {self.path}: {e}") from e
-        if "error" in reply:
-            raise ControlError(f"switch: {command.split()[0]}: {reply['error']}")
-        return reply
-
-    def limits(self) -> dict:
-        return self.call("limits")
-
-    def stats(self) -> dict:
-        return self.call("stats")
-
-    def jobs(self, token: int | None = None) -> list[dict]:
-        """The installed jobs (or the one of ``token``), named by their first slot group: the
-        switch never prints a token."""
-        return self.call("jobs" if token is None else f"jobs {token}")["jobs"]
-
-    def install(self, token: int, workers: int, groups: int) -> int:
-        """Installs a job on ``groups`` slot groups; returns the first one."""
-        return self.call(f"install {token} {workers} {groups}")["first"]
-
-    def remove(self, token: int) -> bool:
-        return self.call(f"remove {token}")["removed"]
-
-    def drop(self, first: int) -> bool:
-        """Removes the job whose slot groups start at ``first`` (its token unknown)."""
-        return self.call(f"drop {first}")["removed"]
 
 
 def command(eal: str, names: list[str], *, aggregate: str | None = None,
@@ -123,17 +76,25 @@ def main(argv: list[str]) -> int:
     st.add_argument("--aggregate", help="IP:PORT the switch owns and aggregates at")
     st.add_argument("--slots", type=int, default=protocol.SWITCH_CELLS,
                     help="aggregation cells (pool size)")
-    st.add_argument("--auto-groups", type=int, default=16,
-                    help="slot groups for a job that registers without being installed "
-                         "(0: jobs must be installed)")
-    for name in ("start", "jobs", "stats", "limits"):
+    st.add_argument("--auto-groups", type=int, default=0,
+                    help="slot groups for a job that registers without being installed; its "
+                         "workers are then bound first come among the bound hosts (0: jobs "
+                         "must be installed, each worker bound to its host)")
+    for name in ("start", "jobs", "stats", "limits", "host"):
         p = st if name == "start" else sp.add_parser(name)
         p.add_argument("--control", default=CONTROL, help="the control socket's path")
     jobs = sp.choices["jobs"]
-    jobs.add_argument("--install", nargs=3, type=int, metavar=("TOKEN", "WORKERS", "GROUPS"))
+    jobs.add_argument("--install", nargs="+", metavar="TOKEN WORKERS GROUPS [IP,IP,..]",
+                      help="install a job; with addresses, each worker bound to its host")
     jobs.add_argument("--remove", type=int, metavar="TOKEN")
     jobs.add_argument("--drop", type=int, metavar="FIRST", help="remove the job at this group")
+    host = sp.choices["host"]
+    host.description = "bind a host: the switch takes aggregation traffic from bound hosts only"
+    for arg in ("port", "mac", "ip"):
+        host.add_argument(arg)
     a = ap.parse_args(argv)
+    if a.cmd == "jobs" and a.install and len(a.install) not in (3, 4):
+        ap.error("--install TOKEN WORKERS GROUPS [IP,IP,..]")
     if a.cmd == "start":
         Path(a.control).parent.mkdir(parents=True, exist_ok=True)
         cmd = command(eal_args(a.port, "hvd-sparse-switch"), a.port, aggregate=a.aggregate,
@@ -143,8 +104,13 @@ def main(argv: list[str]) -> int:
         os.execv(cmd[0], cmd)
     client = Client(a.control)
     try:
-        if a.cmd == "jobs" and a.install:
-            print(json.dumps({"first": client.install(*a.install)}))
+        if a.cmd == "host":
+            client.bind(a.port, a.mac, a.ip)
+            print(json.dumps({"bound": True}))
+        elif a.cmd == "jobs" and a.install:
+            token, workers, groups = (int(x) for x in a.install[:3])
+            ips = a.install[3].split(",") if len(a.install) == 4 else None
+            print(json.dumps({"first": client.install(token, workers, groups, ips)}))
         elif a.cmd == "jobs" and a.remove is not None:
             print(json.dumps({"removed": client.remove(a.remove)}))
         elif a.cmd == "jobs" and a.drop is not None:

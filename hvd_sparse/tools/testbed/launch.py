@@ -23,7 +23,6 @@ from typing import IO
 
 from pyroute2 import netns
 
-from ... import protocol
 from ...aggregator import binary
 from ...auth import write_secret_file
 from . import links
@@ -65,7 +64,9 @@ def start_aggregators(tb: Testbed) -> None:
 def start_switch(tb: Testbed) -> None:
     """With ``switch="emu"``: the emulated switch in the switch namespace, one af_packet port
     per host, in place of the bridge, aggregating at ``tb.switch_address``; it runs until
-    `down`. Jobs install themselves at their first REGISTER (a quarter of the pool each)."""
+    `down`. Every host is bound to its port, MAC and address, as a fabric's controller knows
+    them; jobs are installed by their rank 0 with their workers' addresses (the control socket
+    is ``HVD_SPARSE_SWITCH_CONTROL`` in the job's environment)."""
     if tb.switch != "emu":
         return
     from hvd_sparse.tools.switch import control
@@ -73,10 +74,9 @@ def start_switch(tb: Testbed) -> None:
     tb.log_dir().mkdir(parents=True, exist_ok=True)
     ready, log = tb.log_dir() / "switch.ready", tb.log_dir() / "switch.log"
     ready.unlink(missing_ok=True)
-    groups = protocol.SWITCH_CELLS // protocol.SWITCH_CELLS_PER_SLOT
     cmd = control.command(control.eal_args([h.port for h in tb.hosts], f"{tb.name}-sw"),
                           [h.name for h in tb.hosts], aggregate=tb.switch_address,
-                          control=tb.switch_control, auto_groups=groups // 4, ready_file=ready)
+                          control=tb.switch_control, ready_file=ready)
     with open(log, "w") as f:
         p = subprocess.Popen(["ip", "netns", "exec", tb.switch_ns, *cmd], stdout=f,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -84,6 +84,9 @@ def start_switch(tb: Testbed) -> None:
     tb.pids["switch"] = p.pid
     try:
         control.wait_ready(p, ready, log)
+        c = control.Client(tb.switch_control)
+        for h in tb.hosts:
+            c.bind(h.name, links.mac(h.ns), h.ip)
     except RuntimeError as e:
         raise RuntimeError(f"testbed: {e}") from None
 
@@ -180,6 +183,7 @@ def job_env(tb: Testbed, extra: dict[str, str] | None = None) -> dict[str, str]:
             env["HVD_SPARSE_AUTH"] = "0"
     if tb.switch == "emu":
         env["HVD_SPARSE_SWITCH"] = tb.switch_address
+        env["HVD_SPARSE_SWITCH_CONTROL"] = str(tb.switch_control)
     env.update(extra or {})
     return env
 

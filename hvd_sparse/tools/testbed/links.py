@@ -60,8 +60,12 @@ def create(tb: Testbed) -> None:
                     **({"master": sw.link_lookup(ifname="br0")[0]} if bridge else {}))
             sw.link("set", index=idx, state="up")
             _cap(sw, idx, tb.rate_bps)
-        if not bridge:
+        # A DPDK process (the emulated switch, DPDK aggregators) reads frames through a packet
+        # socket and verifies their UDP checksums: hosts must compute them, not leave them to
+        # an offload
+        if not bridge or tb.transport == "dpdk":
             disable_offloads(h.ns, "eth0")
+        if not bridge:
             disable_offloads(tb.switch_ns, h.port)
 
 
@@ -78,6 +82,12 @@ def disable_offloads(ns_name: str, ifname: str) -> None:
         raise RuntimeError("testbed: --switch emu needs ethtool (make build installs it)") from e
     if p.returncode != 0:
         raise RuntimeError(f"testbed: {' '.join(cmd)}: {p.stderr.strip()}")
+
+
+def mac(ns_name: str) -> str:
+    """The MAC address of a host's eth0."""
+    with NetNS(ns_name) as ns:
+        return ns.get_links(ns.link_lookup(ifname="eth0")[0])[0].get_attr("IFLA_ADDRESS")
 
 
 def set_rate(tb: Testbed, host: Host, rate_bps: int) -> None:

@@ -1,5 +1,6 @@
 // Ethernet, ARP, IPv4 and UDP as the DPDK transport and the emulated switch read and write
-// them: no fragmentation, no IP options written, checksums as a NIC without offloads needs.
+// them: no fragmentation, no IP options written, checksums as a NIC without offloads needs
+// (written on send, verified on receive).
 #pragma once
 #include <rte_arp.h>
 #include <rte_ether.h>
@@ -58,12 +59,25 @@ struct Udp {
   Endpoint from, to;
   const uint8_t* data;
   size_t len;
-  bool fragment;  // an IP fragment: never reassembled (the payload is not the datagram's)
+  bool fragment;     // an IP fragment: never reassembled (the payload is not the datagram's)
+  bool checksum_ok;  // the UDP checksum holds, or there is none (0: allowed over IPv4)
 };
 
+// The UDP checksum of a datagram whose payload's one's-complement sum (rte_raw_cksum) is
+// `payload_sum`: callers that send one payload to many sum it once.
+inline uint16_t udp_checksum(const rte_ipv4_hdr* ip, const rte_udp_hdr* udp, uint32_t payload_sum) {
+  rte_udp_hdr h = *udp;
+  h.dgram_cksum = 0;
+  uint32_t sum = payload_sum + rte_raw_cksum(&h, sizeof h) + rte_ipv4_phdr_cksum(ip, 0);
+  while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
+  const uint16_t c = uint16_t(~sum);
+  return c == 0 ? 0xffff : c;  // 0 would mean "no checksum"
+}
+
 // Parses an IPv4/UDP frame with a valid IP header checksum; false for anything else. The UDP
-// checksum is not verified: senders on virtual links leave it to an offload that never happens
-// (the kernel marks it partial), and the protocol validates every field.
+// checksum is checked (checksum_ok): a sender's NIC or kernel computes it, so a frame whose
+// bytes changed on the way fails it. (Hosts on virtual links must not leave it to an offload
+// that veths never do: the testbed turns those offloads off where a DPDK process reads.)
 inline bool parse_udp(rte_mbuf* m, Udp* u) {
   if (m->nb_segs != 1 || m->data_len < kHeaders) return false;
   auto* eth = rte_pktmbuf_mtod(m, rte_ether_hdr*);
@@ -86,11 +100,17 @@ inline bool parse_udp(rte_mbuf* m, Udp* u) {
   u->len = ulen - sizeof(rte_udp_hdr);
   u->fragment = (rte_be_to_cpu_16(ip->fragment_offset) &
                  (RTE_IPV4_HDR_MF_FLAG | RTE_IPV4_HDR_OFFSET_MASK)) != 0;
+  // Over the UDP length (the IP total may hold padding); a fragment's checksum covers bytes
+  // not here (fragments are dropped anyway).
+  u->checksum_ok =
+      udp->dgram_cksum == 0 || u->fragment ||
+      udp_checksum(ip, udp, rte_raw_cksum(u->data, u->len)) == udp->dgram_cksum;
   return true;
 }
 
 // Appends Ethernet, IPv4 (DF, header checksum) and UDP headers and the payload to an empty
-// mbuf; the UDP checksum is left 0 ("none", valid over IPv4) for the caller to fill.
+// mbuf; the UDP checksum is left 0 ("none", valid over IPv4) for the caller to fill
+// (udp_checksum).
 inline rte_udp_hdr* write_udp(rte_mbuf* m, const rte_ether_addr& src_mac,
                               const rte_ether_addr& dst_mac, const Endpoint& from,
                               const Endpoint& to, const uint8_t* data, size_t len, uint16_t ip_id) {

@@ -140,7 +140,12 @@ class DpdkQueue : public Transport {
     }
     frames::Udp u;
     if (!frames::parse_udp(m, &u) || !(u.to == port_->self) || u.fragment) return ignore();
-    port_->learn(u.from.ip, u.eth->src_addr);
+    if (!u.checksum_ok) {  // changed on the way: never summed
+      AtomicCounters::add(c_.rx_bad_checksum, 1);
+      return false;
+    }
+    // No learning from data frames: a frame with a spoofed source would divert results. Peers'
+    // MACs come from ARP, as a host's neighbour table does.
     d->data = u.data;
     d->len = u.len;
     d->peer = u.from;
@@ -200,10 +205,7 @@ class DpdkQueue : public Transport {
       summed_len_ = d.len;
       payload_sum_ = rte_raw_cksum(d.data, d.len);
     }
-    uint32_t sum = payload_sum_ + rte_raw_cksum(udp, sizeof *udp) + rte_ipv4_phdr_cksum(ip, 0);
-    while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
-    const uint16_t c = uint16_t(~sum);
-    return c == 0 ? 0xffff : c;  // 0 would mean "no checksum"
+    return frames::udp_checksum(ip, udp, payload_sum_);
   }
 
   rte_mbuf* drop() {
