@@ -241,7 +241,8 @@ def _local(cfg: Config, comm: Collectives, token: int
     starters = [h[0] for h in hosts.values()] if colocated else [0]
     secret = None
     if cfg.auth and colocated:
-        raw = auth.share_secret(comm, os.urandom(auth.SHARD_SECRET_BYTES), token, starters)
+        raw = auth.share_secret(comm, os.urandom(auth.SHARD_SECRET_BYTES)
+                                if comm.rank == 0 else None, token, starters)
         secret = raw.hex().encode() if raw is not None else None
     local, reply = None, None
     if comm.rank in starters:
@@ -254,7 +255,7 @@ def _local(cfg: Config, comm: Collectives, token: int
             local = LocalAggregators(count, comm.size, "127.0.0.1" if together else "0.0.0.0",
                                      secret=secret or cfg.auth)
             reply = [(host, p) for p in local.ports]
-        except HvdSparseError as e:
+        except (HvdSparseError, OSError) as e:  # every rank must hear of it, not wait
             reply = f"rank {comm.rank}: {e}"
     replies = comm.allgather_object(reply, "hvd_sparse.omni.addrs")
     why = [r for r in replies if isinstance(r, str)]
