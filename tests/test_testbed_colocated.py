@@ -8,6 +8,7 @@ torch.distributed's DDP state):
 * omnireduce results equal to dense Horovod (or torch.distributed) allreduce in float64;
 * every host link carries about the same bytes, where "rank0" (all on rank 0's host, the
   layout before) makes rank 0's host link carry about twice any other's;
+* one aggregator_host given to every host: a clear error on every rank;
 * no shard process left in any host once hvd_sparse has shut down.
 Needs root (CI runs as root)."""
 from __future__ import annotations
@@ -114,6 +115,14 @@ HOROVOD_RANK = COMMON + textwrap.dedent("""
         bad, info["rank0_bytes"] = reduce_all("rank0")
     info["bad"] += bad
     other.close()
+    # One aggregator_host for every host cannot be right when colocated: a clear error on
+    # every rank, and the shards it started stopped (info["left"] below).
+    try:
+        session.start(dataclasses.replace(st.config, aggregator_host="10.77.0.250"), st.comm)
+        info["bad"].append("one aggregator_host for every host was taken")
+    except hvd_sparse.HvdSparseError as e:
+        if "HVD_SPARSE_AGGREGATOR_HOST per host" not in str(e):
+            info["bad"].append(f"unclear error: {e}")
     hvd_sparse.shutdown()
     barrier("shut")  # every host's lowest rank has stopped its shard
     info["left"] = shards_here()
