@@ -35,10 +35,11 @@ class LocalAggregators:
     """Aggregator processes this rank started; they die with it (PR_SET_PDEATHSIG plus a
     parent check), so a killed rank leaves no orphans. With ``secret``, they share a fresh
     secret (``self.secret``, in a file of mode 0600 in a directory of mode 0700) and take only
-    authenticated packets."""
+    authenticated packets. ``secret`` may also be the secret itself: a job's aggregators on
+    several hosts share one (session.py, colocated layout)."""
 
     def __init__(self, count: int, workers: int, bind: str, log_dir: str | None = None,
-                 secret: bool = False) -> None:
+                 secret: bool | bytes = False) -> None:
         self.dir = Path(log_dir or tempfile.mkdtemp(prefix="hvd_sparse_agg_"))
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
@@ -48,7 +49,8 @@ class LocalAggregators:
             if secret:
                 path = self.dir / "secret"
                 path.unlink(missing_ok=True)
-                self.secret = write_secret_file(path)
+                self.secret = write_secret_file(
+                    path, secret if isinstance(secret, bytes) else None)
                 extra = ["--secret-file", str(path)]
             for i in range(count):
                 port_file = self.dir / f"agg{i}.port"

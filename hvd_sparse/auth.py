@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import os
 import stat
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ KEY_BYTES = 16
 MIN_SECRET_BYTES = 16
 _JOB_LABEL = b"hvd-sparse job key v1"
 _WRAP_LABEL = b"hvd-sparse key wrap v1"
+_SECRET_LABEL = b"hvd-sparse secret wrap v1"
+SHARD_SECRET_BYTES = 32  # a job's own secret for the aggregators its hosts start (colocated)
 
 
 def read_secret_file(path: str | Path) -> bytes:
@@ -47,9 +50,10 @@ def read_secret_file(path: str | Path) -> bytes:
     return secret
 
 
-def write_secret_file(path: str | Path) -> bytes:
-    """A fresh secret (64 hex digits) in a new file of mode 0600 at ``path``."""
-    secret = os.urandom(32).hex().encode()
+def write_secret_file(path: str | Path, secret: bytes | None = None) -> bytes:
+    """``secret`` (default: a fresh one, 64 hex digits) in a new file of mode 0600 at
+    ``path``."""
+    secret = secret or os.urandom(32).hex().encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(secret + b"\n")
@@ -67,17 +71,7 @@ def agree(comm: Collectives, key: bytes | None, token: int) -> bytes:
     public key; rank 0 sends back the key masked for each rank under their shared secret; every
     rank then shows a check value of what it holds, so that a rank with another key fails here
     rather than at its first packet."""
-    from ._C import x25519, x25519_keypair  # here: importing this module needs no torch
-    mine, public = x25519_keypair()
-    publics = comm.allgather_object(public, "hvd_sparse.auth.public")
-    wrapped = None
-    if comm.rank == 0:
-        assert key is not None and len(key) == KEY_BYTES
-        wrapped = [_xor(key, _mask(x25519(mine, p), token)) for p in publics]
-    wrapped = comm.broadcast_object((publics[0], wrapped), "hvd_sparse.auth.wrapped")
-    root, masked = wrapped
-    if comm.rank != 0:
-        key = _xor(masked[comm.rank], _mask(x25519(mine, root), token))
+    key = _hand_over(comm, key, token, _WRAP_LABEL, range(comm.size), "hvd_sparse.auth")
     assert key is not None
     check = hmac.new(key, b"check", hashlib.sha256).hexdigest()[:16]
     checks = comm.allgather_object(check, "hvd_sparse.auth.check")
@@ -88,10 +82,50 @@ def agree(comm: Collectives, key: bytes | None, token: int) -> bytes:
     return key
 
 
+def share_secret(comm: Collectives, secret: bytes | None, token: int,
+                 to: Collection[int]) -> bytes | None:
+    """Rank 0's ``secret`` (SHARD_SECRET_BYTES) on the ranks ``to`` (rank 0 among them),
+    None on the others. Collective over ``comm``. Wrapped as ``agree`` wraps the key, under a
+    label of its own: the ranks that start a job's aggregators on their hosts (colocated
+    layout) need the secret those derive the job's key from, and nobody else learns it."""
+    to = set(to)
+    assert 0 in to
+    got = _hand_over(comm, secret, token, _SECRET_LABEL, to, "hvd_sparse.auth.secret")
+    check = hmac.new(got, b"check", hashlib.sha256).hexdigest()[:16] if got else None
+    checks = comm.allgather_object(check, "hvd_sparse.auth.secret.check")
+    bad = sorted(r for r in to if checks[r] != checks[0])
+    if bad:
+        raise HvdSparseError(f"hvd_sparse: ranks {bad} hold another aggregator secret than "
+                             "rank 0: the exchange was tampered with")
+    return got
+
+
+def _hand_over(comm: Collectives, value: bytes | None, token: int, label: bytes,
+               to: Collection[int], name: str) -> bytes | None:
+    """Rank 0's ``value`` (at most 32 bytes) on the ranks ``to``: each of them sends an X25519
+    public key, rank 0 sends back ``value`` masked with HMAC-SHA256(shared secret, label ||
+    token) for each. Collective over ``comm``; None on ranks outside ``to``."""
+    from ._C import x25519, x25519_keypair  # here: importing this module needs no torch
+    to = set(to)
+    mine, public = x25519_keypair()
+    publics = comm.allgather_object(public if comm.rank in to else None, f"{name}.public")
+    wrapped = None
+    if comm.rank == 0:
+        assert value is not None and len(value) <= 32
+        wrapped = [_xor(value, _mask(x25519(mine, p), token, label, len(value)))
+                   if p is not None else None for p in publics]
+    root, masked = comm.broadcast_object((publics[0], wrapped), f"{name}.wrapped")
+    if comm.rank not in to:
+        return None
+    if comm.rank != 0:
+        value = _xor(masked[comm.rank], _mask(x25519(mine, root), token, label,
+                                              len(masked[comm.rank])))
+    return value
+
+
 def _xor(a: bytes, b: bytes) -> bytes:
     return bytes(x ^ y for x, y in zip(a, b, strict=True))
 
 
-def _mask(shared: bytes, token: int) -> bytes:
-    return hmac.new(shared, _WRAP_LABEL + token.to_bytes(8, "big"),
-                    hashlib.sha256).digest()[:KEY_BYTES]
+def _mask(shared: bytes, token: int, label: bytes = _WRAP_LABEL, n: int = KEY_BYTES) -> bytes:
+    return hmac.new(shared, label + token.to_bytes(8, "big"), hashlib.sha256).digest()[:n]

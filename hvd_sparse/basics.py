@@ -44,8 +44,9 @@ def init(**kwargs: object) -> None:
 
     Options (keyword or ``HVD_SPARSE_<NAME>`` environment variable): block_size, scheme,
     timeout, small_bytes, probe ("auto", "force", "off"), cache_dir, log_level, threads;
-    for the omnireduce scheme: aggregators ("host:port,..."; when empty rank 0 starts
-    local_aggregators of its own), aggregator_host, fallback ("error" or "dense"),
+    for the omnireduce scheme: aggregators ("host:port,..."; when empty the job starts
+    local_aggregators of its own, laid out by aggregator_layout: "auto", "colocated" on every
+    host, "rank0"), aggregator_host, fallback ("error" or "dense"),
     payload_bytes, slots, rto, fixed_point; for the switch scheme: switch ("ip:port");
     metrics_file, metrics_records, link_rate (the run file for
     ``hvd-sparse analyze``). See config.py.

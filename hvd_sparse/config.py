@@ -9,6 +9,7 @@ from pathlib import Path
 from .runfile import parse_rate
 
 SCHEMES = ("dense", "allgather", "zen", "omnireduce", "switch", "auto")
+LAYOUTS = ("auto", "colocated", "rank0")
 
 
 @dataclass
@@ -21,11 +22,19 @@ class Config:
     cache_dir: str = str(Path.home() / ".cache" / "hvd_sparse")
     log_level: str = "WARNING"
     threads: int = 0  # codec threads per rank; 0: cores / ranks on this host
-    # omnireduce: "host:port,..." (or a list) of running aggregators; empty: rank 0 starts
-    # local ones
+    # omnireduce: "host:port,..." (or a list) of running aggregators; empty: the job starts
+    # its own (aggregator_layout)
     aggregators: str | list = ""
-    local_aggregators: int = -1  # how many rank 0 starts; -1: one per 4 workers; 0: none
-    aggregator_host: str = ""  # address workers reach local aggregators at; "": automatic
+    # where the job's own aggregators run: "colocated", on every host of the job (its lowest
+    # rank starts them, slots spread over all: every host link carries about the same bytes);
+    # "rank0", all on rank 0's host; "auto": colocated when the ranks span several hosts
+    aggregator_layout: str = "auto"
+    # how many each host that runs them starts; -1: one per 4 of the ranks they serve (the
+    # host's own when colocated, the job's on rank 0's host), at least 1; 0: none
+    local_aggregators: int = -1
+    # address workers reach the job's own aggregators at (each host's own: its environment's
+    # value when colocated); "": automatic
+    aggregator_host: str = ""
     fallback: str = "error"  # when aggregation fails: "error" raises, "dense" redoes it dense
     # omnireduce: authenticate every packet to and from the aggregators (docs/PROTOCOL.md
     # "Authentication"); turn off only on a fabric no one else can reach
@@ -63,6 +72,9 @@ class Config:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {self.timeout}")
+        if self.aggregator_layout not in LAYOUTS:
+            raise ValueError(f"aggregator_layout must be one of {LAYOUTS}, "
+                             f"got {self.aggregator_layout!r}")
         if self.probe not in ("auto", "force", "off"):
             raise ValueError(f"probe must be 'auto', 'force' or 'off', got {self.probe!r}")
         if self.fallback not in ("error", "dense"):

@@ -1,8 +1,9 @@
 """The aggregation session: this rank's worker engine joined to the job's aggregators.
 
-``start`` (called by ``hvd_sparse.init``, collective) joins the configured aggregators or has
-rank 0 start local ones (aggregator.LocalAggregators), agrees with every rank on the job token
-and the path MTU, and registers. The omnireduce scheme submits tensors to the resulting
+``start`` (called by ``hvd_sparse.init``, collective) joins the configured aggregators or starts
+the job's own (aggregator.LocalAggregators: on rank 0's host when the job runs on one host, a
+shard on every host when it spans several), agrees with every rank on the job token and the
+path MTU, and registers. The omnireduce scheme submits tensors to the resulting
 ``Session``. ``join_switch`` does the same with the switch that aggregates in the network
 (scheme "switch"): fixed point, packets a switch slot can hold, one tensor at a time. Tensors
 are named on the wire by a hash of their name and how often that name was reduced, so every
@@ -40,10 +41,13 @@ class Session:
 
     def __init__(self, cfg: Config, comm: Collectives, addrs: list[tuple[str, int]],
                  token: int, local: LocalAggregators | None, max_datagram: int | None = None,
-                 switch: bool = False, key: bytes = b"",
+                 switch: bool = False, key: bytes = b"", placement: str = "remote",
                  control: switch_control.Client | None = None) -> None:
         self.cfg, self.addrs, self.local, self.switch = cfg, addrs, local, switch
         self.token, self.control = token, control  # control: the switch's, where rank 0 installed
+        # where the aggregators run, alike on every rank: "remote" (configured), "rank0" (the
+        # job's own, all on rank 0's host), "colocated" (the job's own, on every host), "switch"
+        self.placement = "switch" if switch else placement
         # Block values per packet: the configured fusion, cut so that a whole packet (header,
         # bitmap, up to MAX_LANES lane entries) fits one frame of the path: an IP fragment
         # lost on a busy link loses the whole datagram. (A switch's REGACK cuts it further, to
@@ -96,9 +100,8 @@ class Session:
         return self.payload, self.cfg.slots * len(self.addrs)
 
     def describe(self) -> str:
-        """What the probe's timings depend on: how many aggregators, local or not, fusion."""
-        where = "switch" if self.switch else "local" if self.local else "remote"
-        return f"{len(self.addrs)}x{where}/{self.layout()}"
+        """What the probe's timings depend on: how many aggregators, where, fusion."""
+        return f"{len(self.addrs)}x{self.placement}/{self.layout()}"
 
     def probe_time(self, numel: int, density: float = 1.0, reps: int = 3) -> float:
         """Median seconds of aggregating a float32 tensor with ``density`` of its 256-blocks
@@ -218,36 +221,16 @@ def _install_on_switch(cfg: Config, comm: Collectives, token: int, addr: tuple[s
 
 
 def start(cfg: Config, comm: Collectives) -> Session | None:
-    """Joins the configured aggregators or, when none are, starts local ones on rank 0.
+    """Joins the configured aggregators or, when none are, starts the job's own (``_local``).
     Collective over ``comm``, all ranks of the job. Returns None when aggregation is off."""
     addrs = cfg.aggregator_list()
-    local = None
-    if not addrs:
-        count = cfg.local_aggregators
-        if count < 0:
-            count = max(1, comm.size // 4)
-        if count == 0:
-            return None
-        reply: object = None
-        # Ranks may share a hostname and still be apart (containers, network namespaces), so
-        # loopback serves only ranks in one network namespace of one running kernel.
-        where = comm.allgather_object(_whereabouts(), "hvd_sparse.omni.where")
-        if comm.rank == 0:
-            together = len({w[:2] for w in where}) == 1
-            try:
-                host = cfg.aggregator_host or ("127.0.0.1" if together else
-                                               _address_toward([w[2] for w in where[1:]]))
-                local = LocalAggregators(count, comm.size, "127.0.0.1" if together
-                                         else "0.0.0.0", secret=cfg.auth)
-                reply = [(host, p) for p in local.ports]
-            except HvdSparseError as e:
-                reply = str(e)
-        reply = comm.broadcast_object(reply, "hvd_sparse.omni.addrs")
-        if isinstance(reply, str):
-            raise HvdSparseError(reply)
-        addrs = [tuple(a) for a in reply]  # type: ignore[union-attr]
+    if not addrs and cfg.local_aggregators == 0:
+        return None
     token = comm.broadcast_object(random.SystemRandom().getrandbits(63) | 1,
                                   "hvd_sparse.omni.token")
+    local, placement = None, "remote"
+    if not addrs:
+        addrs, local, placement = _local(cfg, comm, token)
     try:
         key = _job_key(cfg, comm, local, token) if cfg.auth else b""
     except HvdSparseError:
@@ -257,20 +240,74 @@ def start(cfg: Config, comm: Collectives) -> Session | None:
     # Every rank must lay tensors out alike: the smallest path MTU of any rank decides.
     mtu = comm.allreduce(torch.tensor([min(_max_datagram(h, p) for h, p in addrs)]),
                          "hvd_sparse.omni.mtu", "min").value()
-    session = Session(cfg, comm, addrs, token, local, int(mtu), key=key)
+    session = Session(cfg, comm, addrs, token, local, int(mtu), key=key, placement=placement)
     try:
         session.worker.register(cfg.timeout)
     except RuntimeError as e:
         session.close()
         hint = ""
-        if local is None and isinstance(e, AggregatorTimeout):
+        if placement == "remote" and isinstance(e, AggregatorTimeout):
             hint = (" (authentication is " + (
                 "on: the aggregators must run with --secret-file naming the secret of "
                 "HVD_SPARSE_SECRET_FILE" if key else
                 "off: the aggregators must run without --secret-file") + ")")
         raise HvdSparseError(f"hvd_sparse: {e}{hint}") from e
-    log.debug("hvd_sparse: omnireduce aggregators %s", addrs)
+    log.debug("hvd_sparse: omnireduce aggregators (%s) %s", placement, addrs)
     return session
+
+
+def _local(cfg: Config, comm: Collectives, token: int
+           ) -> tuple[list[tuple[str, int]], LocalAggregators | None, str]:
+    """The job's own aggregators (collective): (their addresses in the same order on every
+    rank, those this rank started, "rank0" or "colocated").
+
+    A host here is a network stack (kernel boot id and network namespace): ranks may share a
+    hostname and still be apart (containers, the testbed's namespaces), so neither the
+    hostname nor Horovod's local_rank tells them apart. On one host, rank 0 starts them all on
+    loopback. Colocated (OmniReduce's layout), each host's lowest rank starts a shard and slots
+    are spread over all shards (the worker engine puts slot g on aggregator g % K), so every
+    host link carries about the same bytes, where one aggregator host would carry every
+    worker's traffic. The shards must derive the job's key alike: rank 0 hands them one fresh
+    secret, wrapped as the key is (auth.share_secret)."""
+    where = comm.allgather_object(_whereabouts(), "hvd_sparse.omni.where")
+    hosts: dict[tuple, list[int]] = defaultdict(list)
+    for r, w in enumerate(where):
+        hosts[tuple(w[:2])].append(r)  # in rank order: the first of each is its lowest
+    together = len(hosts) == 1
+    colocated = not together and cfg.aggregator_layout in ("auto", "colocated")
+    mine = hosts[tuple(where[comm.rank][:2])]
+    starters = [h[0] for h in hosts.values()] if colocated else [0]
+    secret = None
+    if cfg.auth and colocated:
+        raw = auth.share_secret(comm, os.urandom(auth.SHARD_SECRET_BYTES)
+                                if comm.rank == 0 else None, token, starters)
+        secret = raw.hex().encode() if raw is not None else None
+    local, reply = None, None
+    if comm.rank in starters:
+        count = cfg.local_aggregators
+        if count < 0:
+            count = max(1, (len(mine) if colocated else comm.size) // 4)
+        try:
+            others = [w[2] for r, w in enumerate(where) if r not in mine]
+            host = cfg.aggregator_host or ("127.0.0.1" if together else _address_toward(others))
+            local = LocalAggregators(count, comm.size, "127.0.0.1" if together else "0.0.0.0",
+                                     secret=secret or cfg.auth)
+            reply = [(host, p) for p in local.ports]
+        except (HvdSparseError, OSError) as e:  # every rank must hear of it, not wait
+            reply = f"rank {comm.rank}: {e}"
+    replies = comm.allgather_object(reply, "hvd_sparse.omni.addrs")
+    why = [r for r in replies if isinstance(r, str)]
+    addrs = [tuple(a) for r in replies if isinstance(r, list) for a in r]
+    if not why and colocated and len({h for h, _ in addrs}) < len(starters):
+        why = [f"the hosts' aggregators share addresses ({addrs}): with aggregator_layout "
+               "colocated each host advertises its own (HVD_SPARSE_AGGREGATOR_HOST per host, "
+               "or empty)"]
+    if why:
+        if local is not None:
+            local.stop()
+        raise HvdSparseError("hvd_sparse: the job's aggregators did not start: "
+                             + "; ".join(why))
+    return addrs, local, "colocated" if colocated else "rank0"  # type: ignore[return-value]
 
 
 def _job_key(cfg: Config, comm: Collectives, local: LocalAggregators | None,

@@ -16,6 +16,9 @@ call them (the input restored outside the timed region):
   same with ``to_sparse()`` and the final ``to_dense()`` timed, dense in and out as ours;
 * allgather, zen, auto, omnireduce x4 (the 4 aggregator hosts), omnireduce x1 (only a0):
   ``hvd_sparse.allreduce_(t, scheme=...)``;
+* omnireduce colocated (the job's own aggregators, a shard on every worker host: the default
+  with no aggregators configured) and omnireduce rank0 (the job's own, all on rank 0's host:
+  the default before): the aggregator hosts stay idle;
 * with ``--switch emu`` (the emulated switch in place of the bridge): switch, aggregation in
   the switch (scheme "switch"), with the emulator's packets per second and passes per packet.
 
@@ -44,8 +47,10 @@ sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make
 from _report import console, print_table, save_png, testbed_main, write_json  # noqa: E402
 
 METHODS = ["hvd dense", "hvd sparse", "hvd sparse e2e", "allgather", "zen", "omnireduce x1",
-           "omnireduce x4", "switch", "auto"]
-OURS = ["allgather", "zen", "omnireduce x1", "omnireduce x4", "switch"]
+           "omnireduce x4", "omnireduce colocated", "omnireduce rank0", "switch", "auto"]
+OURS = ["allgather", "zen", "omnireduce x1", "omnireduce x4", "omnireduce colocated", "switch"]
+# the job's own aggregators (no HVD_SPARSE_AGGREGATORS), by aggregator_layout
+OWN = {"omnireduce colocated": "colocated", "omnireduce rank0": "rank0"}
 TARGET_SPARSE_X, TARGET_BOUND_X, TARGET_AUTO_X = 2.0, 1.5, 0.95
 TARGET_SWITCH_X = 2.5  # the switch against one aggregator host at 10%
 
@@ -115,14 +120,17 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         base = by.get((r["rate"], r["density"], "hvd sparse"), {})
         r["x vs hvd sparse"] = base.get("ms", nan) / r.get("ms", nan)
     cols = ["rate", "density", "method", "ms", "x vs hvd sparse", "bound ms", "x of bound",
-            "util %", "worker rx MB", "aggregators tx MB", "scheme", "retransmits", "model ms",
+            "util %", "worker rx MB", "aggregators tx MB", "busiest link MB",
+            "worker links rx/tx MB", "scheme", "retransmits", "model ms",
             "model err %", "switch kpps", "passes / packet", "ok"]
     print_table(rows, f"in-place allreduce of {args.numel:,} float32 on 4 emulated hosts, "
                 f"median of {args.reps} (slowest rank)", cols,
                 caption="bound: the bytes the worker that must receive most must receive (blocks "
                 "non-zero on some other rank), over the link rate. util: the busiest worker's "
                 "received bits / time / rate. worker rx MB: mean over workers, per call (eth0 "
-                "counters). aggregators tx MB: all aggregator hosts together, per call. model: "
+                "counters). aggregators tx MB: all aggregator hosts together, per call. busiest "
+                "link MB: the most any worker host's link carried in one direction, per call; "
+                "worker links rx/tx MB: each worker host's (w0 first). model: "
                 "the cost model's prediction (probed at init on these links; omnireduce's terms "
                 "fitted on the 4 aggregator hosts, so x1 has none). switch kpps: packets the "
                 "emulator aggregated per second of the call; passes / packet: pipeline passes "
@@ -213,6 +221,10 @@ def rank_side(args: argparse.Namespace) -> None:
     cfg = st.config
     one = omni.start(dataclasses.replace(cfg, aggregators=cfg.aggregator_list()[:1]), st.comm)
     sessions = {"omnireduce x1": one, "omnireduce x4": st.omni}
+    for m, layout in OWN.items():
+        if m in args.methods:
+            sessions[m] = omni.start(dataclasses.replace(
+                cfg, aggregators="", aggregator_layout=layout), st.comm)
     if st.switch is not None:
         sessions["switch"] = st.switch
 
@@ -306,6 +318,12 @@ def rank_side(args: argparse.Namespace) -> None:
                 r["worker rx MB"] = statistics.mean(wrx) / 1e6
                 r["aggregators tx MB"] = sum(statistics.mean(p[h.name][1] for p in per)
                                              for h in tb.aggregator_hosts) / 1e6
+                # each worker host's link, both directions: where the aggregation load sits
+                r["worker links rx/tx MB"] = " ".join(
+                    f"{statistics.mean(p[h][0] for p in per) / 1e6:.1f}/"
+                    f"{statistics.mean(p[h][1] for p in per) / 1e6:.1f}" for h in workers)
+                r["busiest link MB"] = max(statistics.mean(p[h][k] for p in per)
+                                           for h in workers for k in (0, 1)) / 1e6
                 r["util %"] = 100 * max(wrx) * 8 / (ms / 1e3) / tb.rate_bps
                 r["x of bound"] = ms / r["bound ms"]
                 if "model ms" in r:
@@ -330,6 +348,9 @@ def rank_side(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.rank_side).write_text(json.dumps(rows, default=float))
     one.close()
+    for m in OWN:
+        if m in sessions:
+            sessions[m].close()
     hvd_sparse.shutdown()
 
 

@@ -66,6 +66,8 @@ def test_killed_aggregator_error(ref):
     with pytest.raises(hvd_sparse.HvdSparseError) as e:
         kill_mid_flight("killed", inplace=False)
     took = time.monotonic() - t0
+    # one host: the job's aggregators stay on rank 0's host, on loopback
+    assert basics.state().omni.placement == "rank0"
     port = basics.state().omni.addrs[0][1]
     assert f"127.0.0.1:{port}" in str(e.value) and "'killed'" in str(e.value), \
         f"error does not name the aggregator and tensor: {e.value}"

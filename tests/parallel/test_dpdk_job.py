@@ -81,7 +81,8 @@ def test_against_the_float64_reference(dpdk):
 
 
 def test_same_as_a_kernel_udp_aggregator(dpdk):
-    init(aggregators="", local_aggregators=1)  # rank 0's kernel-UDP aggregator
+    # rank 0's kernel-UDP aggregator (on several hosts the default would be one per host)
+    init(aggregators="", local_aggregators=1, aggregator_layout="rank0")
     try:
         udp = reduce_all("udp")
     finally:

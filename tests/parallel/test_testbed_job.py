@@ -153,8 +153,10 @@ def link_flap() -> str:
 
 
 def local_aggregator() -> str:
-    """No aggregator given: rank 0 starts one, which the other namespaces must reach."""
-    hvd_sparse.init(probe="off", timeout=TIMEOUT, aggregators="", local_aggregators=1)
+    """No aggregator given, all on rank 0's host (not the colocated default of several
+    hosts): rank 0 starts one, which the other namespaces must reach."""
+    hvd_sparse.init(probe="off", timeout=TIMEOUT, aggregators="", local_aggregators=1,
+                    aggregator_layout="rank0")
     host = basics.state().omni.addrs[0][0]
     if host.startswith("127."):
         return f"rank 0's aggregator advertised at {host}, unreachable from other hosts"

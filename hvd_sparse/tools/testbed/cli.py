@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--launcher", choices=launch.LAUNCHERS, default="mpirun",
                    help="mpirun: Horovod ranks under Open MPI; torch: torch.distributed ranks "
                         "(RANK, WORLD_SIZE, MASTER_ADDR=w0 as torchrun sets them; Gloo on eth0)")
+    r.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks on each worker host (they share its link and aggregator shard)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     s = sp("set", "change loss, rate or link state while jobs run")
     s.add_argument("--host", help="w0.., a0..; default: every port (loss, rate)")
@@ -101,7 +103,7 @@ def main(argv: list[str]) -> int:
             lifecycle.require_root()
             cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
             return launch.run(Testbed.load(a.name), cmd, timeout=a.timeout,
-                              launcher=a.launcher).returncode
+                              launcher=a.launcher, per_host=a.ranks_per_host).returncode
     except (OSError, ValueError, KeyError, RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"hvd-sparse testbed {a.cmd}: {e}", file=sys.stderr)
         return 1

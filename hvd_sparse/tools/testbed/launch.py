@@ -195,8 +195,10 @@ def _python(cmd: Sequence[str]) -> list[str]:
     return cmd
 
 
-def command(tb: Testbed, cmd: Sequence[str], env: dict[str, str]) -> list[str]:
-    """The mpirun command line: one rank per worker host, in rank order."""
+def command(tb: Testbed, cmd: Sequence[str], env: dict[str, str], per_host: int = 1
+            ) -> list[str]:
+    """The mpirun command line: ``per_host`` ranks per worker host, host by host in rank
+    order."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise RuntimeError("testbed: mpirun not found (Open MPI; make build installs it)")
@@ -206,7 +208,7 @@ def command(tb: Testbed, cmd: Sequence[str], env: dict[str, str]) -> list[str]:
         out += ["-x", k]
     for i, h in enumerate(tb.worker_hosts):
         out += [":"] if i else []
-        out += ["-np", "1", "ip", "netns", "exec", h.ns, *cmd]
+        out += ["-np", str(per_host), "ip", "netns", "exec", h.ns, *cmd]
     return out
 
 
@@ -216,22 +218,25 @@ TORCH_PORT = 29500  # worker 0's rendezvous port (its namespace is the testbed's
 
 def run(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
         timeout: float | None = None, capture: bool = False,
-        launcher: str = "mpirun") -> subprocess.CompletedProcess:
-    """Runs ``cmd`` as one rank per worker host and returns the job's result (its output as
-    text with ``capture``): under mpirun (Horovod), or with ``launcher="torch"`` as
-    torch.distributed ranks (see `torch_env`). Past ``timeout`` the job is stopped and
-    TimeoutExpired raised; no rank outlives the call either way."""
+        launcher: str = "mpirun", per_host: int = 1) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` as ``per_host`` ranks per worker host (ranks 0..per_host-1 on w0, and so
+    on) and returns the job's result (its output as text with ``capture``): under mpirun
+    (Horovod), or with ``launcher="torch"`` as torch.distributed ranks (see `torch_env`). Past
+    ``timeout`` the job is stopped and TimeoutExpired raised; no rank outlives the call either
+    way."""
     if not cmd:
         raise ValueError("testbed run: no command given (hvd-sparse testbed run -- CMD ...)")
     if launcher not in LAUNCHERS:
         raise ValueError(f"testbed run: launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    if per_host < 1:
+        raise ValueError(f"testbed run: ranks per host must be >= 1, got {per_host}")
     if launcher == "torch":
-        return _run_torch(tb, cmd, env, timeout, capture)
+        return _run_torch(tb, cmd, env, timeout, capture, per_host)
     fwd = PmixForwarder([h.ns for h in tb.worker_hosts])
     job = job_env(tb, env)
     full = {**os.environ, **job, "PMIX_MCA_ptl_tcp_ipv4_port": str(fwd.port)}
     pipe = subprocess.PIPE if capture else None
-    proc = subprocess.Popen(command(tb, cmd, job), env=full, stdout=pipe, stderr=pipe,
+    proc = subprocess.Popen(command(tb, cmd, job, per_host), env=full, stdout=pipe, stderr=pipe,
                             text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -250,31 +255,38 @@ def run(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
         links.kill_processes([h.ns for h in tb.worker_hosts])
 
 
-def torch_env(tb: Testbed, rank: int, port: int = TORCH_PORT) -> dict[str, str]:
-    """What torchrun would give rank ``rank`` with one process per node (``env://``
-    rendezvous at worker 0), and Gloo bound to the testbed link rather than loopback."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(tb.workers), "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "NODE_RANK": str(rank),
+def torch_env(tb: Testbed, rank: int, port: int = TORCH_PORT, per_host: int = 1
+              ) -> dict[str, str]:
+    """What torchrun would give rank ``rank`` with ``per_host`` processes per node
+    (``env://`` rendezvous at worker 0), and Gloo bound to the testbed link rather than
+    loopback."""
+    node = rank // per_host
+    return {"RANK": str(rank), "WORLD_SIZE": str(tb.workers * per_host),
+            "LOCAL_RANK": str(rank % per_host), "LOCAL_WORLD_SIZE": str(per_host),
+            "GROUP_RANK": str(node), "NODE_RANK": str(node),
             "MASTER_ADDR": tb.worker_hosts[0].ip, "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": "eth0"}
 
 
 def _run_torch(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None,
-               timeout: float | None, capture: bool) -> subprocess.CompletedProcess:
-    """One process per worker host, in its namespace. When a rank fails the others are
+               timeout: float | None, capture: bool, per_host: int = 1
+               ) -> subprocess.CompletedProcess:
+    """``per_host`` processes per worker host, in its namespace. When a rank fails the others are
     stopped (as torchrun does): they would wait for it until Gloo's timeout."""
     argv, job = _python(cmd), job_env(tb, env)
     procs: list[subprocess.Popen] = []
     logs: list[IO[str]] = []
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        for r, h in enumerate(tb.worker_hosts):
+        for r in range(tb.workers * per_host):
+            h = tb.worker_hosts[r // per_host]
             # Files rather than pipes: nobody has to drain N pipes while the job runs.
             log = tempfile.TemporaryFile("w+") if capture else None
             logs += [log] if log else []
             procs.append(subprocess.Popen(
                 ["ip", "netns", "exec", h.ns, *argv], env={**os.environ, **job,
-                                                          **torch_env(tb, r)},
+                                                          **torch_env(tb, r,
+                                                                      per_host=per_host)},
                 stdout=log, stderr=subprocess.STDOUT if log else None,
                 stdin=subprocess.DEVNULL, text=True))
         while (codes := [p.poll() for p in procs]).count(None):
@@ -299,5 +311,6 @@ def _output(tb: Testbed, logs: list[IO[str]]) -> str:
     parts = []
     for r, log in enumerate(logs):
         log.seek(0)
-        parts.append(f"--- rank {r} ({tb.worker_hosts[r].name}) ---\n{log.read()}")
+        host = tb.worker_hosts[r * len(tb.worker_hosts) // len(logs)].name
+        parts.append(f"--- rank {r} ({host}) ---\n{log.read()}")
     return "".join(parts)
