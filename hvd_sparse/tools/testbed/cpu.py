@@ -17,6 +17,7 @@ a host's time would come in lumps of a whole period anyway. Below c = 0.1 the pe
 keep the quota at 1 ms (c = 1/24: 24 ms)."""
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -92,7 +93,7 @@ def auto_share(hosts: int) -> float:
 
 def period_us(share: float) -> int:
     """The CFS period for a host of ``share`` cores (module docstring: why 10 ms)."""
-    return max(PERIOD_US, -(-MIN_QUOTA_US * 1_000_000 // int(share * 1_000_000)))
+    return max(PERIOD_US, math.ceil(round(MIN_QUOTA_US / share, 3)))  # round: 1/24 is inexact
 
 
 def quota_us(share: float) -> int:
