@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hvd_sparse.tools.testbed import cpu, lifecycle, links, topology
 from hvd_sparse.tools.testbed import launch as testbed_launch
-from hvd_sparse.tools.testbed import lifecycle, links, topology
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "parallel"))
@@ -26,8 +26,9 @@ NAME = f"hvt{os.getpid() % 100000}"  # unique: never touches another run's names
 
 
 def leftovers(name: str) -> list[str]:
-    """Namespaces, veths and processes of testbed `name` that still exist."""
-    out = links.namespaces(name)
+    """Namespaces, veths, CPU budgets (cgroups) and processes of testbed `name` that still
+    exist."""
+    out = links.namespaces(name) + [str(g) for g in cpu.groups(name)]
     ip = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     out += [line.split(":")[1].strip() for line in ip.splitlines()
             if line.split(":")[1].strip().split("@")[0].startswith(name)]

@@ -193,9 +193,15 @@ int main(int argc, char** argv) {
   start(o.eal);
   const uint16_t nports = rte_eth_dev_count_avail();
   if (nports < 2) fail("a switch needs at least 2 ports (one --vdev each)");
+  // What can be held at once: per port a full egress ring, the burst its thread is sending and
+  // the burst queued for it; one received burst; the polling lcore's cache (up to 1.5 x 256).
+  // No ring descriptors: af_packet allocates an mbuf per received frame and frees each sent one
+  // once copied into its socket ring. 2 x kRing per port more (34,815 mbufs of 16.5 KiB at 20
+  // ports) did not fit -m 512; this is 9.5 MiB a port (control.py eal_args sizes -m so).
+  const unsigned mbufs = nports * (kEgress + 2 * kBurst) + kBurst + 512;
   rte_mempool* pool =
-      rte_pktmbuf_pool_create("switch", nports * (2u * kRing + kEgress) + 4095, 256, 0,
-                              uint16_t(kDataRoom + RTE_PKTMBUF_HEADROOM), int(rte_socket_id()));
+      rte_pktmbuf_pool_create("switch", mbufs, 256, 0, uint16_t(kDataRoom + RTE_PKTMBUF_HEADROOM),
+                              int(rte_socket_id()));
   if (!pool) fail(std::string("mbuf pool: ") + rte_strerror(rte_errno));
   std::vector<std::string> names;
   std::stringstream list(o.names);

@@ -53,10 +53,13 @@ def command(eal: str, names: list[str], *, aggregate: str | None = None,
 
 
 def eal_args(ports: list[str], prefix: str) -> str:
-    """EAL arguments for one af_packet port per interface, no hugepages and no PCI."""
+    """EAL arguments for one af_packet port per interface, no hugepages and no PCI. Memory:
+    the mbuf pool takes 9.5 MiB a port (csrc/switch/main.cpp), the rest fits in 64 MiB; without
+    hugepages -m reserves address space, pages are touched as frames use them."""
+    mem = 64 + 10 * len(ports)
     vdevs = " ".join(f"--vdev=net_af_packet{i},iface={p},framesz=16384,blocksz=16384,"
                      "qdisc_bypass=0" for i, p in enumerate(ports))
-    return (f"--no-huge --no-pci -m 512 --no-shconf --log-level=warning --file-prefix={prefix} "
+    return (f"--no-huge --no-pci -m {mem} --no-shconf --log-level=warning --file-prefix={prefix} "
             f"{vdevs}")
 
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from . import launch, lifecycle, links, loss
+from . import cpu, fidelity, launch, lifecycle, links, loss
 from .topology import Testbed
 
 
@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--loss", type=float, default=0.0, help="drop rate on every switch port")
     u.add_argument("--loss-proto", choices=("all", "udp"), default="all",
                    help="drop any frame, or only UDP (keeps MPI's TCP out of it)")
+    u.add_argument("--cpu-per-host", default=None, metavar="CORES|auto",
+                   help="each host's CPU budget in cores (a cgroup per host, e.g. 0.25); "
+                        "auto: the machine's cores / hosts. Default: none")
     r = sp("run", "run CMD with one rank per worker host (Horovod, or torch.distributed)")
     r.add_argument("--timeout", type=float, default=None, help="seconds before it is stopped")
     r.add_argument("--launcher", choices=launch.LAUNCHERS, default="mpirun",
@@ -42,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(RANK, WORLD_SIZE, MASTER_ADDR=w0 as torchrun sets them; Gloo on eth0)")
     r.add_argument("--ranks-per-host", type=int, default=1,
                    help="ranks on each worker host (they share its link and aggregator shard)")
+    r.add_argument("--report", metavar="PATH",
+                   help="write what bound the run (per host CPU and link use, verdict) as "
+                        "JSON; a summary is printed to stderr either way")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     s = sp("set", "change loss, rate or link state while jobs run")
     s.add_argument("--host", help="w0.., a0..; default: every port (loss, rate)")
@@ -58,14 +64,30 @@ def _parser() -> argparse.ArgumentParser:
 
 def status(tb: Testbed) -> dict:
     c = links.counters(tb)
+    used = cpu.usage(tb) if tb.cpu_per_host else {}
+
+    def budget(host: str) -> dict:
+        if host not in used:
+            return {}
+        u = used[host]
+        return {"cpu_budget": tb.cpu_per_host, "cpu_s": u["cpu_ns"] / 1e9,
+                "cpu_periods": u["periods"], "cpu_throttled": u["throttled"],
+                "cpu_throttled_s": u["throttled_ns"] / 1e9,
+                "cgroup_processes": len(cpu.procs(tb, host))}
+
     return {"name": tb.name, "rate": tb.rate, "mtu": tb.mtu, "loss": tb.loss,
             "loss_proto": tb.loss_proto, "dropped_by_loss": loss.dropped(tb),
             "aggregators": tb.aggregator_addresses(), "transport": tb.transport,
-            "switch": tb.switch, "auth": tb.auth,
+            "switch": tb.switch, "auth": tb.auth, "cpu_per_host": tb.cpu_per_host,
+            "emulated": fidelity.emulated(tb),
+            **({"cfs_period_us": cpu.period_us(tb.cpu_per_host),
+                "cfs_quota_us": cpu.quota_us(tb.cpu_per_host),
+                "switch_cpu_s": used[cpu.SWITCH]["cpu_ns"] / 1e9} if used else {}),
             "hosts": [{"host": h.name, "namespace": h.ns, "ip": h.ip, "loss": h.loss,
                        "rate": h.rate or tb.rate,
                        "link": "down" if h.down else "up",
-                       "processes": len(links.pids_in(h.ns)), **c[h.name]} for h in tb.hosts]}
+                       "processes": len(links.pids_in(h.ns)), **c[h.name], **budget(h.name)}
+                      for h in tb.hosts]}
 
 
 def _print_status(d: dict) -> None:
@@ -73,13 +95,23 @@ def _print_status(d: dict) -> None:
     from rich.table import Table
     t = Table(title=f"testbed {d['name']}: {d['rate']} links, MTU {d['mtu']}, loss {d['loss']} "
                     f"({d['loss_proto']}), {d['dropped_by_loss']} frames dropped by loss rules")
-    for col in ("host", "namespace", "ip", "rate", "link", "loss", "processes", "rx MB",
-                "tx MB"):
+    cols = ["host", "namespace", "ip", "rate", "link", "loss", "processes", "rx MB", "tx MB"]
+    budgets = bool(d["cpu_per_host"])
+    cols += ["CPU budget", "CPU s", "throttled"] if budgets else []
+    for col in cols:
         t.add_column(col)
     for h in d["hosts"]:
-        t.add_row(h["host"], h["namespace"], h["ip"], h["rate"], h["link"], f"{h['loss']:g}",
-                  str(h["processes"]), f"{h['rx_bytes'] / 1e6:.1f}", f"{h['tx_bytes'] / 1e6:.1f}")
+        row = [h["host"], h["namespace"], h["ip"], h["rate"], h["link"], f"{h['loss']:g}",
+               str(h["processes"]), f"{h['rx_bytes'] / 1e6:.1f}", f"{h['tx_bytes'] / 1e6:.1f}"]
+        if budgets:
+            row += [f"{h['cpu_budget']:.3g} core", f"{h['cpu_s']:.2f}",
+                    f"{h['cpu_throttled']}/{h['cpu_periods']}"]
+        t.add_row(*row)
     Console().print(t)
+    print(d["emulated"])
+    if budgets:
+        print(f"CFS period {d['cfs_period_us'] / 1000:g} ms, quota {d['cfs_quota_us'] / 1000:g} "
+              f"ms a host; switch CPU {d['switch_cpu_s']:.2f} s (no quota)")
     if d["aggregators"]:
         print(f"aggregators: {d['aggregators']}")
 
@@ -88,8 +120,16 @@ def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     try:
         if a.cmd == "up":
+            share = 0.0
+            if a.cpu_per_host == "auto":
+                share = cpu.auto_share(a.workers + a.aggregators)
+            elif a.cpu_per_host is not None:
+                share = float(a.cpu_per_host)
+                if share <= 0:
+                    raise ValueError(f"--cpu-per-host must be > 0 or auto, got {a.cpu_per_host}")
             tb = lifecycle.up(Testbed(a.name, a.workers, a.aggregators, a.rate, a.mtu, a.loss,
-                                      a.loss_proto, a.transport, a.switch, a.auth))
+                                      a.loss_proto, a.transport, a.switch, a.auth,
+                                      cpu_per_host=share))
             _print_status(status(tb))
         elif a.cmd == "down":
             removed = lifecycle.down(a.name)
@@ -102,8 +142,15 @@ def main(argv: list[str]) -> int:
         elif a.cmd == "run":
             lifecycle.require_root()
             cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
-            return launch.run(Testbed.load(a.name), cmd, timeout=a.timeout,
-                              launcher=a.launcher, per_host=a.ranks_per_host).returncode
+            tb = Testbed.load(a.name)
+            with fidelity.Monitor(tb) as mon:
+                rc = launch.run(tb, cmd, timeout=a.timeout, launcher=a.launcher,
+                                per_host=a.ranks_per_host).returncode
+            print(fidelity.format_report(mon.report), file=sys.stderr)
+            if a.report:
+                with open(a.report, "w") as f:
+                    json.dump(mon.report, f, indent=1)
+            return rc
     except (OSError, ValueError, KeyError, RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"hvd-sparse testbed {a.cmd}: {e}", file=sys.stderr)
         return 1

@@ -25,7 +25,7 @@ from pyroute2 import netns
 
 from ...aggregator import binary
 from ...auth import write_secret_file
-from . import links
+from . import cpu, links
 from .topology import AGGREGATOR_PORT, Testbed
 
 
@@ -49,7 +49,7 @@ def start_aggregators(tb: Testbed) -> None:
             links.flush_addresses(h.ns)
         with open(tb.log_dir() / f"{h.name}.log", "w") as log:
             p = subprocess.Popen(
-                ["ip", "netns", "exec", h.ns, *cmd],
+                cpu.wrap(tb, h.name, ["ip", "netns", "exec", h.ns, *cmd]),
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)  # outlives `testbed up`; `down` kills it
         tb.pids[h.name] = p.pid
@@ -78,8 +78,9 @@ def start_switch(tb: Testbed) -> None:
                           [h.name for h in tb.hosts], aggregate=tb.switch_address,
                           control=tb.switch_control, ready_file=ready)
     with open(log, "w") as f:
-        p = subprocess.Popen(["ip", "netns", "exec", tb.switch_ns, *cmd], stdout=f,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        # its own group, with no quota: it stands for switch hardware, but its CPU is counted
+        p = subprocess.Popen(cpu.wrap(tb, cpu.SWITCH, ["ip", "netns", "exec", tb.switch_ns, *cmd]),
+                             stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True)
     tb.pids["switch"] = p.pid
     try:
@@ -181,6 +182,14 @@ def job_env(tb: Testbed, extra: dict[str, str] | None = None) -> dict[str, str]:
             env["HVD_SPARSE_SECRET_FILE"] = str(tb.secret_file())
         else:
             env["HVD_SPARSE_AUTH"] = "0"
+    if tb.cpu_per_host:
+        # Threads share their host's quota: more than its cores only queue on it. Waits run
+        # 1/c times longer on a host of c cores (the scaled time of cpu.py's hosts).
+        # The caller's own settings win.
+        scaled = {"HVD_SPARSE_THREADS": str(max(1, int(tb.cpu_per_host))),
+                  "HVD_SPARSE_TIMEOUT": f"{30 / min(1.0, tb.cpu_per_host):g}"}
+        scaled["OMP_NUM_THREADS"] = scaled["HVD_SPARSE_THREADS"]
+        env.update({k: v for k, v in scaled.items() if k not in os.environ})
     if tb.switch == "emu":
         env["HVD_SPARSE_SWITCH"] = tb.switch_address
         env["HVD_SPARSE_SWITCH_CONTROL"] = str(tb.switch_control)
@@ -208,7 +217,7 @@ def command(tb: Testbed, cmd: Sequence[str], env: dict[str, str], per_host: int 
         out += ["-x", k]
     for i, h in enumerate(tb.worker_hosts):
         out += [":"] if i else []
-        out += ["-np", str(per_host), "ip", "netns", "exec", h.ns, *cmd]
+        out += ["-np", str(per_host), *cpu.wrap(tb, h.name, ["ip", "netns", "exec", h.ns, *cmd])]
     return out
 
 
@@ -284,7 +293,8 @@ def _run_torch(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None,
             log = tempfile.TemporaryFile("w+") if capture else None
             logs += [log] if log else []
             procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", h.ns, *argv], env={**os.environ, **job,
+                cpu.wrap(tb, h.name, ["ip", "netns", "exec", h.ns, *argv]),
+                env={**os.environ, **job,
                                                           **torch_env(tb, r,
                                                                       per_host=per_host)},
                 stdout=log, stderr=subprocess.STDOUT if log else None,

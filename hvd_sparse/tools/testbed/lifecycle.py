@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from . import launch, links, loss
+from . import cpu, launch, links, loss
 from .topology import Testbed, parse_rate
 
 
@@ -23,6 +23,8 @@ def up(tb: Testbed) -> Testbed:
                               f"--name {tb.name}` first, or pick another --name")
     try:
         tb.save()  # first, so that `down` finds it even if we crash half-way
+        if tb.cpu_per_host:
+            cpu.create(tb)  # before any process: each starts inside its host's budget
         links.create(tb)
         launch.start_switch(tb)  # before the loss: the emulated switch applies it itself
         loss.apply(tb)
@@ -64,10 +66,11 @@ def update(tb: Testbed, host: str | None = None, loss_rate: float | None = None,
 
 
 def down(name: str) -> list[str]:
-    """Removes testbed ``name``: its processes, namespaces, veths and state. Safe to repeat
-    and after a crash; touches nothing outside the testbed's own names."""
+    """Removes testbed ``name``: its processes, namespaces, veths, CPU budgets (cgroups) and
+    state. Safe to repeat and after a crash; touches nothing outside the testbed's own names."""
     require_root()
     removed = links.destroy(name)
+    cpu.destroy(name)  # after the processes: a group with processes cannot be removed
     Testbed.state_path(name).unlink(missing_ok=True)
     shutil.rmtree(Testbed(name).log_dir(), ignore_errors=True)  # /run is memory: no leftovers
     return removed

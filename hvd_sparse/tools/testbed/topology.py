@@ -53,6 +53,7 @@ class Testbed:
     transport: str = "udp"  # the aggregators': kernel sockets, or DPDK on an af_packet vdev
     switch: str = "bridge"  # a Linux bridge, or "emu": the emulated switch (DPDK, MAC learning)
     auth: bool = True  # aggregators take only authenticated jobs (the testbed's secret file)
+    cpu_per_host: float = 0.0  # each host's CPU budget in cores (cpu.py); 0: none
     hosts: list[Host] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # aggregator host -> its process
 
@@ -62,6 +63,8 @@ class Testbed:
                              "(veth names must fit 15 characters)")
         if not 1 <= self.workers <= 64 or not 0 <= self.aggregators <= 16:
             raise ValueError("workers must be in [1, 64] and aggregators in [0, 16]")
+        if self.cpu_per_host < 0:
+            raise ValueError(f"cpu_per_host must be >= 0 (0: no budget), got {self.cpu_per_host}")
         if self.loss_proto not in ("all", "udp"):
             raise ValueError("loss_proto must be 'all' or 'udp'")
         if self.transport not in ("udp", "dpdk"):
