@@ -33,8 +33,11 @@ log = logging.getLogger("hvd_sparse")
 
 # A software aggregator's layout by default: (payload bytes per packet, slots per aggregator)
 OMNI_LAYOUT = (Config.payload_bytes, Config.slots)
-# ... and a switch's: what one slot holds (int32), as many slots
-SWITCH_LAYOUT = (protocol.SWITCH_CELLS_PER_SLOT * protocol.SWITCH_VALUES_PER_PASS * 4, Config.slots)
+# ... and a switch's: what one slot holds (int32), with as many more slots as its packets are
+# smaller (the worker engine's rule), at most the groups a job gets (a quarter of the pool)
+_SWITCH_SLOT = protocol.SWITCH_CELLS_PER_SLOT * protocol.SWITCH_VALUES_PER_PASS * 4
+SWITCH_LAYOUT = (_SWITCH_SLOT, min(protocol.SWITCH_CELLS // protocol.SWITCH_CELLS_PER_SLOT // 4,
+                                   Config.slots * max(1, Config.payload_bytes // _SWITCH_SLOT)))
 SEGMENT = SEGMENT_HEADER_BYTES + 8  # a segment's header, and its index list's alignment
 MARGIN = 0.8  # a sparse scheme must be predicted this much faster than dense
 # ... and receive at most this share of dense's bytes. The probe's small collectives miss the

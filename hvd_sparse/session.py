@@ -97,7 +97,7 @@ class Session:
 
     def layout(self) -> tuple[int, int]:
         """(payload bytes per packet, slots over all aggregators): what sets a tensor's rounds."""
-        return self.payload, self.cfg.slots * len(self.addrs)
+        return self.payload, self.worker.slots_per_aggregator() * len(self.addrs)
 
     def describe(self) -> str:
         """What the probe's timings depend on: how many aggregators, where, fusion."""

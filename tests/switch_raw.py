@@ -29,7 +29,8 @@ def main() -> None:
                                   sys.argv[3].split(":"), sys.argv[4])
     token = int(sys.argv[5]) if len(sys.argv) > 5 else 0x5A17
     switch = (host, int(port))
-    ws, ref = fixed_job(n, 50_000, 64, 8, 8, 0.3, seed=token % 1000, token=token)
+    # one lane of 64 values per packet: what one switch pass sums
+    ws, ref = fixed_job(n, 50_000, 64, 1, 8, 0.3, seed=token % 1000, token=token)
     w = ws[rank]
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.settimeout(0.1)

@@ -53,7 +53,7 @@ def release(sw, ws, now: float = 0.0) -> None:
 def test_sums_are_exact(density, bs, lanes):
     """4 workers, blocks in any order, some lost or duplicated: every worker gets the exact
     int64 sum; the passes counted are lanes x ceil(block_size / 64) per DATA."""
-    sw = _C.SwitchPipeline(auto_groups=16)
+    sw = _C.SwitchPipeline(auto_groups=16, cells_per_slot=32)  # multi-pass packets too
     ws, ref = fixed_job(4, 20_000, bs, lanes, 6, density, seed=int(density * 1e4) + bs)
     # REGACK carries the job's group count: no tensor lays out more slots than that
     assert [(p["type"], p["nslots"]) for p in register(sw, ws)] == [(T["REGACK"], 16)] * 4
@@ -71,7 +71,7 @@ def test_sums_are_exact(density, bs, lanes):
 def test_retransmission_gets_the_stored_result():
     """A DATA of the previous round (its sender lost the RESULT) gets the same bytes back,
     from the shadow set, without touching the round in progress."""
-    sw = _C.SwitchPipeline(auto_groups=4)
+    sw = _C.SwitchPipeline(auto_groups=4, cells_per_slot=2)
     ws, _ = fixed_job(2, 64 * 8, 64, 2, 1, 1.0, seed=1)
     register(sw, ws)
     first = [w.data(0) for w in ws]
@@ -127,7 +127,7 @@ def test_what_a_switch_cannot_sum_is_refused():
 def test_jobs_get_disjoint_ranges_and_run_together():
     """Installed jobs own disjoint group ranges (first fit, refused when the pool is full) and
     two jobs interleaved on the switch both get exact sums."""
-    sw = _C.SwitchPipeline(cells=64 * 32)  # 64 groups
+    sw = _C.SwitchPipeline(cells=64 * 32, cells_per_slot=32)  # 64 groups
     assert sw.install(token=1, nworkers=3, groups=20) == 0
     assert sw.install(token=2, nworkers=3, groups=20) == 20
     with pytest.raises(RuntimeError, match="exhausted: 30 slot groups asked, 24 of 64 free"):
@@ -153,7 +153,7 @@ def test_jobs_get_disjoint_ranges_and_run_together():
 def test_a_bound_group_makes_others_wait_until_released():
     """With one group, tensor B's round 0 is dropped ("busy") while tensor A's slot holds it;
     the workers' per-slot RELEASEs free it; without them it is reclaimed after `hold`."""
-    sw = _C.SwitchPipeline(cells=32, hold=2.0)
+    sw = _C.SwitchPipeline(cells=32, cells_per_slot=32, hold=2.0)
     sw.install(token=0x77, nworkers=2, groups=1)
     a, ref_a = fixed_job(2, 640, 64, 4, 1, 1.0, seed=6, tensor=1)
     b, ref_b = fixed_job(2, 640, 64, 4, 1, 1.0, seed=7, tensor=2)
@@ -178,7 +178,7 @@ def test_a_bound_group_makes_others_wait_until_released():
 def test_junk_never_changes_a_sum():
     """test_aggregator_junk's fuzz cases (malformed, truncated, foreign-job packets, float values
     for the running tensor) among a live job's packets: exact sums, foreign packets counted."""
-    sw = _C.SwitchPipeline(auto_groups=8)
+    sw = _C.SwitchPipeline(auto_groups=8, cells_per_slot=32)
     ws, ref = fixed_job(FuzzJob.n, FuzzJob.numel, FuzzJob.bs, FuzzJob.lanes, FuzzJob.nslots,
                         0.2, seed=9, token=FuzzJob.token)
     register(sw, ws)
@@ -254,6 +254,8 @@ def test_the_regack_geometry_reaches_the_worker(core, geometry):
         values_per_pass, cells_per_slot = geometry
         assert w.slot_geometry() == geometry
         assert w.payload_bytes() == min(payload, 4 * values_per_pass * cells_per_slot or payload)
+        # a switch's smaller packets come with more slots, at most the job's groups (4)
+        assert w.slots_per_aggregator() == (4 if values_per_pass else 64)
         if geometry == (32, 8):
             x = (torch.arange(32 * 8 * 3, dtype=torch.float32) % 7) - 3
             out = torch.zeros_like(x)
@@ -270,7 +272,7 @@ def test_installed_workers_are_bound_to_their_hosts():
     """A job installed with its workers' addresses takes each worker's REGISTER only from its
     own host: another host claiming the worker gets no reply (counted foreign), and cannot
     take over a worker that already registered; the job still sums exactly."""
-    sw = _C.SwitchPipeline()
+    sw = _C.SwitchPipeline(cells_per_slot=4)
     ws, ref = fixed_job(2, 64 * 16, 64, 4, 2, 0.5, seed=3)
     sw.install(token=0x77, nworkers=2, groups=4, ips=[w.addr[0] for w in ws])
     forged = wire.header(type=T["REGISTER"], token=0x77, worker=0, nworkers=2)

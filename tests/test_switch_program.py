@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 
+from hvd_sparse import _C, protocol
+from hvd_sparse.tools import wire
 from hvd_sparse.tools.switch.program import (
     Action,
     Limits,
@@ -16,6 +18,7 @@ from hvd_sparse.tools.switch.program import (
     Stage,
     aggregation_program,
     load,
+    wire_share,
 )
 
 
@@ -78,3 +81,29 @@ def test_passes_and_line_rate():
     assert r.line_rate_kept(256, 32) == 1.0
     # 3 extra passes per 1 KiB packet from 4 ports share one recirculation port.
     assert r.line_rate_kept(1024, 4) == pytest.approx(1 / 12)
+
+
+def test_the_switch_path_fits_one_pass():
+    """The geometry workers are told (a slot's values) takes one pass, so a real pipe keeps
+    line rate with every port sending; the emulator sums such a packet in one pass and refuses
+    a packet that would need two; the price is the headers around 256 B of values."""
+    r = load(aggregation_program())
+    slot = protocol.SWITCH_CELLS_PER_SLOT * protocol.SWITCH_VALUES_PER_PASS * 4
+    assert (slot, r.passes(slot), r.line_rate_kept(slot, 32)) == (256, 1, 1.0)
+    assert r.line_rate_kept(8192, 4) == pytest.approx(1 / (31 * 4))  # the old 8 KiB slots
+    # 256 B of values in 394 B on the wire (Ethernet 38, IPv4 20, UDP 8, ours 56 + 8 + 8)
+    assert wire_share(256) == pytest.approx(256 / 394)
+    assert wire_share(8192) > 0.98
+    sw = _C.SwitchPipeline(auto_groups=4)
+    for values, ok in ((64, True), (128, False)):
+        token = 0x90 + values
+        sw.handle(wire.header(type=protocol.TYPES["REGISTER"], token=token, worker=0,
+                              nworkers=1), ("10.0.0.1", 5000))
+        before = sw.counters()
+        out = sw.handle(wire.data([(0, protocol.INF)], {0: bytes(4 * values)}, token=token,
+                                  worker=0, nworkers=1, dtype=protocol.FIXED32, tensor=1,
+                                  block_size=values, nblocks=1, nslots=1), ("10.0.0.1", 5000))
+        after = sw.counters()
+        got = wire.parse(out[0][1])
+        assert (got["type"] == protocol.TYPES["RESULT"]) == ok, got
+        assert after["recirculations"] == before["recirculations"]

@@ -69,7 +69,10 @@ constexpr uint16_t kAggregatorPort = 9999;
 // (hvd_sparse/tools/switch/program.py). A switch's REGACK tells its workers the geometry it
 // actually has (RegAck, below), so a real switch may differ.
 constexpr uint32_t kSwitchValuesPerPass = 64;  // int32 values one pass sums (256 B)
-constexpr uint32_t kSwitchCellsPerSlot = 32;   // cells (passes) a slot holds: 8 KiB of values
+// Cells (passes) a slot holds: one, so that every packet (256 B of values, SwitchML's payload)
+// is summed in one pass of the pipe, at line rate; each further pass would be a recirculation
+// (program.py: Limits.recirculation_ports).
+constexpr uint32_t kSwitchCellsPerSlot = 1;
 constexpr uint32_t kSwitchMaxWorkers = 32;     // workers per job: the seen-bitmap's 32 bits
 constexpr uint32_t kSwitchCells = 8192;        // the register pool's cells (SwitchML's slots)
 

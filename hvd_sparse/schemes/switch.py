@@ -2,10 +2,14 @@
 switch that aggregates them in its registers and multicasts the sums (the emulated one:
 hvd_sparse/tools/switch/, csrc/switch/; docs/PROTOCOL.md "In-network aggregation").
 
+A switch sums a packet in one pass of its pipe (256 B of values: docs/PROTOCOL.md), so blocks
+too large for one of its slots are halved until a packet of them fits (``block_size``): finer
+blocks, alike on every rank.
+
 Per tensor: one tiny max-allreduce agrees on the fixed-point exponent and on the tensor's turn
 (session.Turns: the switch takes one tensor at a time, in the same order on every rank); then
 the blocks go through the switch like an omnireduce submission. Whatever the switch cannot do
-(no switch joined, a process set, a block too large for a slot, NaN/Inf, float64 unless
+(no switch joined, a process set, NaN/Inf, float64 unless
 ``switch_fixed_float64`` allows its rounding, any failure on any rank) goes elsewhere, never
 as a wrong or silently rounded sum: to the aggregators when there are, else dense,
 with the reason logged and in the tensor's metrics ("reason").
@@ -49,13 +53,18 @@ def unsupported(job: Job, session: Session | None) -> str:
         return "process set"
     if job.tensor.dtype == torch.float64 and not job.ctx.config.switch_fixed_float64:
         return "float64 (fixed point would round it; switch_fixed_float64 allows that)"
-    # A packet's values (int32) must fit one slot's cells, a pass per `values` of a lane: the
-    # switch's geometry, from its REGACK
-    values, cells = session.worker.slot_geometry()
-    lanes = protocol.layout(1, job.block_size, 4, session.payload, 1)[0]
-    if values and lanes * math.ceil(job.block_size / values) > cells:
-        return f"block size {job.block_size} (a switch slot holds {cells} passes)"
     return ""
+
+
+def block_size(job: Job, session: Session) -> int:
+    """The job's block size, halved until a packet's values (int32) fit one slot's cells, a
+    pass per `values` of a lane: the switch's geometry, from its REGACK."""
+    values, cells = session.worker.slot_geometry()
+    bs = job.block_size
+    while values and bs > 1 and (protocol.layout(1, bs, 4, session.payload, 1)[0]
+                                 * math.ceil(bs / values) > cells):
+        bs //= 2
+    return bs
 
 
 def run(job: Job) -> Stage:
@@ -64,6 +73,8 @@ def run(job: Job) -> Stage:
     if why:
         return (yield from elsewhere(job, why))
     assert session is not None and session.turns is not None
+    if (bs := block_size(job, session)) != job.block_size:  # the mask again, at the finer size
+        job.block_size, job.mask, job.stats.nnz_local = bs, None, None
     turns = session.turns
     exponent, (number,) = yield from agree(
         job, float(turns.issue()) if job.rank == 0 else -1.0)

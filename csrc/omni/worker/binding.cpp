@@ -170,6 +170,12 @@ void register_omni(py::module_& m) {
           "(values_per_pass, cells_per_slot) of a switch's slots, from its REGACK; (0, 0) "
           "from software aggregators: no per-slot cap.")
       .def(
+          "slots_per_aggregator", [](PyWorker& w) { return w.worker().slots_per_agg(); },
+          nogil(),
+          "Slots a tensor lays out per aggregator: slots_per_aggregator, times what a "
+          "switch's REGACK cut each packet by, at most the job's groups there (register "
+          "first).")
+      .def(
           "close", [](PyWorker& w) { w.worker().close(); }, nogil());
 }
 

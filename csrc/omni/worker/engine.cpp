@@ -82,8 +82,7 @@ void Engine::prepare(TensorW& t, const uint8_t* mask) const {
   if (nb < 1 || nb >= int64_t(kInf))
     throw std::runtime_error("omnireduce: tensor size out of range");
   t.nblocks = uint32_t(nb);
-  const uint64_t slots =
-      groups_ ? std::min<uint64_t>(groups_, o_.slots_per_agg) : uint64_t(o_.slots_per_agg);
+  const uint64_t slots = slots_per_agg();
   const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.wsize), uint64_t(payload_),
                             uint64_t(aggs_.size()) * slots);
   t.lanes = geo.lanes;

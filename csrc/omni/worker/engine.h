@@ -21,6 +21,7 @@
 // and submission orders of the other ranks (that slot is the same on every rank and never
 // waits on a later one).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -156,6 +157,14 @@ class Engine {
   // Bytes of block values per packet: the configured payload, capped at what one slot of a
   // switch holds once its REGACK said so.
   int64_t payload() const { return payload_; }
+  // Slots a tensor may lay out per aggregator: the configured number, times the factor a
+  // switch's REGACK cut each packet by (the same bytes in flight in smaller packets), at most
+  // the job's groups there.
+  uint64_t slots_per_agg() const {
+    const uint64_t cut = uint64_t(std::max<int64_t>(1, o_.payload / payload_));
+    const uint64_t n = uint64_t(o_.slots_per_agg) * cut;
+    return groups_ ? std::min<uint64_t>(groups_, n) : uint64_t(o_.slots_per_agg);
+  }
   // The slot geometry a switch's REGACK gave (groups left 0), or zeros: no per-slot cap.
   RegAck slot_geometry() const { return geometry_; }
   const std::vector<AggregatorPath>& aggregators() const { return aggs_; }

@@ -139,6 +139,11 @@ RegAck Worker::slot_geometry() {
   return engine_->slot_geometry();
 }
 
+uint64_t Worker::slots_per_agg() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_->slots_per_agg();
+}
+
 void Worker::close() {
   if (!thread_.joinable()) return;
   {

@@ -47,9 +47,11 @@ class Worker {
     std::vector<double> rto;
   };
   Stats stats();
-  // The engine's payload() and slot_geometry(): what registration learnt from a switch.
+  // The engine's payload(), slot_geometry() and slots_per_agg(): what registration learnt
+  // from a switch.
   int64_t payload();
   RegAck slot_geometry();
+  uint64_t slots_per_agg();
   // BYE to the aggregators; fails what is in flight; joins the thread. Idempotent.
   void close();
 

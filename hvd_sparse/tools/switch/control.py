@@ -27,7 +27,7 @@ from . import binary, program
 
 CONTROL = "/run/hvd-sparse/switch.sock"
 # The switch geometry, defined once in csrc/omni/protocol.h (hvd_sparse.protocol)
-CELLS_PER_SLOT = protocol.SWITCH_CELLS_PER_SLOT  # a slot's largest packet, in passes: 8 KiB
+CELLS_PER_SLOT = protocol.SWITCH_CELLS_PER_SLOT  # a slot's largest packet, in passes: one
 VALUES_PER_PASS = protocol.SWITCH_VALUES_PER_PASS  # int32 values one pass sums (256 B)
 
 
@@ -50,6 +50,18 @@ def command(eal: str, names: list[str], *, aggregate: str | None = None,
                 "--cells-per-slot", str(CELLS_PER_SLOT), "--auto-groups", str(auto_groups),
                 "--hold", str(hold)]
     return cmd
+
+
+def with_line_rate(stats: dict) -> dict:
+    """The switch's counters, with what a real pipeline would make of the program as run: its
+    passes per packet and the fraction of line rate kept with every port sending
+    (program.line_rate_kept)."""
+    agg = stats.get("aggregation")
+    if agg and agg["packets"]:
+        agg["passes_per_packet"] = agg["passes"] / agg["packets"]
+        agg["line_rate_kept"] = program.line_rate_kept(agg["passes_per_packet"],
+                                                       len(stats["ports"]))
+    return stats
 
 
 def eal_args(ports: list[str], prefix: str) -> str:
@@ -118,6 +130,8 @@ def main(argv: list[str]) -> int:
             print(json.dumps({"removed": client.remove(a.remove)}))
         elif a.cmd == "jobs" and a.drop is not None:
             print(json.dumps({"removed": client.drop(a.drop)}))
+        elif a.cmd == "stats":
+            print(json.dumps(with_line_rate(client.stats()), indent=1))
         else:
             print(json.dumps(client.call(a.cmd), indent=1))
     except ControlError as e:

@@ -93,13 +93,9 @@ class Resources:
         return max(1, math.ceil(payload_bytes / (self.values_per_pass * 4)))
 
     def line_rate_kept(self, payload_bytes: int, workers: int) -> float:
-        """Fraction of line rate a real switch would keep with every port sending such packets:
-        each extra pass goes through a recirculation port, one per pipe, which can take the
-        extra passes of only so many ports at full rate."""
-        extra = self.passes(payload_bytes) - 1
-        if extra == 0:
-            return 1.0
-        return min(1.0, self.limits.recirculation_ports / (extra * workers))
+        """Fraction of line rate a real switch would keep with every port sending such packets
+        (``line_rate_kept`` below)."""
+        return line_rate_kept(self.passes(payload_bytes), workers, self.limits)
 
     def report(self) -> str:
         lim = self.limits
@@ -111,7 +107,32 @@ class Resources:
                  f"aggregation slots {self.slots:,} (each with a shadow copy)",
                  f"values per pass {self.values_per_pass} int32 "
                  f"({self.values_per_pass * 4} B of {lim.payload_per_pass} B)"]
+        slot = protocol.SWITCH_CELLS_PER_SLOT * self.values_per_pass * 4
+        lines.append(f"packets: {slot} B of values, {self.passes(slot)} pass(es): line rate "
+                     f"kept {self.line_rate_kept(slot, lim.ports):.0%} with {lim.ports} ports "
+                     f"sending; values {wire_share(slot):.0%} of the bytes on the wire")
         return "\n".join(lines)
+
+
+def line_rate_kept(passes: float, workers: int, limits: Limits | None = None) -> float:
+    """Fraction of line rate a real switch keeps when ``workers`` ports send, at line rate,
+    packets taking ``passes`` passes each (on average): every pass after the first goes through
+    a recirculation port, ``limits.recirculation_ports`` per pipe at the ports' rate, which
+    takes the extra passes of only so many ports at full rate. The limit modelled: recirculation
+    bandwidth per pipe (Tofino 1: one 100G recirculation port per pipe of 16 front ports)."""
+    extra = max(0.0, passes - 1)
+    if extra == 0:
+        return 1.0
+    return min(1.0, (limits or Limits()).recirculation_ports / (extra * workers))
+
+
+def wire_share(payload_bytes: int, lanes: int = 1) -> float:
+    """The values' share of a DATA packet's bytes on the wire: Ethernet (with FCS, preamble
+    and inter-frame gap), IPv4, UDP, the protocol's header, bitmap and lane entries around
+    ``payload_bytes`` of values."""
+    around = (14 + 4 + 20) + 20 + 8 + protocol.HEADER_BYTES + protocol.BITMAP_BYTES \
+        + lanes * protocol.LANE_BYTES
+    return payload_bytes / (payload_bytes + around)
 
 
 def load(program: Program, limits: Limits | None = None) -> Resources:
