@@ -21,6 +21,12 @@ echo "base-image: no $OFFICIAL (no registry): debootstrap bookworm from $MIRROR 
 timeout 900 debootstrap --variant=minbase bookworm "$DIR" "$MIRROR" > "$DIR.log" 2>&1 \
   || { tail -20 "$DIR.log" >&2; rm -f "$DIR.log"; exit 1; }
 rm -f "$DIR.log"
-rm -rf "$DIR"/var/cache/apt/archives/*.deb "$DIR"/var/lib/apt/lists/*
+# As the official slim image: no docs, man pages or translations, now or from later installs.
+printf '%s\n' 'path-exclude /usr/share/doc/*' 'path-include /usr/share/doc/*/copyright' \
+  'path-exclude /usr/share/man/*' 'path-exclude /usr/share/locale/*' \
+  > "$DIR/etc/dpkg/dpkg.cfg.d/docker-slim"
+find "$DIR/usr/share/doc" -type f ! -name copyright -delete
+rm -rf "$DIR"/usr/share/man/* "$DIR"/usr/share/locale/* "$DIR"/var/cache/apt/*.bin \
+  "$DIR"/var/cache/apt/archives/*.deb "$DIR"/var/lib/apt/lists/*
 tar -C "$DIR" -c . | docker import -c 'CMD ["bash"]' - "$LOCAL" > /dev/null
 echo "$LOCAL"
