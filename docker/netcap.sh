@@ -1,17 +1,27 @@
 #!/bin/sh
 # Entrypoint of every testbed container: caps this host's link at $RATE (default 1gbit) in both
 # directions, as the netns testbed does, provides the cluster's shared secret, then runs the
-# command. Egress is shaped with tbf (a queue, like a switch port); ingress can only be policed
-# from inside the container (excess is dropped). Needs NET_ADMIN.
+# command. Egress is shaped with tbf (a queue, like a switch port); ingress is redirected to an
+# ifb device and shaped there the same way, or, where the kernel has no ifb, policed (excess
+# dropped). Needs NET_ADMIN.
 set -eu
 RATE=${RATE:-1gbit}
 DEV=${NET_DEV:-eth0}
 tc qdisc replace dev "$DEV" root tbf rate "$RATE" burst 256kb latency 50ms
 tc qdisc del dev "$DEV" ingress 2>/dev/null || true
 tc qdisc add dev "$DEV" handle ffff: ingress
-tc filter add dev "$DEV" parent ffff: protocol all u32 match u32 0 0 \
-  police rate "$RATE" burst 256kb drop flowid :1
-echo "netcap: $DEV capped at $RATE (egress tbf, ingress police)" >&2
+if ip link add ifb0 type ifb 2>/dev/null || ip link show ifb0 > /dev/null 2>&1; then
+  ip link set ifb0 up
+  tc qdisc replace dev ifb0 root tbf rate "$RATE" burst 256kb latency 50ms
+  tc filter add dev "$DEV" parent ffff: protocol all u32 match u32 0 0 \
+    action mirred egress redirect dev ifb0
+  how="ingress tbf on ifb0"
+else
+  tc filter add dev "$DEV" parent ffff: protocol all u32 match u32 0 0 \
+    police rate "$RATE" burst 256kb drop flowid :1
+  how="ingress police"
+fi
+echo "netcap: $DEV capped at $RATE (egress tbf, $how)" >&2
 
 # The secret aggregators and rank 0 authenticate with (docs/PROTOCOL.md, Authentication), on a
 # volume the cluster shares: the container with SECRET_MAKE=1 writes it once (64 hex digits,
