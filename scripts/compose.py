@@ -84,6 +84,10 @@ def wheel_server(directory: Path) -> Iterator[str]:
     gateway = subprocess.run(["docker", "network", "inspect", "bridge", "-f",
                               "{{(index .IPAM.Config 0).Gateway}}"], capture_output=True,
                              text=True, check=True, timeout=30).stdout.strip()
+    if not gateway:  # dockerd 20.10 leaves the default bridge's Gateway empty: docker0's address
+        addr = subprocess.run(["ip", "-4", "-o", "addr", "show", "docker0"], capture_output=True,
+                              text=True, check=True, timeout=30).stdout.split()
+        gateway = addr[addr.index("inet") + 1].split("/")[0]
     handler = functools.partial(QuietHandler, directory=str(directory))
     server = http.server.ThreadingHTTPServer((gateway, WHEEL_PORT), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
