@@ -46,8 +46,8 @@ test: build lint $(if $(NVCC),cuda-check)
 # The compose cluster for real (tests/test_compose.py): a Docker engine started where none
 # runs (docker.io from apt) and stopped after, both images built (docker's layer cache keeps
 # them between runs), a 4-worker job across the containers. Skipped where Docker cannot run.
-# Cached: 4.6 min at load average 15 (2 cores); cold: the worker image compiles Horovod and
-# the extension, over 1.5 h at that load (docs/BENCHMARKS.md, Test time).
+# Cached: 2-5 min at load average 13-16 (2 cores); cold: the worker image compiles Horovod and
+# the extension, 90 min at that load (docs/BENCHMARKS.md, Test time).
 test-compose: build
 	@$(PY) -m pytest -q -rs tests/test_compose.py
 

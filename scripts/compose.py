@@ -130,8 +130,9 @@ def build(project: str = "hvdsparse") -> float:
         log(f"building {', '.join(IMAGES)} on {env['BASE']}"
             + (f", wheels from {wheels}" if wheels else ""))
         # One service per image: v1 would build the shared worker image once per service.
-        out = compose(project, "build", "agg0", "launcher", env={**env, "DOCKER_BUILDKIT": "0"},
-                      timeout=BUILD_TIMEOUT_S)
+        # --force-rm: a failed step's container goes too
+        out = compose(project, "build", "--force-rm", "agg0", "launcher",
+                      env={**env, "DOCKER_BUILDKIT": "0"}, timeout=BUILD_TIMEOUT_S)
     if out.returncode != 0:
         raise RuntimeError(f"compose: build failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     return time.monotonic() - t0
