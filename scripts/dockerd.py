@@ -18,6 +18,8 @@ import contextlib
 import fcntl
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -213,9 +215,11 @@ def restore(before: dict) -> None:
     for tool in ("iptables", "ip6tables"):
         old = before[tool]
         for table, lines in iptables_dump(tool).items():
-            added = [ln for ln in lines if ln.startswith("-A") and ln not in old.get(table, [])]
+            # only dockerd's: rules others add meanwhile stay
+            added = [ln for ln in lines if ln.startswith("-A") and ln not in old.get(table, [])
+                     and re.search(r"DOCKER|docker0| br-", ln)]
             for rule in reversed(added):
-                run(tool, "-t", table, "-D", *rule[3:].split(), check=False)
+                run(tool, "-t", table, "-D", *shlex.split(rule)[1:], check=False)
             for ln in lines:
                 chain, policy = ln[1:].split()[:2] if ln.startswith(":") else (None, None)
                 if chain is None:
