@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup build install test test-fast demo lint bench clean cuda-check sanitize
+.PHONY: setup build install test test-fast test-compose demo lint bench clean cuda-check sanitize
 
 setup:
 	@bash scripts/setup.sh
@@ -38,8 +38,18 @@ build: setup $(EXT) install
 lint: build
 	@$(VENV)/bin/ruff check hvd_sparse tests scripts
 
+# tests/test_compose.py is `make test-compose`: its cold image build alone takes longer than
+# the rest of the tests.
 test: build lint $(if $(NVCC),cuda-check)
-	@$(PY) -m pytest -q -rs tests
+	@$(PY) -m pytest -q -rs tests --ignore=tests/test_compose.py
+
+# The compose cluster for real (tests/test_compose.py): a Docker engine started where none
+# runs (docker.io from apt) and stopped after, both images built (docker's layer cache keeps
+# them between runs), a 4-worker job across the containers. Skipped where Docker cannot run.
+# Cached: 2-5 min at load average 13-16 (2 cores); cold: the worker image compiles Horovod and
+# the extension, 90 min at that load (docs/BENCHMARKS.md, Test time).
+test-compose: build
+	@$(PY) -m pytest -q -rs tests/test_compose.py
 
 # The unit tier only: in-process tests, no other process, socket or Horovod job (under a minute).
 test-fast: build
@@ -99,8 +109,16 @@ sanitize: build
 	@echo "sanitize: no findings"
 
 # On a 4-host netns testbed at 1 Gbit/s when run as root, else on loopback (scripts/demo.py).
+# DEMO_ON=compose: on the compose cluster (docker/), images built first (cached), torn down
+# after; a Docker engine is started for it where none runs, and stopped after.
+DEMO_ON ?= testbed
 demo: build
+ifeq ($(DEMO_ON),compose)
+	@$(PY) scripts/dockerd.py start
+	@$(PY) scripts/compose.py run; rc=$$?; $(PY) scripts/dockerd.py stop; exit $$rc
+else
 	@$(PY) scripts/demo.py
+endif
 
 bench: build
 	@$(PY) scripts/bench_codec.py

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Entrypoint of every testbed container: caps this host's link at $RATE (default 1gbit) in both
-# directions, as the netns testbed does, then runs the command. Egress is shaped with tbf (a
-# queue, like a switch port); ingress can only be policed from inside the container (excess is
+# directions, as the netns testbed does, provides the cluster's shared secret, then runs the
+# command. Egress is shaped with tbf (a queue, like a switch port); ingress is redirected to an
+# ifb device and shaped there the same way, or, where the kernel has no ifb, policed (excess
 # dropped). Needs NET_ADMIN.
 set -eu
 RATE=${RATE:-1gbit}
@@ -9,7 +10,34 @@ DEV=${NET_DEV:-eth0}
 tc qdisc replace dev "$DEV" root tbf rate "$RATE" burst 256kb latency 50ms
 tc qdisc del dev "$DEV" ingress 2>/dev/null || true
 tc qdisc add dev "$DEV" handle ffff: ingress
-tc filter add dev "$DEV" parent ffff: protocol all u32 match u32 0 0 \
-  police rate "$RATE" burst 256kb drop flowid :1
-echo "netcap: $DEV capped at $RATE (egress tbf, ingress police)" >&2
+if ip link add ifb0 type ifb 2>/dev/null || ip link show ifb0 > /dev/null 2>&1; then
+  ip link set ifb0 up
+  tc qdisc replace dev ifb0 root tbf rate "$RATE" burst 256kb latency 50ms
+  tc filter add dev "$DEV" parent ffff: protocol all u32 match u32 0 0 \
+    action mirred egress redirect dev ifb0
+  how="ingress tbf on ifb0"
+else
+  tc filter add dev "$DEV" parent ffff: protocol all u32 match u32 0 0 \
+    police rate "$RATE" burst 256kb drop flowid :1
+  how="ingress police"
+fi
+echo "netcap: $DEV capped at $RATE (egress tbf, $how)" >&2
+
+# The secret aggregators and rank 0 authenticate with (docs/PROTOCOL.md, Authentication), on a
+# volume the cluster shares: the container with SECRET_MAKE=1 writes it once (64 hex digits,
+# mode 0600, renamed into place whole), the others wait for it.
+if [ -n "${SECRET_FILE:-}" ]; then
+  if [ "${SECRET_MAKE:-0}" = 1 ] && [ ! -s "$SECRET_FILE" ]; then
+    tmp="$SECRET_FILE.$$"
+    (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$tmp")
+    mv "$tmp" "$SECRET_FILE"
+    echo "netcap: made the cluster's secret $SECRET_FILE" >&2
+  fi
+  i=0
+  until [ -s "$SECRET_FILE" ]; do
+    i=$((i + 1))
+    [ "$i" -le 120 ] || { echo "netcap: no secret at $SECRET_FILE after 60 s" >&2; exit 1; }
+    sleep 0.5
+  done
+fi
 exec "$@"

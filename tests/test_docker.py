@@ -1,9 +1,10 @@
-"""docker/ checked statically: no Docker engine runs on this project's machines.
+"""docker/ checked statically, in seconds and without a Docker engine (tests/test_compose.py
+builds and runs it for real where Docker can run).
 
 The compose file's services, the Dockerfiles they build, every file those copy, every command
 they run (project scripts, the aggregator binary and its flags, hvd-sparse subcommands, the
-Debian packages that provide the rest), the rate caps, and the worker count the launcher
-assumes. The tested path for multi-host runs is the netns testbed (`hvd-sparse testbed`).
+Debian packages that provide the rest), the rate caps, the shared secret, and the worker count
+the launcher assumes.
 """
 from __future__ import annotations
 
@@ -89,12 +90,19 @@ def parse(dockerfile: Path, context: Path) -> list[Stage]:
     """The stages of a Dockerfile; checks every COPY/ADD source against the build context."""
     stages: list[Stage] = []
     ignored = dockerignore(context)
+    args_before_from: dict[str, str] = {}  # ARGs a FROM may use, at their defaults
     for word, args in instructions(dockerfile):
+        if word == "ARG" and not stages:
+            name, _, default = args.partition("=")
+            args_before_from[name] = default.strip('"')
+            continue
         if word == "FROM":
-            parts = args.split()
+            parts = re.sub(r"\$\{(\w+)\}", lambda m: args_before_from[m.group(1)], args).split()
             stages.append(Stage(parts[2] if len(parts) > 2 else str(len(stages)), parts[0]))
             continue
         st = stages[-1]
+        if word == "ARG":
+            continue
         if word == "WORKDIR":
             st.workdir = str(PurePosixPath(st.workdir, args))
         elif word == "RUN":
@@ -207,21 +215,20 @@ def effective(svc: dict, stages: list[Stage]) -> list[str]:
 def roles(compose: dict) -> tuple[list[str], list[str], str]:
     """(workers, aggregators, launcher) service names."""
     services = compose["services"]
-    launcher = [n for n, s in services.items() if "horovodrun" in json.dumps(s.get("command"))]
-    assert len(launcher) == 1, f"one service must run horovodrun, found {launcher}"
+    launcher = [n for n, s in services.items() if "launch.sh" in json.dumps(s.get("command"))]
+    assert len(launcher) == 1, f"one service must run docker/launch.sh, found {launcher}"
     workers = [n for n, s in services.items()
                if n != launcher[0] and s["build"]["dockerfile"] == "docker/Dockerfile"]
     aggs = [n for n, s in services.items() if s["build"]["dockerfile"].endswith(".aggregator")]
     return workers, aggs, launcher[0]
 
 
-def launch_command(compose: dict, launcher: str) -> tuple[list[list[str]], list[str]]:
-    """The launcher's shell commands and its horovodrun invocation."""
-    cmd = compose["services"][launcher]["command"]
-    assert cmd[:2] == ["bash", "-c"], cmd
-    words = command_words(cmd[2].replace("$$", "$"))
-    (hvdrun,) = [c for c in words if c[0] == "horovodrun"]
-    return words, hvdrun
+def default_job(compose: dict, launcher: str) -> list[str]:
+    """The launcher's JOB (what docker/launch.sh runs under horovodrun) at its default."""
+    job = compose["services"][launcher]["environment"]["JOB"]
+    m = re.fullmatch(r"\$\{JOB:-(.+)\}", job)
+    assert m, f"{launcher}: JOB={job}: expected ${{JOB:-default}}"
+    return shlex.split(m.group(1))
 
 
 # ---------------------------------------------------------------------------------------- tests
@@ -241,15 +248,13 @@ def test_commands_exist_in_the_images(compose: dict, images: dict[str, list[Stag
         programs = [argv[0]]
         if argv[0].endswith("netcap.sh"):
             programs.append(argv[1])
-        if argv[-3:-1] == ["bash", "-c"]:
-            for words in command_words(argv[-1]):
-                programs.append(words[0])
-                # horovodrun's program: an interpreter and a script copied from the repository
-                scripts = [i for i, t in enumerate(words) if t.endswith(".py")]
-                if words[0] == "horovodrun" and scripts:
-                    programs.append(words[scripts[0] - 1])
-                    src = repo_path(stages[-1], words[scripts[0]])
-                    assert src is not None and src.is_file(), f"{name}: {words[scripts[0]]}"
+        if "JOB" in svc.get("environment", {}):
+            # the job launch.sh runs: an interpreter and a script copied from the repository
+            job = default_job(compose, name)
+            programs += ["horovodrun", job[0]]
+            scripts = [t for t in job if t.endswith(".py")]
+            src = repo_path(stages[-1], scripts[0]) if scripts else None
+            assert src is not None and src.is_file(), f"{name}: JOB {job}"
         for prog in programs:
             check_program(name, prog, stages, bins)
 
@@ -284,8 +289,8 @@ def test_scripts_and_cli_subcommands_exist(compose: dict) -> None:
     # what runs: RUN lines, and the services' commands (bash -c scripts or argv lists)
     shell = [a for p in DOCKER.glob("Dockerfile*") for w, a in instructions(p) if w == "RUN"]
     for svc in compose["services"].values():
-        cmd = svc.get("command", [])
-        shell.append(cmd[2] if cmd[:2] == ["bash", "-c"] else shlex.join(cmd))
+        shell.append(shlex.join(svc.get("command", [])))
+        shell.append(svc.get("environment", {}).get("JOB", ""))
     scripts = {m for t in shell for m in re.findall(r"scripts/[\w./-]+", t)}
     assert {"scripts/demo.py", "scripts/setup.sh"} <= scripts
     for s in scripts:
@@ -352,15 +357,11 @@ def test_launcher_matches_workers_and_aggregators(compose: dict) -> None:
     services = compose["services"]
     workers, aggs, launcher = roles(compose)
     assert len(workers) == 4 and len(aggs) == 1
-    words, hvdrun = launch_command(compose, launcher)
-    np_ = int(hvdrun[hvdrun.index("-np") + 1])
-    hosts = dict(h.split(":") for h in hvdrun[hvdrun.index("-H") + 1].split(","))
+    # launch.sh waits for these hosts' sshd and runs one rank on each
+    hosts = services[launcher]["environment"]["WORKERS"].split()
     worker_hosts = {services[w].get("hostname", w) for w in workers}
-    assert set(hosts) == worker_hosts, f"-H {hosts} vs worker services {worker_hosts}"
-    assert np_ == sum(map(int, hosts.values())) == len(workers)
-    # the sshd wait loop covers the same hosts
-    loop = re.search(r"for \w+ in ([\w ]+?);", services[launcher]["command"][2]).group(1)
-    assert set(loop.split()) == worker_hosts
+    assert set(hosts) == worker_hosts, f"WORKERS {hosts} vs worker services {worker_hosts}"
+    np_ = len(hosts)
     assert set(services[launcher].get("depends_on", [])) >= set(workers) | set(aggs)
     # HVD_SPARSE_AGGREGATORS names the aggregator services at the port they bind, each
     # expecting every rank.
@@ -393,10 +394,10 @@ def test_aggregator_flags_exist(compose: dict) -> None:
 def test_script_flags_exist(compose: dict, images: dict[str, list[Stage]]) -> None:
     """Flags the launcher passes to a project script appear in its argparse definitions."""
     _, _, launcher = roles(compose)
-    _, hvdrun = launch_command(compose, launcher)
-    (script,) = [t for t in hvdrun if t.endswith(".py")]
+    job = default_job(compose, launcher)
+    (script,) = [t for t in job if t.endswith(".py")]
     src = repo_path(images[launcher][-1], script).read_text()
-    for flag in hvdrun[hvdrun.index(script) + 1:]:
+    for flag in job[job.index(script) + 1:]:
         if flag.startswith("--"):
             assert f'"{flag.split("=")[0]}"' in src, f"{script} has no {flag}"
 
@@ -407,6 +408,27 @@ def test_build_context_keeps_the_checkouts_venv_out() -> None:
         assert must in ignored, f".dockerignore must exclude {must}: COPY . would ship it"
 
 
-def test_readme_says_what_is_tested() -> None:
+def test_cluster_shares_one_secret(compose: dict) -> None:
+    """The aggregators run with --secret-file, rank 0's host has the same file (the launcher
+    passes HVD_SPARSE_SECRET_FILE to every rank), one container makes it, all mount it."""
+    services = compose["services"]
+    workers, aggs, launcher = roles(compose)
+    path = services[launcher]["environment"]["HVD_SPARSE_SECRET_FILE"]
+    assert "HVD_SPARSE_AUTH" not in json.dumps(compose), "the cluster must run authenticated"
+    makers = [n for n, s in services.items() if s["environment"].get("SECRET_MAKE") == "1"]
+    assert len(makers) == 1, makers
+    for name in [*workers, *aggs, launcher]:
+        svc = services[name]
+        assert svc["environment"].get("SECRET_FILE") == path, f"{name}: SECRET_FILE"
+        mounts = [v.split(":") for v in svc.get("volumes", [])]
+        assert any(path.startswith(m[1] + "/") and m[0] in compose["volumes"] for m in mounts), \
+            f"{name}: no shared volume holds {path}"
+    for agg in aggs:
+        cmd = services[agg]["command"]
+        assert cmd[cmd.index("--secret-file") + 1] == path, f"{agg}: --secret-file"
+    assert "SECRET_MAKE" in (DOCKER / "netcap.sh").read_text()
+
+
+def test_readme_says_how_it_is_tested() -> None:
     text = (DOCKER / "README.md").read_text()
-    assert "hvd-sparse testbed" in text and "statically" in text
+    assert "tests/test_compose.py" in text and "statically" not in text
