@@ -180,8 +180,12 @@ std::vector<Seg> parse(const at::Tensor& buf, int64_t nsegs, const Expect& ex, i
     g.h = h;
     uint64_t npos = 0;
     if (h->kind == kPartitionBitmap) {
+      // Only Zen's partition sums are bitmaps, one per rank, so nparts is the segment count.
+      // Checked before listing the positions, which takes memory in nparts: a forged count
+      // must not ask for gigabytes.
+      if (h->nparts != static_cast<uint64_t>(nsegs))
+        bad(s, "partition count differs from the ranks'");
       if (positions.empty()) positions = partition_positions(nblocks, h->nparts);
-      if (positions.size() != h->nparts) bad(s, "partition count differs across ranks");
       npos = positions[h->part].size();
     } else if (h->kind != kIndexList) {
       bad(s, "unknown segment kind");
