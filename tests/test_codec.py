@@ -152,6 +152,22 @@ def test_malformed_segments_are_rejected_without_writing(corrupt):
     assert not acc.any(), "a rejected buffer must not change the output"
 
 
+@pytest.mark.parametrize("numel", [0, 300])
+def test_nothing_to_send_packs_encodes_and_reduces_to_empty(numel):
+    """All-zero and empty tensors: no block anywhere. Under `make sanitize-ext` these paths
+    once copied 0 bytes from an empty vector's null data(), which UBSan rightly calls
+    undefined (pack, encode, zen_reduce)."""
+    t = torch.zeros(numel)
+    idx, vals = _C.pack(t, 16)
+    assert idx.numel() == 0 and vals.shape == (0, 16)
+    seg = _C.encode(t, 16, 3)
+    out = torch.zeros(numel)
+    assert _C.decode_sum(seg, out, 16, 3, 0, numel, 1, False) == ([0], [0], 0)
+    buf, splits = _C.zen_encode(t, 16, 2, 3)
+    part = _C.zen_reduce(buf[:splits[0]], 16, 3, 0, numel, 1, 0, 2, 0)
+    assert int(part[12:16].view(torch.int32)) == 0  # count
+
+
 def gathered(which: str) -> tuple[torch.Tensor, tuple]:
     """A buffer as other ranks' bytes reach a decoder, and the decoder's other arguments:
     three ranks' allgather segments, what Zen's alltoall brings partition 1 (three ranks'
