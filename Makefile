@@ -119,10 +119,11 @@ SANITIZE_EXT_TESTS := -m "unit or integration" $(addprefix tests/,test_codec.py 
 	--deselect tests/test_aggregator_sums.py::test_worker_processes  # its workers: other processes
 sanitize-ext: build
 	@echo "[c++] hvd_sparse._C (-fsanitize=address,undefined) into $(SANITIZE_EXT)"
+	@# the links first: a build must never write through one into this checkout's files
+	@find $(SANITIZE_EXT)/hvd_sparse -maxdepth 1 -type l -delete 2>/dev/null || true
 	@HVD_SPARSE_SANITIZE=1 $(PY) setup.py build_ext > $(SANITIZE_EXT).log 2>&1 \
 	  || { tail -40 $(SANITIZE_EXT).log; exit 1; }
-	@find $(SANITIZE_EXT)/hvd_sparse -maxdepth 1 -type l -delete
-	@for f in hvd_sparse/*; do case $$f in hvd_sparse/_C.*|hvd_sparse/__pycache__) ;; \
+	@for f in hvd_sparse/*; do case $$f in hvd_sparse/_C.*|hvd_sparse/_protocol.*|hvd_sparse/__pycache__) ;; \
 	  *) ln -sfn $(CURDIR)/$$f $(SANITIZE_EXT)/$$f ;; esac; done
 	@rm -f $(SANITIZE_EXT)/report.* $(SANITIZE_EXT)/stderr
 	@# -P: the working directory (this checkout, its unsanitized _C) stays off sys.path.
