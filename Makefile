@@ -10,7 +10,8 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup build install test test-fast test-compose demo lint bench clean cuda-check sanitize
+.PHONY: setup build install test test-fast test-compose demo lint bench clean cuda-check \
+	sanitize sanitize-ext
 
 setup:
 	@bash scripts/setup.sh
@@ -107,6 +108,47 @@ sanitize: build
 	@if ls build/sanitize/report.* >/dev/null 2>&1; then cat build/sanitize/report.*; \
 	  echo "sanitize: findings above"; exit 1; fi
 	@echo "sanitize: no findings"
+
+# hvd_sparse._C under AddressSanitizer and UBSan: built by setup.py (HVD_SPARSE_SANITIZE=1) into
+# its own package tree, build/sanitize-ext/hvd_sparse (the sanitized _C beside links to this
+# checkout's Python files; the in-place _C is never touched), then the tests that feed _C real
+# and malformed input in this process (its unit tests, and in-process workers against real
+# aggregators and forged packets; tests that start Python processes would not use this _C).
+# CPython is not instrumented, so the runtimes are preloaded: ASan must be the first library
+# loaded to intercept malloc, and the extension needs UBSan's too. ASAN_OPTIONS:
+# detect_leaks=0, CPython and torch keep memory to exit by design (reports would be theirs);
+# log_path, so that findings are collected here and printed, not lost in pytest's capture;
+# max_allocation_size_mb, so that an allocation sized by a forged field is a finding, not a
+# machine swapping (ASan reserves without committing, then the code touches it all).
+# -fno-sanitize-recover=all makes every finding fatal (the test run fails).
+SANITIZE_EXT := build/sanitize-ext
+SANITIZE_EXT_TESTS := -m "unit or integration" $(addprefix tests/,test_codec.py test_rows.py \
+	test_sparsify_ops.py test_sparsifiers.py test_device.py test_cuda_host.py test_auth.py \
+	test_aggregator_core.py test_switch_pipeline.py test_dissect.py test_aggregator_sums.py \
+	test_aggregator_junk.py test_aggregator_loss.py test_aggregator_jobs.py) \
+	--deselect tests/test_aggregator_sums.py::test_worker_processes  # its workers: other processes
+sanitize-ext: build
+	@echo "[c++] hvd_sparse._C (-fsanitize=address,undefined) into $(SANITIZE_EXT)"
+	@# the links first: a build must never write through one into this checkout's files
+	@find $(SANITIZE_EXT)/hvd_sparse -maxdepth 1 -type l -delete 2>/dev/null || true
+	@HVD_SPARSE_SANITIZE=1 $(PY) setup.py build_ext > $(SANITIZE_EXT).log 2>&1 \
+	  || { tail -40 $(SANITIZE_EXT).log; exit 1; }
+	@for f in hvd_sparse/*; do case $$f in hvd_sparse/_C.*|hvd_sparse/_protocol.*|hvd_sparse/__pycache__) ;; \
+	  *) ln -sfn $(CURDIR)/$$f $(SANITIZE_EXT)/$$f ;; esac; done
+	@rm -f $(SANITIZE_EXT)/report.* $(SANITIZE_EXT)/stderr
+	@# -P: the working directory (this checkout, its unsanitized _C) stays off sys.path.
+	@# --capture=sys: pytest's fd capture would swallow a report written as the process dies.
+	@# UBSan ignores log_path beside ASan's runtime (GCC 12): its reports are kept from stderr.
+	@LD_PRELOAD="$$($${CXX:-c++} -print-file-name=libasan.so) $$($${CXX:-c++} -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=log_path=$(CURDIR)/$(SANITIZE_EXT)/report:detect_leaks=0:max_allocation_size_mb=4096 \
+	  UBSAN_OPTIONS=print_stacktrace=1 PYTHONPATH=$(CURDIR)/$(SANITIZE_EXT) \
+	  $(PY) -P -m pytest -q -p no:cacheprovider --capture=sys --sanitized-ext $(SANITIZE_EXT_TESTS) \
+	  2> $(SANITIZE_EXT)/stderr; rc=$$?; \
+	  if ls $(SANITIZE_EXT)/report.* >/dev/null 2>&1 || grep -q "runtime error:" $(SANITIZE_EXT)/stderr; \
+	  then cat $(SANITIZE_EXT)/report.* $(SANITIZE_EXT)/stderr 2>/dev/null; \
+	  echo "sanitize-ext: findings above"; exit 1; fi; \
+	  [ $$rc = 0 ] || { cat $(SANITIZE_EXT)/stderr; echo "sanitize-ext: tests failed"; exit $$rc; }
+	@echo "sanitize-ext: no findings"
 
 # On a 4-host netns testbed at 1 Gbit/s when run as root, else on loopback (scripts/demo.py).
 # DEMO_ON=compose: on the compose cluster (docker/), images built first (cached), torn down

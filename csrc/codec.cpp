@@ -180,8 +180,12 @@ std::vector<Seg> parse(const at::Tensor& buf, int64_t nsegs, const Expect& ex, i
     g.h = h;
     uint64_t npos = 0;
     if (h->kind == kPartitionBitmap) {
+      // Only Zen's partition sums are bitmaps, one per rank, so nparts is the segment count.
+      // Checked before listing the positions, which takes memory in nparts: a forged count
+      // must not ask for gigabytes.
+      if (h->nparts != static_cast<uint64_t>(nsegs))
+        bad(s, "partition count differs from the ranks'");
       if (positions.empty()) positions = partition_positions(nblocks, h->nparts);
-      if (positions.size() != h->nparts) bad(s, "partition count differs across ranks");
       npos = positions[h->part].size();
     } else if (h->kind != kIndexList) {
       bad(s, "unknown segment kind");
@@ -309,7 +313,8 @@ std::tuple<at::Tensor, at::Tensor> pack(const at::Tensor& t, int64_t bs,
   copy_blocks(f, idx.data(), static_cast<int64_t>(idx.size()),
               static_cast<uint8_t*>(vals.data_ptr()));
   auto out_idx = at::empty({static_cast<int64_t>(idx.size())}, at::kInt);
-  std::memcpy(out_idx.data_ptr(), idx.data(), idx.size() * 4);
+  // memcpy from an empty vector's data() (null) is undefined even for 0 bytes (UBSan)
+  if (!idx.empty()) std::memcpy(out_idx.data_ptr(), idx.data(), idx.size() * 4);
   return {out_idx, vals};
 }
 
@@ -350,7 +355,7 @@ at::Tensor encode(const at::Tensor& t, int64_t bs, uint64_t meta, c10::optional<
   std::memcpy(p, &h, sizeof h);
   uint8_t* body = p + sizeof h;
   std::memset(body, 0, align8(4 * count));
-  std::memcpy(body, idx.data(), 4 * count);
+  if (count) std::memcpy(body, idx.data(), 4 * count);  // data() is null when empty
   uint8_t* vals = body + align8(4 * count);
   copy_blocks(f, idx.data(), static_cast<int64_t>(count), vals);
   std::memset(vals + count * bs * f.width, 0, p + nbytes - (vals + count * bs * f.width));
@@ -453,7 +458,7 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
     std::memcpy(p, &h, sizeof h);
     uint8_t* body = p + sizeof h;
     if (kind == kIndexList) {
-      std::memcpy(body, uni.data(), 4 * U);
+      if (U) std::memcpy(body, uni.data(), 4 * U);  // data() is null when empty
     } else {
       int64_t j = 0, k = 0;
       for (int64_t b = 0; b < nblocks && j < U; ++b) {

@@ -3,6 +3,8 @@
 (helpers in aggregator_helpers.py). Parallel modules and their driver: tests/parallel/."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 TIERS = ("unit", "integration", "parallel", "testbed", "gpu")
@@ -26,6 +28,20 @@ FILE_TIERS = {
 }
 # Fixtures that start aggregator processes: a test using one is an integration test.
 PROCESS_FIXTURES = {"aggs", "make_workers", "fuzz_job"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--sanitized-ext", action="store_true",
+                     help="make sanitize-ext: fail unless hvd_sparse._C is the sanitized build")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A stray sys.path entry (the checkout itself) would test the normal _C and pass silently.
+    if config.getoption("--sanitized-ext"):
+        import importlib.util
+        origin = importlib.util.find_spec("hvd_sparse._C").origin
+        if "sanitize-ext" not in Path(origin).parts:
+            raise pytest.UsageError(f"--sanitized-ext, but hvd_sparse._C is {origin}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

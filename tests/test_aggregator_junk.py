@@ -25,7 +25,7 @@ from aggregator_helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hvd_sparse import protocol
+from hvd_sparse import _C, protocol
 from hvd_sparse.tools import wire
 
 
@@ -222,3 +222,69 @@ def test_worker_takes_results_and_errors_only_from_its_aggregator(aggs, make_wor
         assert ws[0].stats()["foreign"] >= 2, ws[0].stats()
     finally:
         forger.close()
+
+
+def test_worker_drops_every_malformed_result_from_its_aggregator():
+    """The worker engine's packet parser, from the one address it trusts: every single-byte
+    change of the header fields it judges, of the bitmap and of the lane table, every
+    truncation and some extensions of the RESULT it waits for are dropped and counted, the
+    tensor stays in flight, and the genuine RESULT then finishes it exactly. Under
+    `make sanitize-ext` a read or write past any of these packets is fatal."""
+    agg = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    agg.bind((HOST, 0))
+    agg.settimeout(10)
+    token, bs, numel = 0xBAD5, 4, 12
+    w = _C.OmniWorker([agg.getsockname()], token, 0, 1, timeout=120)
+    try:
+        import threading
+        reg = threading.Thread(target=w.register, args=(20.0,))
+        reg.start()
+        p, worker = agg.recvfrom(70000)
+        assert wire.parse(p)["type"] == T["REGISTER"]
+        agg.sendto(wire.header(type=T["REGACK"], token=token, worker=0, nworkers=1), worker)
+        reg.join(20)
+        assert not reg.is_alive()
+        x = torch.zeros(numel)
+        x[[1, 9]] = 1.0
+        out = torch.zeros(numel)
+        ticket = w.submit(3, x, out, bs, 5, None, "fuzzed", 1.0)
+        d = wire.parse(agg.recv(70000))
+        assert d["type"] == T["DATA"] and d["nslots"] == 1 and d["lanes"] > 3, d
+        # Three blocks in three lanes, one position each: every lane finishes in this RESULT.
+        values = np.arange(1, numel + 1, dtype=np.float32)
+        table = [(0, INF) if lane < 3 else (INF, INF) for lane in range(d["lanes"])]
+        result = wire.data(table, {lane: values[lane * bs:(lane + 1) * bs].tobytes()
+                                   for lane in range(3)},
+                           type=T["RESULT"], token=token, worker=0, nworkers=1, dtype=0,
+                           slot=0, round=0, tensor=3, block_size=bs, nblocks=d["nblocks"],
+                           nslots=1, meta=d["meta"])
+        # Not changed: fields the worker does not judge (flags but AUTH, worker, nworkers, meta;
+        # a packet with another value there is genuine) and the block values.
+        unjudged = {o for name, off, size in protocol.FIELDS
+                    if name in ("worker", "nworkers", "meta") for o in range(off, off + size)}
+        values_at = len(result) - 3 * bs * 4
+        junk = [result[:n] for n in range(len(result))]
+        junk += [result + bytes(n) for n in (1, 7, 8, 24, 4096)]
+        for at in range(values_at):
+            if at in unjudged:
+                continue
+            for flip in ((protocol.FLAGS["AUTH"],) if at == 7 else (0x01, 0x80, 0xFF)):
+                junk.append(result[:at] + bytes([result[at] ^ flip]) + result[at + 1:])
+        for i, p in enumerate(junk):
+            agg.sendto(p, worker)
+            if i % 64 == 63:
+                time.sleep(0.002)  # within the socket buffer
+        counted = ("malformed", "stale", "unauthenticated")
+        deadline = time.monotonic() + 30
+        while sum(w.stats()[k] for k in counted) < len(junk) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = w.stats()
+        assert sum(stats[k] for k in counted) == len(junk), stats
+        assert not w.poll(ticket), "a malformed RESULT finished the tensor"
+        agg.sendto(result, worker)
+        assert w.wait(ticket, WAIT)
+        w.finish(ticket)
+        assert torch.equal(out, torch.from_numpy(values)), out
+    finally:
+        w.close()
+        agg.close()

@@ -152,6 +152,107 @@ def test_malformed_segments_are_rejected_without_writing(corrupt):
     assert not acc.any(), "a rejected buffer must not change the output"
 
 
+@pytest.mark.parametrize("numel", [0, 300])
+def test_nothing_to_send_packs_encodes_and_reduces_to_empty(numel):
+    """All-zero and empty tensors: no block anywhere. Under `make sanitize-ext` these paths
+    once copied 0 bytes from an empty vector's null data(), which UBSan rightly calls
+    undefined (pack, encode, zen_reduce)."""
+    t = torch.zeros(numel)
+    idx, vals = _C.pack(t, 16)
+    assert idx.numel() == 0 and vals.shape == (0, 16)
+    seg = _C.encode(t, 16, 3)
+    out = torch.zeros(numel)
+    assert _C.decode_sum(seg, out, 16, 3, 0, numel, 1, False) == ([0], [0], 0)
+    buf, splits = _C.zen_encode(t, 16, 2, 3)
+    part = _C.zen_reduce(buf[:splits[0]], 16, 3, 0, numel, 1, 0, 2, 0)
+    assert int(part[12:16].view(torch.int32)) == 0  # count
+
+
+def gathered(which: str) -> tuple[torch.Tensor, tuple]:
+    """A buffer as other ranks' bytes reach a decoder, and the decoder's other arguments:
+    three ranks' allgather segments, what Zen's alltoall brings partition 1 (three ranks'
+    index lists) or Zen's allgathered partition sums (bitmaps where dense, index lists)."""
+    n, numel, bs = 3, 120, 4
+    blocks_ = torch.arange(numel // bs)
+    # dense but for one block in partition 2: Zen's partition 2 sum stays an index list
+    keep = [b for b in blocks_.tolist() if _C.partition_of(b, n) != 2]
+    keep.append(next(b for b in blocks_.tolist() if _C.partition_of(b, n) == 2))
+    mask = torch.zeros(numel // bs)
+    mask[keep] = 1
+    g = torch.Generator().manual_seed(5)
+    ranks = [torch.randn(numel, generator=g) * mask.repeat_interleave(bs) for _ in range(n)]
+    if which == "allgather":
+        return torch.cat([_C.encode(r, bs, 11) for r in ranks]), (numel, bs, n)
+    encoded = [_C.zen_encode(r, bs, n, 11) for r in ranks]
+
+    def alltoall(p: int) -> torch.Tensor:
+        return torch.cat([buf[sum(sp[:p]):sum(sp[:p + 1])] for buf, sp in encoded])
+    if which == "zen_alltoall":
+        return alltoall(1), (numel, bs, n)
+    parts = [_C.zen_reduce(alltoall(p), bs, 11, 0, numel, n, p, n, 0) for p in range(n)]
+    assert [int(part[6]) for part in parts] == [1, 1, 0]  # both kinds: bitmap, index list
+    return torch.cat(parts), (numel, bs, n)
+
+
+def segments(buf: torch.Tensor, bs: int) -> list[tuple[int, int, int]]:
+    """(start, start of the values, end) of each segment in ``buf`` (float32 values)."""
+    out, at = [], 0
+    while at < buf.numel():
+        nbytes = int(buf[at + 40:at + 48].view(torch.int64))
+        count = int(buf[at + 12:at + 16].view(torch.int32))
+        out.append((at, at + nbytes - count * bs * 4, at + nbytes))
+        at += nbytes
+    return out
+
+
+@pytest.mark.parametrize("which", ["allgather", "zen_alltoall", "zen_allgather"])
+def test_every_changed_byte_and_cut_is_rejected_or_decoded_in_bounds(which):
+    """Every single-byte change (two flips per byte) of the segments' headers, index lists and
+    bitmaps, and every truncation, of segments from other ranks: the decoder either takes them
+    or raises RuntimeError having written nothing; never an allocation sized by a forged field
+    (a partition count of 2^31 asked for 48 GiB). Under `make sanitize-ext` any read or write
+    out of bounds is fatal."""
+    buf, (numel, bs, n) = gathered(which)
+
+    def decode(b: torch.Tensor) -> None:
+        if which == "zen_alltoall":
+            _C.zen_reduce(b, bs, 11, 0, numel, n, 1, n, 0)
+            return
+        out = torch.zeros(numel)
+        try:
+            _C.decode_sum(b, out, bs, 11, 0, numel, n, which == "zen_allgather")
+        except RuntimeError:
+            assert not out.any(), "a rejected buffer must not change the output"
+            raise
+
+    decode(buf)
+    cases = [buf[:k] for k in range(buf.numel())]
+    for start, values, _ in segments(buf, bs):
+        for at in range(start, values):
+            for flip in (0x01, 0x80):
+                b = buf.clone()
+                b[at] ^= flip
+                cases.append(b)
+    rejected = 0
+    for b in cases:
+        try:
+            decode(b)
+        except RuntimeError:
+            rejected += 1
+    assert rejected >= buf.numel(), rejected  # every cut, at least
+
+
+def test_forged_partition_count_is_refused_before_any_allocation():
+    """The first partition bitmap of Zen's partition sums claims 2^31 partitions: refused by
+    its count, not by a failed 48 GiB allocation of their positions."""
+    buf, (numel, bs, n) = gathered("zen_allgather")
+    at = segments(buf, bs)[0][0]
+    assert int(buf[at + 6]) == 1, "a partition bitmap"
+    buf[at + 20:at + 24] = torch.tensor([2 ** 31], dtype=torch.int64).view(torch.uint8)[:4]
+    with pytest.raises(RuntimeError, match="partition count"):
+        _C.decode_sum(buf, torch.zeros(numel), bs, 11, 0, numel, n, True)
+
+
 def test_mismatch_message_names_rank_and_shapes():
     a, b = _C.encode(torch.ones(300), 256, 1), _C.encode(torch.ones(301), 256, 1)
     with pytest.raises(RuntimeError, match=r"rank 1 has numel=301.*this rank has numel=300"):
