@@ -55,7 +55,6 @@ inline rte_mbuf* arp_frame(rte_mempool* pool, uint16_t op, const rte_ether_addr&
 
 // A received IPv4/UDP datagram: where it came from and went to, and its payload.
 struct Udp {
-  const rte_ether_hdr* eth;
   Endpoint from, to;
   const uint8_t* data;
   size_t len;
@@ -93,7 +92,6 @@ inline bool parse_udp(rte_mbuf* m, Udp* u) {
   auto* udp = reinterpret_cast<rte_udp_hdr*>(reinterpret_cast<uint8_t*>(ip) + ihl);
   const size_t ulen = rte_be_to_cpu_16(udp->dgram_len);
   if (ulen < sizeof(rte_udp_hdr) || ulen > total - ihl) return false;
-  u->eth = eth;
   u->from = {ip->src_addr, udp->src_port};
   u->to = {ip->dst_addr, udp->dst_port};
   u->data = reinterpret_cast<const uint8_t*>(udp + 1);
