@@ -123,7 +123,8 @@ class State:
         job = Job(name=name, tensor=flat, shape=t.shape, average=True, prescale=1.0,
                   postscale=1.0, block_size=bs,
                   meta=blocks.meta_hash(t.shape, t.dtype), scheme=scheme, ctx=self.context,
-                  comm=comm, inplace=scheme != "rows" and flat.numel() > 0)
+                  comm=comm, inplace=scheme != "rows" and flat.numel() > 0,
+                  asked=self.config.scheme)
         h = engine.submit(job, schemes.run(job), _record)
         out = engine.synchronize(h, self.config.timeout)
         if sparsify:

@@ -12,6 +12,7 @@ from .costmodel import NetModel
 
 if TYPE_CHECKING:
     from .comm import Collectives
+    from .schemes.rows import Plan
     from .session import Session
 
 
@@ -27,6 +28,8 @@ class Context:
     # name -> observed union / sum of the ranks' non-zero blocks, learnt by "auto" (the state's:
     # a new init starts afresh)
     union_ratio: dict[str, float] = field(default_factory=dict)
+    # name -> what "auto" learnt of a sparse tensor's rows (schemes/rows.py)
+    rows_plans: dict[str, Plan] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,7 +70,7 @@ class Job:
     postscale: float
     block_size: int
     meta: int
-    scheme: str  # what the caller asked for
+    scheme: str  # what the caller asked for ("rows" for a sparse tensor: see ``asked``)
     ctx: Context
     comm: Collectives  # the ranks taking part: every collective of the job runs over them
     inplace: bool = False  # the schemes may write the result into ``tensor``
@@ -75,6 +78,7 @@ class Job:
     home: torch.Tensor | None = None  # staged (a GPU tensor): its flat self on the device
     mask: torch.Tensor | None = None  # block mask, when already computed
     stats: Stats = field(default_factory=Stats)
+    asked: str = "auto"  # "rows": the scheme the caller asked for, which picks how rows travel
 
     def op_name(self, stage: str) -> str:
         return f"hvd_sparse.{self.name}.{stage}"

@@ -53,6 +53,7 @@ def allreduce_async(
     t = tensor.detach()
     block_size = block_size or st.config.block_size
     home = to_host = None  # a staged tensor: its flat self on the device, its way to the host
+    asked = scheme
     if t.is_sparse and scheme != "dense" and rows.supported(t):
         scheme, inplace, copied = "rows", False, False
     else:
@@ -69,7 +70,7 @@ def allreduce_async(
               meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
               ctx=st.context, comm=collectives.of(process_set),
               inplace=t.numel() > 0 and (inplace or copied),
-              output=tensor if inplace else None, home=home)
+              output=tensor if inplace else None, home=home, asked=asked)
     if to_host is None:
         return engine.submit(job, schemes.run(job), _record)
     job.stats.staged = str(home.device)

@@ -14,6 +14,7 @@ another in one run:
   one bucket at a time: see OneBucketAtATime)
 - ours rows: tables ``sparse=True``, ``hvd_sparse.ddp.hook`` with scheme "auto" (sparse
   buckets go by rows)
+- ours rows agg: the same with scheme "omnireduce" (the rows summed at the aggregators)
 - ours blocks: dense tables, ``hvd_sparse.ddp.hook`` with scheme "auto" (blocks of the bucket)
 - local dense / local sparse: no DDP, no communication: the step's compute alone, which tells
   how much of each method's step is exposed communication
@@ -51,7 +52,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 import hvd_sparse
 from hvd_sparse import ddp
 
-# method -> (tables sparse, communication: "ddp", "fp16", "powersgd1", "powersgd4", "ours",
+# method -> (tables sparse, communication: "ddp", "fp16", "powersgd1", "powersgd4",
+# "ours:SCHEME",
 # "local" for none)
 METHODS: dict[str, tuple[bool, str]] = {
     "ddp dense": (False, "ddp"),
@@ -59,13 +61,14 @@ METHODS: dict[str, tuple[bool, str]] = {
     "fp16 hook": (False, "fp16"),
     "powersgd r1": (False, "powersgd1"),
     "powersgd r4": (False, "powersgd4"),
-    "ours rows": (True, "ours"),
-    "ours blocks": (False, "ours"),
+    "ours rows": (True, "ours:auto"),
+    "ours rows agg": (True, "ours:omnireduce"),
+    "ours blocks": (False, "ours:auto"),
     "local dense": (False, "local"),
     "local sparse": (True, "local"),
 }
 REFERENCE = "ddp dense"
-LOSSLESS = ("ddp sparse", "ours rows", "ours blocks")
+LOSSLESS = ("ddp sparse", "ours rows", "ours rows agg", "ours blocks")
 TOLERANCE = 1e-5  # float rounding of sums in another order over a few steps
 NAN = float("nan")
 
@@ -149,9 +152,9 @@ def wrap(method: str, model: nn.Module, args: argparse.Namespace
             process_group=None, matrix_approximation_rank=int(comm[-1]),
             start_powerSGD_iter=max(2, args.warmup))
         m.register_comm_hook(OneBucketAtATime(state), one_bucket_at_a_time)
-    elif comm == "ours":
+    elif comm.startswith("ours"):
         # Collective: every rank makes it here, in the same order of methods.
-        ours = ddp.State(scheme="auto", probe=args.probe)
+        ours = ddp.State(scheme=comm.split(":")[1], probe=args.probe)
         m.register_comm_hook(ours, ddp.hook)
         return m, ours.close
     return m, lambda: None
@@ -188,7 +191,7 @@ def run(method: str, model: nn.Module, data: list[Batch], args: argparse.Namespa
     res: dict[str, object] = {"step_ms": ms(0), "fwd+bwd_ms": ms(1), "update_ms": ms(2),
                               "MB sent/step": sent / 1e6}
     res.update({"ours exchange_ms": NAN, "ours MB sent": NAN, "schemes": "-"})
-    if comm == "ours":
+    if comm.startswith("ours"):
         buckets = {k: v for k, v in hvd_sparse.metrics().items() if k.startswith("ddp.")}
         # the last step's reductions: they run one after another on the hook's thread
         res["ours exchange_ms"] = sum(v.get("seconds", 0.0) for v in buckets.values()) * 1e3

@@ -125,10 +125,22 @@ def stream(job: Job, session: Session, out: torch.Tensor, exponent: int | None,
     ticket = session.worker.submit(session.tensor_id(job.name), t, out, job.block_size,
                                    job.meta & 0xFFFFFFFF, local_mask(job), job.name, job.scale,
                                    exponent)
+    failure, stats = yield from finished(job, session, ticket, stage)
+    if failure is None:
+        job.stats.block_density = stats["nnz_local"] / max(1, blocks.num_blocks(
+            t.numel(), job.block_size))
+    return failure
+
+
+def finished(job: Job, session: Session, ticket: int, stage: str
+             ) -> Generator[tuple[str, Ticket], Any, tuple[Failure | None, dict[str, Any]]]:
+    """Waits for a submission to ``session``; returns (None, its counters and results) or (why it
+    failed on this rank, {}). On success the job's stats say what it took."""
     failure: Failure | None = None
+    stats: dict[str, Any] = {}
     try:
         yield stage, Ticket(session.worker, ticket)
-    finally:  # also when abandoned: the engine must not keep writing into `out`
+    finally:  # also when abandoned: the engine must not keep writing into the output
         try:
             stats = session.worker.finish(ticket)
         except RuntimeError as e:
@@ -137,9 +149,7 @@ def stream(job: Job, session: Session, out: torch.Tensor, exponent: int | None,
         s = job.stats
         s.bytes_sent, s.bytes_received = stats["bytes_sent"], stats["bytes_received"]
         s.union, s.retransmits, s.rounds = stats["union"], stats["retransmits"], stats["rounds"]
-        s.block_density = stats["nnz_local"] / max(1, blocks.num_blocks(t.numel(),
-                                                                       job.block_size))
-    return failure
+    return failure, stats
 
 
 @dataclass(frozen=True)

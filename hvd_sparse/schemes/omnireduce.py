@@ -8,10 +8,13 @@ job's context; this module turns one tensor into one submission to that session
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Generator
+from typing import Any
 
 from ..engine import Stage
 from ..errors import HvdSparseError
 from ..job import Job
+from ..session import Session
 from . import dense
 from .common import Backup, Failure, agree, failed_anywhere, output, stream
 
@@ -45,7 +48,26 @@ def run(job: Job) -> Stage:
             log.info("hvd_sparse: tensor %r holds NaN or Inf on some rank; reducing it dense",
                      job.name)
             return (yield from dense.run(job))
-    fallback = ctx.config.fallback == "dense"
+    out = output(job)  # results are scaled as they land, only in blocks some rank sent
+    backup = Backup(job) if job.inplace else None  # results overwrite the input
+
+    def attempt() -> Generator[Any, Any, Failure | None]:
+        return (yield from stream(job, session, out, exponent, "omnireduce"))
+
+    if not (yield from guarded(job, session, attempt, backup)):
+        return (yield from dense.run(job))
+    job.stats.scheme = "omnireduce"
+    return out
+
+
+def guarded(job: Job, session: Session, attempt: Callable[[], Generator[Any, Any,
+                                                                        Failure | None]],
+            backup: Backup | None = None) -> Generator[Any, Any, bool]:
+    """Runs ``attempt`` (a submission to the job's aggregators) unless they are down, and
+    returns whether it succeeded; False tells the caller to reduce the tensor another way,
+    alike on every rank (fallback="dense": the ranks agree on it), or raises (fallback="error").
+    ``backup``: the tensor reduced in place, restored when the attempt fails."""
+    fallback = job.ctx.config.fallback == "dense"
     if session.down and session.retry_due(job.name):
         # Back when every aggregator answers keep-alives again: on every rank (fallback=dense,
         # which must stay in step) or on this one (error: a rank still down fails at once).
@@ -60,22 +82,21 @@ def run(job: Job) -> Stage:
     if session.down:  # no timeout again for every tensor while an aggregator is down
         if fallback:
             job.stats.reason = "aggregator down"
-            return (yield from dense.run(job))
+            return False
         raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: not aggregated, an aggregator "
                              f"is down (it resumes when they answer again): {session.down}")
-    out = output(job)  # results are scaled as they land, only in blocks some rank sent
-    backup = Backup(job) if job.inplace else None  # results overwrite the input
-    failure = yield from stream(job, session, out, exponent, "omnireduce")
+    failure = yield from attempt()
     if fallback:
         failed, timed_out = yield from failed_anywhere(job, failure)
         if timed_out:
             session.mark_down(str(failure or "an aggregator stopped answering a peer rank"))
         if failed:
             log.warning("hvd_sparse: tensor %r: aggregation failed on %d rank(s) (%s); "
-                        "reducing it dense", job.name, failed, failure or "on a peer")
+                        "reducing it another way", job.name, failed, failure or "on a peer")
+            job.stats.reason = "aggregation failed"
             if backup is not None:
                 backup.restore(job)
-            return (yield from dense.run(job))
+            return False
     if failure is not None:
         if failure.timed_out:
             session.mark_down(str(failure))
@@ -84,5 +105,4 @@ def run(job: Job) -> Stage:
             backup.restore(job)
             why += " (the tensor reduced in place is left as it was)"
         raise HvdSparseError(why)
-    job.stats.scheme = "omnireduce"
-    return out
+    return True

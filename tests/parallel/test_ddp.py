@@ -118,11 +118,15 @@ def test_dense_buckets_match_ddp(scheme: str) -> None:
     assert scheme in ran or scheme == "auto", ran
 
 
-@pytest.mark.parametrize("scheme", ["allgather", "auto"])
+@pytest.mark.parametrize("scheme", ["allgather", "omnireduce", "auto"])
 def test_sparse_embedding_by_rows(scheme: str) -> None:
     """nn.EmbeddingBag(sparse=True): its bucket holds one sparse COO gradient, reduced by rows
-    (DDP's own path: Gloo's sparse allreduce)."""
+    (DDP's own path: Gloo's sparse allreduce); with "omnireduce" its rows are summed at the
+    aggregators."""
+    reset_metrics()
     train(*pair(scheme, sparse=True))
+    ran = {m["scheme"] for m in metrics().values()}
+    assert ("rows+omnireduce" if scheme == "omnireduce" else "rows") in ran, ran
 
 
 def test_no_sync_accumulates() -> None:

@@ -32,11 +32,14 @@ def embedding_grad(step: int, dtype: torch.dtype, dim: int = 8, lookups: int = 6
     return torch.sparse_coo_tensor(ids.unsqueeze(0), vals, (ROWS, dim))
 
 
-def check(t: torch.Tensor, name: str, op=hvd.Average) -> str:
+def check(t: torch.Tensor, name: str, op=hvd.Average, scheme: str | None = None) -> str:
     ref = hvd.allreduce(t.to_dense().double(), name=f"ref.{name}", op=op)
-    out = hvd_sparse.allreduce(t, name=name, op=op)
+    out = hvd_sparse.allreduce(t, name=name, op=op, scheme=scheme)
     if not (out.is_sparse and out.is_coalesced()):
         return "result is not a coalesced sparse tensor"
+    ran = hvd_sparse.metrics()[name]["scheme"]
+    if ran != ("rows+omnireduce" if scheme == "omnireduce" else "rows"):
+        return f"reduced by {ran}"
     return close_to(out.to_dense(), ref, t.dtype)
 
 
@@ -70,13 +73,15 @@ def train() -> str:
     return ""
 
 
-def mismatch() -> str:
+def mismatch(scheme: str | None = None) -> str:
     t = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.ones(2, 4 if hvd.rank() else 3),
                                 (10, 4 if hvd.rank() else 3))
     try:
-        hvd_sparse.allreduce(t, name="rows.mismatch")
+        hvd_sparse.allreduce(t, name=f"rows.mismatch.{scheme}", scheme=scheme)
     except HvdSparseError as e:
-        return "" if "rows.mismatch" in str(e) else f"error does not name the tensor: {e}"
+        if f"rows.mismatch.{scheme}" not in str(e):
+            return f"error does not name the tensor: {e}"
+        return ""
     return "no error for mismatched shapes"
 
 
@@ -107,8 +112,23 @@ def test_hybrid_3d():
     assert check(t, "hybrid") == ""
 
 
-def test_mismatch():
-    assert mismatch() == ""
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+def test_embedding_gradient_aggregated(dtype):
+    """scheme="omnireduce": the rows go to the job's aggregators, which send back the union."""
+    for step in (0, 1):
+        assert check(embedding_grad(step, dtype, dim=64), f"agg.{dtype}.{step}",
+                     scheme="omnireduce") == ""
+
+
+def test_hybrid_3d_aggregated():
+    g = torch.Generator().manual_seed(200 + hvd.rank())
+    t = torch.randn(50, 3, 2, generator=g).to_sparse(sparse_dim=1) * (hvd.rank() + 1)
+    assert check(t, "agg.hybrid", hvd.Sum, scheme="omnireduce") == ""
+
+
+@pytest.mark.parametrize("scheme", [None, "omnireduce"])
+def test_mismatch(scheme):
+    assert mismatch(scheme) == ""
 
 
 def test_train_embeddingbag():

@@ -1,7 +1,9 @@
 // hvd_sparse._C.OmniWorker: the worker engine (worker.h) for Python, on torch tensors.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 
 #include "../../torch_dtype.h"
@@ -11,6 +13,35 @@ namespace py = pybind11;
 
 namespace hvd_sparse::omni {
 namespace {
+
+void set_exponent(TensorW& t, std::optional<int64_t> exponent) {
+  if (!exponent) return;
+  // Beyond these, 2^e is outside float64 for any finite value: no rule produces them.
+  TORCH_CHECK(*exponent >= -1100 && *exponent <= 1200, "omnireduce: fixed-point exponent ",
+              *exponent, " out of range");
+  t.fixed = true;
+  t.exponent = int(*exponent);
+}
+
+// A rows submission's result, ordered by row: (rows, values) as torch tensors.
+std::pair<at::Tensor, at::Tensor> sorted_rows(const TensorW& t, at::ScalarType dtype) {
+  const int64_t n = int64_t(t.out_rows.size());
+  std::vector<int64_t> order(size_t(n), 0);
+  for (int64_t i = 0; i < n; ++i) order[size_t(i)] = i;
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return t.out_rows[size_t(a)] < t.out_rows[size_t(b)]; });
+  at::Tensor rows = at::empty({n}, at::kLong);
+  at::Tensor vals = at::empty({n, int64_t(t.bs)}, at::TensorOptions().dtype(dtype));
+  const size_t width = size_t(t.bs) * size_t(t.esize);
+  int64_t* r = rows.data_ptr<int64_t>();
+  auto* v = static_cast<uint8_t*>(vals.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t k = size_t(order[size_t(i)]);
+    r[i] = t.out_rows[k];
+    std::memcpy(v + size_t(i) * width, t.out_vals.data() + k * width, width);
+  }
+  return {rows, vals};
+}
 
 class PyWorker {
  public:
@@ -56,13 +87,7 @@ class PyWorker {
     t->bs = uint32_t(bs);
     t->meta = uint32_t(meta);
     t->scale = scale;
-    if (exponent) {
-      // Beyond these, 2^e is outside float64 for any finite value: no rule produces them.
-      TORCH_CHECK(*exponent >= -1100 && *exponent <= 1200, "omnireduce: fixed-point exponent ",
-                  *exponent, " out of range");
-      t->fixed = true;
-      t->exponent = int(*exponent);
-    }
+    set_exponent(*t, exponent);
     // The tensors live until finish(), which releases them with the GIL held.
     t->hold = std::make_shared<std::pair<at::Tensor, at::Tensor>>(input, output);
     const uint8_t* m = nullptr;
@@ -75,15 +100,58 @@ class PyWorker {
     return w_->submit(std::move(t), m);
   }
 
+  // Rows of a table of `nrows_total` rows: `rows` (int64, distinct, ascending) and their
+  // `values` ([rows, width], one block each). finish() returns the sum's rows and values, by
+  // row, in its "rows" and "values". `max_slots` (the same on every worker; 0: the engine's
+  // number) fits the layout to a union far smaller than the table: fewer, fuller packets.
+  int64_t submit_rows(uint64_t id, at::Tensor rows, at::Tensor values, int64_t nrows_total,
+                      int64_t meta, const std::string& name, double scale,
+                      std::optional<int64_t> exponent, int64_t max_slots) {
+    TORCH_CHECK(max_slots >= 0 && max_slots <= UINT32_MAX, "omnireduce: max_slots out of range");
+    TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+                    rows.device().is_cpu(),
+                "omnireduce: rows must be a contiguous int64 CPU vector");
+    TORCH_CHECK(values.dim() == 2 && values.size(0) == rows.numel() && values.is_contiguous() &&
+                    values.device().is_cpu(),
+                "omnireduce: values must be a contiguous CPU matrix, a row per entry of rows");
+    const int64_t bs = values.size(1);
+    TORCH_CHECK(bs >= 1 && bs <= 65535, "omnireduce: row width ", bs, " out of range");
+    TORCH_CHECK(nrows_total >= 1 && nrows_total <= INT64_MAX / bs, "omnireduce: ",
+                nrows_total, " rows out of range");
+    auto t = std::make_unique<TensorW>();
+    t->id = id;
+    t->name = name;
+    t->in = static_cast<const uint8_t*>(values.data_ptr());
+    t->by_rows = true;
+    t->max_slots = uint32_t(max_slots);
+    t->rows = rows.data_ptr<int64_t>();
+    t->nrows = rows.numel();
+    t->dtype = dtype_code(values.scalar_type());
+    t->numel = nrows_total * bs;
+    t->bs = uint32_t(bs);
+    t->meta = uint32_t(meta);
+    t->scale = scale;
+    set_exponent(*t, exponent);
+    t->out_rows.reserve(size_t(t->nrows));  // the sum has at least this rank's rows
+    t->out_vals.reserve(size_t(values.nbytes()));
+    t->hold = std::make_shared<std::pair<at::Tensor, at::Tensor>>(rows, values);
+    return w_->submit(std::move(t), nullptr);
+  }
+
   // Forgets a finished ticket; returns its counters or raises its error. Called with the GIL:
   // it is released while waiting for the engine's lock (the background thread may hold it for
   // a while), and the tensors are released only after, with the GIL back: dropping the last
   // reference to a tensor whose Python object Python has already let go of runs Python code.
   py::dict finish(int64_t ticket) {
     std::unique_ptr<TensorW> t;
+    std::pair<at::Tensor, at::Tensor> rows;
     {
       py::gil_scoped_release nogil;
       t = w_->take(ticket);
+      if (t->by_rows && t->error.empty()) {
+        auto held = std::static_pointer_cast<std::pair<at::Tensor, at::Tensor>>(t->hold);
+        rows = sorted_rows(*t, held->second.scalar_type());
+      }
     }
     if (!t->error.empty()) {
       if (t->timed_out) throw AggregatorTimeout(t->error);
@@ -99,6 +167,10 @@ class PyWorker {
     d["nnz_local"] = t->nnz_local;
     d["lanes"] = t->lanes;
     d["nslots"] = t->nslots;
+    if (t->by_rows) {
+      d["rows"] = rows.first;
+      d["values"] = rows.second;
+    }
     return d;
   }
 
@@ -148,6 +220,10 @@ void register_omni(py::module_& m) {
       .def("submit", &PyWorker::submit, py::arg("tensor_id"), py::arg("input"), py::arg("output"),
            py::arg("block_size"), py::arg("meta"), py::arg("mask") = py::none(),
            py::arg("name") = "", py::arg("scale") = 1.0, py::arg("exponent") = py::none(), nogil())
+      .def("submit_rows", &PyWorker::submit_rows, py::arg("tensor_id"), py::arg("rows"),
+           py::arg("values"), py::arg("nrows"), py::arg("meta"), py::arg("name") = "",
+           py::arg("scale") = 1.0, py::arg("exponent") = py::none(), py::arg("max_slots") = 0,
+           nogil())
       .def(
           "poll", [](PyWorker& w, int64_t t) { return w.worker().poll(t); }, nogil())
       .def(

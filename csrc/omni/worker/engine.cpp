@@ -82,13 +82,34 @@ void Engine::prepare(TensorW& t, const uint8_t* mask) const {
   if (nb < 1 || nb >= int64_t(kInf))
     throw std::runtime_error("omnireduce: tensor size out of range");
   t.nblocks = uint32_t(nb);
-  const uint64_t slots = slots_per_agg();
-  const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.wsize), uint64_t(payload_),
-                            uint64_t(aggs_.size()) * slots);
+  uint64_t slots = uint64_t(aggs_.size()) * slots_per_agg();
+  if (t.max_slots) slots = std::min<uint64_t>(slots, t.max_slots);
+  const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.wsize), uint64_t(payload_), slots);
   t.lanes = geo.lanes;
   t.nslots = geo.nslots;
   // CSR of the tensor's non-zero blocks by stream (counting sort: positions stay ascending).
   const uint32_t L = t.nslots * t.lanes;
+  if (t.by_rows) {
+    for (int64_t k = 0; k < t.nrows; ++k)
+      if (t.rows[k] < 0 || t.rows[k] >= nb || (k && t.rows[k] <= t.rows[k - 1]))
+        throw std::runtime_error("omnireduce: rows must be distinct, ascending and below " +
+                                 std::to_string(nb) + "; row " + std::to_string(k) + " is " +
+                                 std::to_string(t.rows[k]));
+    t.start.assign(L + 1, 0);
+    for (int64_t k = 0; k < t.nrows; ++k) t.start[uint64_t(t.rows[k]) % L + 1]++;
+    for (uint32_t j = 0; j < L; ++j) t.start[j + 1] += t.start[j];
+    t.nnz_local = uint64_t(t.nrows);
+    t.pos.resize(t.nnz_local);
+    t.src.resize(t.nnz_local);
+    std::vector<uint32_t> fill(t.start.begin(), t.start.end() - 1);
+    for (int64_t k = 0; k < t.nrows; ++k) {
+      const uint64_t b = uint64_t(t.rows[k]);
+      const uint32_t at = fill[b % L]++;
+      t.pos[at] = uint32_t(b / L);
+      t.src[at] = uint32_t(k);
+    }
+    return;
+  }
   std::vector<uint8_t> own;
   const uint8_t* m = mask;
   if (!m) {
@@ -255,7 +276,8 @@ void Engine::build_data(TensorW& t, SlotW& s) {
     if (bitmap >> l & 1) {
       uint64_t b = stream_block(s.g, l, s.cur[l], t.nslots, t.lanes);
       size_t n = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs));
-      const uint8_t* in = t.in + b * t.bs * t.esize;
+      const uint64_t at = t.by_rows ? t.src[s.cursor[l]] : b;  // rows: packed one after another
+      const uint8_t* in = t.in + at * t.bs * t.esize;
       if (t.fixed) quantize(v, in, n, t.dtype, t.exponent);
       else std::memcpy(v, in, n * t.esize);
       if (n * t.wsize < vb) std::memset(v + n * t.wsize, 0, vb - n * t.wsize);  // tail block
@@ -300,10 +322,18 @@ void Engine::send_control(int agg, uint8_t type, uint64_t tensor, uint32_t slot)
 }
 
 // Writes one block of the result, times scale. Blocks no worker sends are never written: the
-// output must be zero there (the input itself in place, else fresh zeros).
+// output must be zero there (the input itself in place, else fresh zeros). Rows: appended.
 void Engine::write_block(TensorW& t, uint64_t b, const uint8_t* v) {
   const size_t n = size_t(std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs));
-  uint8_t* o = t.out + b * size_t(t.bs) * t.esize;
+  uint8_t* o;
+  if (t.by_rows) {
+    t.out_rows.push_back(int64_t(b));
+    const size_t at = t.out_vals.size();
+    t.out_vals.resize(at + n * t.esize);
+    o = t.out_vals.data() + at;
+  } else {
+    o = t.out + b * size_t(t.bs) * t.esize;
+  }
   if (t.fixed) dequantize(o, v, n, t.dtype, t.exponent, t.scale);
   else if (t.scale == 1.0) std::memcpy(o, v, n * t.esize);
   else scale_values(o, v, n, t.dtype, t.scale);

@@ -87,10 +87,22 @@ struct TensorW {
   bool fixed = false;
   int exponent = 0;
 
+  // Rows (a row is a block; the protocol is unchanged): `in` holds only the blocks listed in
+  // `rows` (ascending, distinct), one after another, and results are appended to
+  // out_rows/out_vals instead of written at their place in `out`: nothing table-sized on the
+  // worker, neither to scan nor to zero.
+  uint32_t max_slots = 0;  // at most this many slots (0: slots per aggregator x aggregators)
+  bool by_rows = false;
+  const int64_t* rows = nullptr;  // null when nrows is 0
+  int64_t nrows = 0;
+  std::vector<int64_t> out_rows;
+  std::vector<uint8_t> out_vals;
+
   uint8_t wire = 0;          // the dtype of DATA and RESULT: `dtype`, or kFixed32
   int esize = 4, wsize = 4;  // bytes per element of the tensor, and on the wire
   uint32_t nblocks = 0, nslots = 0, lanes = 0;
   std::vector<uint32_t> start, pos;  // CSR: non-zero positions of each stream
+  std::vector<uint32_t> src;         // rows: each position's index into `rows` (pos's order)
   std::vector<SlotW> slots;
   std::vector<uint32_t> lowest;  // per aggregator: its lowest unfinished slot (always sent)
   uint32_t remaining = 0;
@@ -127,9 +139,9 @@ class Engine {
   Engine(std::vector<AggregatorPath> aggs, const EngineOptions& o, Transport& io,
          std::function<void()> finished);
 
-  // Derives the tensor's geometry and indexes its non-zero blocks (`mask`: one byte per block,
-  // or nullptr to scan the input). Throws std::runtime_error on a block size or tensor size
-  // the protocol cannot carry.
+  // Derives the tensor's geometry and indexes its non-zero blocks (`t.rows`, else `mask`: one
+  // byte per block, else a scan of the input). Throws std::runtime_error on a block size or
+  // tensor size the protocol cannot carry, or rows out of order or range.
   void prepare(TensorW& t, const uint8_t* mask) const;
   // Opens every slot of a prepared tensor and sends what the windows allow. Throws
   // std::runtime_error when a tensor of that id is already in flight.
