@@ -14,22 +14,26 @@ ways, the same on every rank:
   aggregators. With N ranks that share hot rows, each receives the union instead of N-1
   ranks' rows.
 
-Which: the scheme the caller asked for ("omnireduce": aggregated; "auto": the cost model's
-choice from what the last allgather of the tensor showed; otherwise allgathered), given
-aggregators, the whole job (not a process set) and rows that fit a packet. Either way the
+Which: the scheme the caller asked for ("omnireduce": aggregated; "auto": the way that was
+faster when both were last tried on this tensor, see ``_way``; otherwise allgathered), given
+aggregators, the whole job (not a process set) and rows that fit a packet. The aggregated
+layout takes as many slots as the last union needs (``_slots``), not as the table would: a
+slot sends a packet every round, however few of its rows are non-zero. Either way the
 result is the same coalesced sparse tensor everywhere, at a cost proportional to the rows
 touched, not to the table. A COO tensor with several sparse dimensions is reduced over its
 linearized indices.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
+import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from .. import costmodel, protocol
+from .. import protocol
 from .._C import sum_rows
 from ..engine import Stage
 from ..errors import HvdSparseError
@@ -39,18 +43,19 @@ from . import omnireduce
 from .common import error, finished
 
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-RELEARN = 64  # "auto": every this many calls of a tensor, an allgather updates what it knows
+RELEARN = 100  # "auto": every this many calls of a tensor, each way is tried again
 ROUNDS = 2  # aggregated: union rows per lane the layout aims at
 
 
 @dataclass
 class Plan:
-    """What "auto" knows of one sparse tensor, the same on every rank (learnt from allgathers,
-    which show every rank's rows)."""
+    """What "auto" knows of one sparse tensor: its union (the same on every rank) and how long
+    each way took here when last tried."""
 
     calls: int = 0
-    nnz: list[int] = field(default_factory=list)  # each rank's distinct rows, last allgather
-    union: int = 0
+    union: int = 0  # rows in the last result
+    seconds: dict[str, float] = field(default_factory=dict)  # this rank's, by way
+    aggregate: bool = False  # the choice the ranks agreed on at the last trial
 
 
 def supported(t: torch.Tensor) -> bool:
@@ -68,8 +73,10 @@ def run(job: Job) -> Stage:
     s.nnz_local, s.rows_local = int(idx.shape[1]), int(rows.numel())
     session = job.ctx.omni
     plan = job.ctx.rows_plans.setdefault(job.name, Plan())
+    way = yield from _way(job, plan, vals)
+    t0 = time.perf_counter()
     out = None
-    if _aggregate(job, plan, nrows, vals):
+    if way == "omnireduce":
         assert session is not None
         width = math.prod(vals.shape[1:])
         flat = vals.reshape(rows.numel(), width)
@@ -82,39 +89,44 @@ def run(job: Job) -> Stage:
             nonlocal out
             if failure is None:
                 out = result["rows"], result["values"].view(-1, *vals.shape[1:])
-                plan.union = int(result["union"])
             return failure
 
         if (yield from omnireduce.guarded(job, session, attempt)):
             s.scheme = "rows+omnireduce"
     if out is None:
+        way = "allgather"
         out = yield from _allgathered(job, rows, vals, nrows)
+    plan.seconds[way] = time.perf_counter() - t0
+    plan.union = int(out[0].numel())
     out_rows, out_vals = out
     indices = out_rows.unsqueeze(0) if k == 1 else _unravel(out_rows, g.shape[:k])
     return torch.sparse_coo_tensor(indices, out_vals, g.shape, is_coalesced=True,
                                    check_invariants=False)  # sorted and distinct by construction
 
 
-def _aggregate(job: Job, plan: Plan, nrows: int, vals: torch.Tensor) -> bool:
-    """Whether the rows go to the aggregators, decided alike on every rank."""
+def _way(job: Job, plan: Plan, vals: torch.Tensor) -> Generator[Any, Any, str]:
+    """How the rows travel this time, "allgather" or "omnireduce", alike on every rank. Under
+    "auto", measured rather than modelled: every RELEARN calls of the tensor, one call each
+    way, then the ranks agree (one tiny max-allreduce) on the way that was faster on the
+    slowest rank, until the next trial."""
     session, asked = job.ctx.omni, job.asked
-    width = math.prod(vals.shape[1:])
     if (session is None or not job.comm.is_global or asked not in ("omnireduce", "auto")
-            or width * vals.element_size() > session.payload):
-        return False
-    plan.calls += 1
+            or math.prod(vals.shape[1:]) * vals.element_size() > session.payload):
+        return "allgather"
     if asked == "omnireduce":
-        return True
-    if not plan.nnz or plan.calls % RELEARN == 0:
-        return False  # allgathered: it shows every rank's rows and the union
-    net = job.ctx.net
-    if net.omnireduce is not None:  # the rows' own layout: fewer slots than a dense tensor's
-        slots = _slots(plan, session, nrows, width, vals.element_size())
-        net = dataclasses.replace(net, omni_layout=(net.omni_layout[0], slots))
-    p = costmodel.predict(net, nrows * width, vals.element_size(), width, plan.nnz, plan.union)
-    job.stats.predicted_ms = {k: round(v * 1e3, 3) for k, v in p.seconds.items()
-                              if k in ("allgather", "omnireduce")}
-    return p.seconds.get("omnireduce", math.inf) < p.seconds["allgather"]
+        return "omnireduce"
+    plan.calls += 1
+    trial = plan.calls % RELEARN
+    if trial in (1, 2):
+        return ("allgather", "omnireduce")[trial - 1]
+    if trial == 3:
+        mine = [plan.seconds.get(w, math.inf) for w in ("allgather", "omnireduce")]
+        slowest = yield "trial", job.comm.allreduce(torch.tensor(mine, dtype=torch.float64),
+                                                   job.op_name("trial"), "max")
+        plan.aggregate = bool(slowest[1] < slowest[0])
+        job.stats.predicted_ms = {"allgather": round(float(slowest[0]) * 1e3, 3),
+                                  "omnireduce": round(float(slowest[1]) * 1e3, 3)}
+    return "omnireduce" if plan.aggregate else "allgather"
 
 
 def _slots(plan: Plan, session: Session, nrows: int, width: int, esize: int) -> int:
@@ -154,9 +166,6 @@ def _allgathered(job: Job, rows: torch.Tensor, vals: torch.Tensor, nrows: int
     s.scheme = "rows"
     s.union = int(out_rows.numel())
     s.bytes_sent, s.bytes_received = int(gathered * (n - 1) / n), gathered - own
-    plan = job.ctx.rows_plans.setdefault(job.name, Plan())
-    counts = torch.diff(starts, append=torch.tensor([all_rows.numel()])) - 1
-    plan.nnz, plan.union = counts.tolist(), s.union
     return out_rows, out_vals
 
 
