@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import horovod.torch as hvd
 
@@ -15,6 +16,9 @@ from .comm import Collectives
 from .comm import horovod as collectives
 from .errors import HvdSparseError
 from .job import Context
+
+if TYPE_CHECKING:
+    from .schemes.rows import Plan
 
 log = logging.getLogger("hvd_sparse")
 
@@ -29,11 +33,13 @@ class State:
     switch: session.Session | None = None  # the switch joined, when any
     unnamed: Iterator[int] = field(default_factory=itertools.count)  # unnamed tensors' numbers
     union_ratio: dict[str, float] = field(default_factory=dict)  # learnt by "auto"
+    rows_plans: dict[str, Plan] = field(default_factory=dict)  # learnt by "auto" (schemes/rows)
 
     @property
     def context(self) -> Context:
         """What a reduction's job carries: the state as it is when the reduction starts."""
-        return Context(self.config, self.net, self.omni, self.switch, self.union_ratio)
+        return Context(self.config, self.net, self.omni, self.switch, self.union_ratio,
+                       self.rows_plans)
 
 
 _state: State | None = None

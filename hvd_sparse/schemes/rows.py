@@ -45,6 +45,7 @@ from .common import error, finished
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 RELEARN = 100  # "auto": every this many calls of a tensor, each way is tried again
 ROUNDS = 2  # aggregated: union rows per lane the layout aims at
+MARGIN = 0.9  # "auto": aggregated only when timed this much faster (one trial is noisy)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Plan:
     union: int = 0  # rows in the last result
     seconds: dict[str, float] = field(default_factory=dict)  # this rank's, by way
     aggregate: bool = False  # the choice the ranks agreed on at the last trial
+    trying: bool = False  # this call is one of a trial's
 
 
 def supported(t: torch.Tensor) -> bool:
@@ -96,7 +98,8 @@ def run(job: Job) -> Stage:
     if out is None:
         way = "allgather"
         out = yield from _allgathered(job, rows, vals, nrows)
-    plan.seconds[way] = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    plan.seconds[way] = min(seconds, plan.seconds.get(way, math.inf)) if plan.trying else seconds
     plan.union = int(out[0].numel())
     out_rows, out_vals = out
     indices = out_rows.unsqueeze(0) if k == 1 else _unravel(out_rows, g.shape[:k])
@@ -106,9 +109,9 @@ def run(job: Job) -> Stage:
 
 def _way(job: Job, plan: Plan, vals: torch.Tensor) -> Generator[Any, Any, str]:
     """How the rows travel this time, "allgather" or "omnireduce", alike on every rank. Under
-    "auto", measured rather than modelled: every RELEARN calls of the tensor, one call each
-    way, then the ranks agree (one tiny max-allreduce) on the way that was faster on the
-    slowest rank, until the next trial."""
+    "auto", measured rather than modelled: every RELEARN calls of the tensor, two calls each
+    way (the faster counts), then the ranks agree (one tiny max-allreduce) on the way that was
+    faster on the slowest rank, aggregation by at least 1 - MARGIN, until the next trial."""
     session, asked = job.ctx.omni, job.asked
     if (session is None or not job.comm.is_global or asked not in ("omnireduce", "auto")
             or math.prod(vals.shape[1:]) * vals.element_size() > session.payload):
@@ -117,13 +120,16 @@ def _way(job: Job, plan: Plan, vals: torch.Tensor) -> Generator[Any, Any, str]:
         return "omnireduce"
     plan.calls += 1
     trial = plan.calls % RELEARN
-    if trial in (1, 2):
-        return ("allgather", "omnireduce")[trial - 1]
-    if trial == 3:
+    if trial == 1:
+        plan.seconds.clear()
+    plan.trying = trial in (1, 2, 3, 4)
+    if plan.trying:  # each way twice, the faster counts: a first call pays for setting up
+        return ("allgather", "omnireduce")[(trial - 1) % 2]
+    if trial == 5:
         mine = [plan.seconds.get(w, math.inf) for w in ("allgather", "omnireduce")]
         slowest = yield "trial", job.comm.allreduce(torch.tensor(mine, dtype=torch.float64),
                                                    job.op_name("trial"), "max")
-        plan.aggregate = bool(slowest[1] < slowest[0])
+        plan.aggregate = bool(slowest[1] < MARGIN * slowest[0])
         job.stats.predicted_ms = {"allgather": round(float(slowest[0]) * 1e3, 3),
                                   "omnireduce": round(float(slowest[1]) * 1e3, 3)}
     return "omnireduce" if plan.aggregate else "allgather"
