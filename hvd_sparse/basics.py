@@ -6,7 +6,6 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import horovod.torch as hvd
 
@@ -15,10 +14,7 @@ from . import costmodel, engine, runfile, session
 from .comm import Collectives
 from .comm import horovod as collectives
 from .errors import HvdSparseError
-from .job import Context
-
-if TYPE_CHECKING:
-    from .schemes.rows import Plan
+from .job import Context, RowsPlan
 
 log = logging.getLogger("hvd_sparse")
 
@@ -33,7 +29,7 @@ class State:
     switch: session.Session | None = None  # the switch joined, when any
     unnamed: Iterator[int] = field(default_factory=itertools.count)  # unnamed tensors' numbers
     union_ratio: dict[str, float] = field(default_factory=dict)  # learnt by "auto"
-    rows_plans: dict[str, Plan] = field(default_factory=dict)  # learnt by "auto" (schemes/rows)
+    rows_plans: dict[str, RowsPlan] = field(default_factory=dict)  # learnt by "auto" (schemes/rows)
 
     @property
     def context(self) -> Context:

@@ -12,8 +12,19 @@ from .costmodel import NetModel
 
 if TYPE_CHECKING:
     from .comm import Collectives
-    from .schemes.rows import Plan
     from .session import Session
+
+
+@dataclass
+class RowsPlan:
+    """What "auto" knows of one sparse tensor (schemes/rows.py): its union (the same on every
+    rank) and how long each way took here when last tried."""
+
+    calls: int = 0
+    union: int = 0  # rows in the last result
+    seconds: dict[str, float] = field(default_factory=dict)  # this rank's, by way
+    aggregate: bool = False  # the choice the ranks agreed on at the last trial
+    trying: bool = False  # this call is one of a trial's
 
 
 @dataclass(frozen=True)
@@ -29,7 +40,7 @@ class Context:
     # a new init starts afresh)
     union_ratio: dict[str, float] = field(default_factory=dict)
     # name -> what "auto" learnt of a sparse tensor's rows (schemes/rows.py)
-    rows_plans: dict[str, Plan] = field(default_factory=dict)
+    rows_plans: dict[str, RowsPlan] = field(default_factory=dict)
 
 
 @dataclass

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from .. import protocol
 from .._C import sum_rows
 from ..engine import Stage
 from ..errors import HvdSparseError
-from ..job import Job
+from ..job import Job, RowsPlan
 from ..session import Session
 from . import omnireduce
 from .common import error, finished
@@ -46,18 +45,6 @@ FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 RELEARN = 100  # "auto": every this many calls of a tensor, each way is tried again
 ROUNDS = 2  # aggregated: union rows per lane the layout aims at
 MARGIN = 0.9  # "auto": aggregated only when timed this much faster (one trial is noisy)
-
-
-@dataclass
-class Plan:
-    """What "auto" knows of one sparse tensor: its union (the same on every rank) and how long
-    each way took here when last tried."""
-
-    calls: int = 0
-    union: int = 0  # rows in the last result
-    seconds: dict[str, float] = field(default_factory=dict)  # this rank's, by way
-    aggregate: bool = False  # the choice the ranks agreed on at the last trial
-    trying: bool = False  # this call is one of a trial's
 
 
 def supported(t: torch.Tensor) -> bool:
@@ -74,7 +61,7 @@ def run(job: Job) -> Stage:
     s = job.stats
     s.nnz_local, s.rows_local = int(idx.shape[1]), int(rows.numel())
     session = job.ctx.omni
-    plan = job.ctx.rows_plans.setdefault(job.name, Plan())
+    plan = job.ctx.rows_plans.setdefault(job.name, RowsPlan())
     way = yield from _way(job, plan, vals)
     t0 = time.perf_counter()
     out = None
@@ -107,7 +94,7 @@ def run(job: Job) -> Stage:
                                    check_invariants=False)  # sorted and distinct by construction
 
 
-def _way(job: Job, plan: Plan, vals: torch.Tensor) -> Generator[Any, Any, str]:
+def _way(job: Job, plan: RowsPlan, vals: torch.Tensor) -> Generator[Any, Any, str]:
     """How the rows travel this time, "allgather" or "omnireduce", alike on every rank. Under
     "auto", measured rather than modelled: every RELEARN calls of the tensor, two calls each
     way (the faster counts), then the ranks agree (one tiny max-allreduce) on the way that was
@@ -130,12 +117,10 @@ def _way(job: Job, plan: Plan, vals: torch.Tensor) -> Generator[Any, Any, str]:
         slowest = yield "trial", job.comm.allreduce(torch.tensor(mine, dtype=torch.float64),
                                                    job.op_name("trial"), "max")
         plan.aggregate = bool(slowest[1] < MARGIN * slowest[0])
-        job.stats.predicted_ms = {"allgather": round(float(slowest[0]) * 1e3, 3),
-                                  "omnireduce": round(float(slowest[1]) * 1e3, 3)}
     return "omnireduce" if plan.aggregate else "allgather"
 
 
-def _slots(plan: Plan, session: Session, nrows: int, width: int, esize: int) -> int:
+def _slots(plan: RowsPlan, session: Session, nrows: int, width: int, esize: int) -> int:
     """Slots for the rows' layout, alike on every rank: a union far smaller than the table
     would otherwise be spread over every slot, a packet per slot and round however few rows
     it holds; so about ROUNDS union rows per lane of the last union seen (at least a slot per

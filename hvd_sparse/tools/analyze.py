@@ -108,7 +108,7 @@ def predict_tensor(net: costmodel.NetModel, t: dict[str, Any], n: int,
     density = t["block_density"]
     nnz = [round((density if density is not None else 1.0) * nblocks)] * n
     p = costmodel.predict(net, t["numel"], t["esize"], t["block_size"], nnz, union)
-    if density is None or t["scheme"] == "rows":
+    if density is None or str(t["scheme"]).startswith("rows"):
         return {"dense": p.seconds["dense"]}
     return dict(p.seconds)
 

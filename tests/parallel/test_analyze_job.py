@@ -81,6 +81,8 @@ def must_receive(scheme: str, mine: list[int], other: list[int], numel: int, dim
         return len(set(mine) | set(other)) * BS * W  # every union block's sum, once
     if scheme == "rows":
         return (len(other) + 1) * 8 + (len(other) + 1) * dim * W  # plus the header row
+    if scheme == "rows+omnireduce":
+        return len(set(mine) | set(other)) * dim * W  # every union row's sum, once
     raise AssertionError(scheme)
 
 
@@ -147,7 +149,9 @@ def test_one_record_per_call_with_the_scheme_asked(job):
         assert [r["step"] for r in rs] == list(range(COUNTS[name]))
         for r in rs:
             assert r["requested"] == (ASKED[name] if name != "emb" else "rows")
-            ran = {"auto": r["scheme"]}.get(name, ASKED[name])
+            # "emb" (auto): the first of its trials, each way twice from the first call
+            ran = {"auto": r["scheme"],
+                   "emb": ("rows", "rows+omnireduce")[r["step"] % 2]}.get(name, ASKED[name])
             assert r["scheme"] == ran, (name, r)
             assert r["ranks"] == 2 and r["block_size"] == BS and r["seconds"] > 0
             assert r["numel"] == (reports[rank]["numel"] if name != "emb"
@@ -176,7 +180,7 @@ def test_bytes_received_are_what_each_rank_must_receive(job):
             if name == "auto":
                 want += 4 * 8  # the decision's stats row from the peer
             assert r["bytes_received"] == want, (rank, name, r["step"], scheme)
-            if scheme not in ("dense", "rows"):
+            if scheme not in ("dense", "rows", "rows+omnireduce"):
                 assert r["nnz_local"] == len(a)
                 assert r["union"] == len(set(a) | set(b))
 
