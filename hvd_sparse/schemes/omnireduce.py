@@ -49,11 +49,12 @@ def run(job: Job) -> Stage:
                      job.name)
             return (yield from dense.run(job))
     out = output(job)  # results are scaled as they land, only in blocks some rank sent
-    backup = Backup(job) if job.inplace else None  # results overwrite the input
 
     def attempt() -> Generator[Any, Any, Failure | None]:
         return (yield from stream(job, session, out, exponent, "omnireduce"))
 
+    # in place, results overwrite the input: kept to restore it if the attempt fails
+    backup = (lambda: Backup(job)) if job.inplace else None
     if not (yield from guarded(job, session, attempt, backup)):
         return (yield from dense.run(job))
     job.stats.scheme = "omnireduce"
@@ -62,11 +63,12 @@ def run(job: Job) -> Stage:
 
 def guarded(job: Job, session: Session, attempt: Callable[[], Generator[Any, Any,
                                                                         Failure | None]],
-            backup: Backup | None = None) -> Generator[Any, Any, bool]:
+            make_backup: Callable[[], Backup] | None = None) -> Generator[Any, Any, bool]:
     """Runs ``attempt`` (a submission to the job's aggregators) unless they are down, and
     returns whether it succeeded; False tells the caller to reduce the tensor another way,
     alike on every rank (fallback="dense": the ranks agree on it), or raises (fallback="error").
-    ``backup``: the tensor reduced in place, restored when the attempt fails."""
+    ``make_backup``: what saves a tensor reduced in place, called just before the attempt (not
+    while the aggregators are down); restored when the attempt fails."""
     fallback = job.ctx.config.fallback == "dense"
     if session.down and session.retry_due(job.name):
         # Back when every aggregator answers keep-alives again: on every rank (fallback=dense,
@@ -85,6 +87,7 @@ def guarded(job: Job, session: Session, attempt: Callable[[], Generator[Any, Any
             return False
         raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: not aggregated, an aggregator "
                              f"is down (it resumes when they answer again): {session.down}")
+    backup = make_backup() if make_backup is not None else None
     failure = yield from attempt()
     if fallback:
         failed, timed_out = yield from failed_anywhere(job, failure)
