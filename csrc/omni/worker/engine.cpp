@@ -55,6 +55,26 @@ void dequantize(uint8_t* o, const uint8_t* q, size_t n, uint8_t dtype, int e, do
   with_dtype(dtype, [=](auto t) { dequantize<decltype(t)>(o, q, n, Pow2(-e), scale); });
 }
 
+// CSR of a tensor's `n` non-zero blocks by stream (L streams; `block(k)`: the k-th, ascending):
+// a counting sort, so positions stay ascending in each stream. With `src`, each position's k
+// too (rows: where its values are in the packed input).
+template <typename Block>
+void index_blocks(TensorW& t, uint32_t L, int64_t n, Block block, bool src) {
+  t.start.assign(L + 1, 0);
+  for (int64_t k = 0; k < n; ++k) t.start[block(k) % L + 1]++;
+  for (uint32_t j = 0; j < L; ++j) t.start[j + 1] += t.start[j];
+  t.nnz_local = uint64_t(n);
+  t.pos.resize(size_t(n));
+  if (src) t.src.resize(size_t(n));
+  std::vector<uint32_t> fill(t.start.begin(), t.start.end() - 1);
+  for (int64_t k = 0; k < n; ++k) {
+    const uint64_t b = block(k);
+    const uint32_t at = fill[b % L]++;
+    t.pos[at] = uint32_t(b / L);
+    if (src) t.src[at] = uint32_t(k);
+  }
+}
+
 }  // namespace
 
 Engine::Engine(std::vector<AggregatorPath> aggs, const EngineOptions& o, Transport& io,
@@ -87,7 +107,6 @@ void Engine::prepare(TensorW& t, const uint8_t* mask) const {
   const Layout geo = layout(uint64_t(nb), t.bs, uint32_t(t.wsize), uint64_t(payload_), slots);
   t.lanes = geo.lanes;
   t.nslots = geo.nslots;
-  // CSR of the tensor's non-zero blocks by stream (counting sort: positions stay ascending).
   const uint32_t L = t.nslots * t.lanes;
   if (t.by_rows) {
     for (int64_t k = 0; k < t.nrows; ++k)
@@ -95,43 +114,20 @@ void Engine::prepare(TensorW& t, const uint8_t* mask) const {
         throw std::runtime_error("omnireduce: rows must be distinct, ascending and below " +
                                  std::to_string(nb) + "; row " + std::to_string(k) + " is " +
                                  std::to_string(t.rows[k]));
-    t.start.assign(L + 1, 0);
-    for (int64_t k = 0; k < t.nrows; ++k) t.start[uint64_t(t.rows[k]) % L + 1]++;
-    for (uint32_t j = 0; j < L; ++j) t.start[j + 1] += t.start[j];
-    t.nnz_local = uint64_t(t.nrows);
-    t.pos.resize(t.nnz_local);
-    t.src.resize(t.nnz_local);
-    std::vector<uint32_t> fill(t.start.begin(), t.start.end() - 1);
-    for (int64_t k = 0; k < t.nrows; ++k) {
-      const uint64_t b = uint64_t(t.rows[k]);
-      const uint32_t at = fill[b % L]++;
-      t.pos[at] = uint32_t(b / L);
-      t.src[at] = uint32_t(k);
-    }
+    index_blocks(t, L, t.nrows, [&](int64_t k) { return uint64_t(t.rows[k]); }, true);
     return;
   }
-  std::vector<uint8_t> own;
-  const uint8_t* m = mask;
-  if (!m) {
-    own.resize(t.nblocks);
-    for (uint32_t b = 0; b < t.nblocks; ++b) {
-      int64_t n = std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs);
-      own[b] = (block_bits(t.in + size_t(b) * t.bs * t.esize, n, t.esize) &
-                magnitude_bits(t.esize)) != 0;
-    }
-    m = own.data();
-  }
-  t.start.assign(L + 1, 0);
+  auto nonzero = [&](uint32_t b) {  // the mask's, or a scan of the input's
+    if (mask) return mask[b] != 0;
+    const int64_t n = std::min<int64_t>(t.bs, t.numel - int64_t(b) * t.bs);
+    return (block_bits(t.in + size_t(b) * t.bs * t.esize, n, t.esize) &
+            magnitude_bits(t.esize)) != 0;
+  };
+  std::vector<uint32_t> nz;  // the non-zero blocks, ascending
   for (uint32_t b = 0; b < t.nblocks; ++b)
-    if (m[b]) {
-      t.start[b % L + 1]++;
-      t.nnz_local++;
-    }
-  for (uint32_t j = 0; j < L; ++j) t.start[j + 1] += t.start[j];
-  t.pos.resize(t.nnz_local);
-  std::vector<uint32_t> fill(t.start.begin(), t.start.end() - 1);
-  for (uint32_t b = 0; b < t.nblocks; ++b)
-    if (m[b]) t.pos[fill[b % L]++] = b / L;
+    if (nonzero(b)) nz.push_back(b);
+  index_blocks(t, L, int64_t(nz.size()), [&](int64_t k) { return uint64_t(nz[size_t(k)]); },
+               false);
 }
 
 // Opens every slot of a new tensor at round 0 (position 0 of every non-empty lane).
