@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,23 @@ def save_png(fig: Figure, path: str | Path) -> Path:
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def rank_rows(tb: Any, script: str, args: Sequence[str], what: str) -> list[dict] | None:
+    """Runs ``script --rank-side OUT *args`` as the ranks of the testbed ``tb``, with a fresh
+    cache directory (auto probes these links, not a cached model of others); the rows rank 0
+    wrote to OUT, or None (said, naming ``what``) when the job failed."""
+    from hvd_sparse.tools.testbed import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        proc = launch.run(tb, [sys.executable, script, "--rank-side", str(out), *args],
+                          env={"HVD_SPARSE_CACHE_DIR": tmp, "OMP_NUM_THREADS": "1"},
+                          timeout=3600)
+        if proc.returncode != 0 or not out.exists():
+            console.print(f"[red]rank job failed at {what} (exit {proc.returncode})[/]")
+            return None
+        return json.loads(out.read_text())
 
 
 def testbed_main(name: str, args: Any, rank_side: Any, drive: Any) -> int:

@@ -33,14 +33,20 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make build)
 
-from _report import console, print_table, save_png, testbed_main, write_json  # noqa: E402
+from _report import (  # noqa: E402
+    console,
+    print_table,
+    rank_rows,
+    save_png,
+    testbed_main,
+    write_json,
+)
 
 METHODS = ["hvd sparse", "rows allgather", "rows agg xA", "rows agg colocated", "auto"]
 
@@ -71,7 +77,7 @@ def parse_args() -> argparse.Namespace:
 # --- the driver: one testbed per N --------------------------------------------------------------
 
 def drive(args: argparse.Namespace) -> int:
-    from hvd_sparse.tools.testbed import launch, lifecycle
+    from hvd_sparse.tools.testbed import lifecycle
     from hvd_sparse.tools.testbed.topology import Testbed
 
     rows: list[dict] = []
@@ -82,20 +88,14 @@ def drive(args: argparse.Namespace) -> int:
         tb = lifecycle.up(Testbed(args.name, workers=n, aggregators=args.aggregators,
                                   rate=args.rate, mtu=9000, cpu_per_host=args.cpu_per_host))
         try:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "rows.json"
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-side", str(out)]
-                for k in ("ids", "zipf", "rows", "dim", "lookups", "reps", "warmup"):
-                    cmd += [f"--{k}", str(getattr(args, k))]
-                cmd += ["--methods", ",".join(args.methods)]
-                proc = launch.run(tb, cmd, env={"HVD_SPARSE_CACHE_DIR": tmp,
-                                                "OMP_NUM_THREADS": "1"}, timeout=3600)
-                if proc.returncode != 0 or not out.exists():  # report the other sizes anyway
-                    console.print(f"[red]rank job failed at N={n} (exit {proc.returncode})[/]")
-                    failed = True
-                    continue
-                rows += [{"workers": n, "rate": args.rate, **r}
-                         for r in json.loads(out.read_text())]
+            opts = [x for k in ("ids", "zipf", "rows", "dim", "lookups", "reps", "warmup")
+                    for x in (f"--{k}", str(getattr(args, k)))]
+            got = rank_rows(tb, str(Path(__file__).resolve()),
+                            [*opts, "--methods", ",".join(args.methods)], f"N={n}")
+            if got is None:  # report the other sizes anyway
+                failed = True
+                continue
+            rows += [{"workers": n, "rate": args.rate, **r} for r in got]
         finally:
             lifecycle.down(args.name)
     if rows:

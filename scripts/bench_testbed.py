@@ -37,14 +37,20 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make build)
 
-from _report import console, print_table, save_png, testbed_main, write_json  # noqa: E402
+from _report import (  # noqa: E402
+    console,
+    print_table,
+    rank_rows,
+    save_png,
+    testbed_main,
+    write_json,
+)
 
 METHODS = ["hvd dense", "hvd sparse", "hvd sparse e2e", "allgather", "zen", "omnireduce x1",
            "omnireduce x4", "omnireduce colocated", "omnireduce rank0", "switch", "auto"]
@@ -81,7 +87,7 @@ def parse_args() -> argparse.Namespace:
 # --- the driver: one testbed per rate ---------------------------------------------------------
 
 def drive(args: argparse.Namespace) -> int:
-    from hvd_sparse.tools.testbed import launch, lifecycle
+    from hvd_sparse.tools.testbed import lifecycle
     from hvd_sparse.tools.testbed.topology import Testbed
 
     rows: list[dict] = []
@@ -92,20 +98,14 @@ def drive(args: argparse.Namespace) -> int:
         tb = lifecycle.up(Testbed(args.name, workers=4, aggregators=4, rate=rate, mtu=args.mtu,
                                   switch=args.switch))
         try:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "rows.json"
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-side", str(out),
-                       "--densities", args.densities, "--numel", str(args.numel), "--reps",
-                       str(args.reps), "--warmup", str(args.warmup), "--switch", args.switch,
-                       "--methods", ",".join(args.methods)]
-                # A fresh cache: auto probes this rate, not a cached model of another one.
-                proc = launch.run(tb, cmd, env={"HVD_SPARSE_CACHE_DIR": tmp,
-                                                "OMP_NUM_THREADS": "1"}, timeout=3600)
-                if proc.returncode != 0 or not out.exists():  # report the other rates anyway
-                    console.print(f"[red]rank job failed at {rate} (exit {proc.returncode})[/]")
-                    failed = True
-                    continue
-                rows += [{"rate": rate, **r} for r in json.loads(out.read_text())]
+            got = rank_rows(tb, str(Path(__file__).resolve()), [
+                "--densities", args.densities, "--numel", str(args.numel), "--reps",
+                str(args.reps), "--warmup", str(args.warmup), "--switch", args.switch,
+                "--methods", ",".join(args.methods)], rate)
+            if got is None:  # report the other rates anyway
+                failed = True
+                continue
+            rows += [{"rate": rate, **r} for r in got]
         finally:
             lifecycle.down(args.name)
     if rows:
