@@ -71,12 +71,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._sparse.add(p)
         pre, post = ((1.0 / self._predivide, self._predivide) if self._op == hvd.Average
                      else (1.0, 1.0))
+        scheme = self._scheme
         if self._sparsifier is not None and not p.grad.is_sparse:
             self._sparsifier(self._names[id(p)], p.grad,
                              self._block_size or basics.state().config.block_size)
+            if self._sparsifier.too_small(p.grad.numel()):
+                scheme = "dense"  # it went out whole: a ring allreduce ships it cheapest
         start = allreduce_async if p.grad.is_sparse else allreduce_async_
         self._handles[p] = start(p.grad, name=self._names[id(p)], op=self._op,
-                                 scheme=self._scheme, prescale_factor=pre, postscale_factor=post,
+                                 scheme=scheme, prescale_factor=pre, postscale_factor=post,
                                  block_size=self._block_size, process_set=self.process_set)
 
     def synchronize(self) -> None:
@@ -176,8 +179,9 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
 
     ``sparsifier`` (e.g. ``hvd_sparse.ExDyna(density=0.01)``) sparsifies each dense gradient
     before its reduction; element-wise ones (TopK, Threshold, DGC) want a small ``block_size``.
-    With ``process_set`` gradients are reduced over its ranks only; other ranks step on their
-    own gradients, as with Horovod's optimizer.
+    Tensors too small for the sparsifier's density (``Sparsifier.too_small``) go out whole by
+    the dense scheme. With ``process_set`` gradients are reduced over its ranks only; other
+    ranks step on their own gradients, as with Horovod's optimizer.
     """
     op = hvd.Average if op is None else op
     if op not in (hvd.Average, hvd.Sum):

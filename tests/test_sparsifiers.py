@@ -14,7 +14,7 @@ import hvd_sparse
 from hvd_sparse import _C, DGC, ExDyna, Threshold, TopK
 from hvd_sparse.sparsifiers.exdyna import _State
 
-ONE = {"rank": 0, "size": 1}
+ONE = {"rank": 0, "size": 1, "min_selected": 0}  # selection itself, on small tensors too
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -192,9 +192,10 @@ def test_exdyna_rebalance_moves_towards_the_heavier_neighbour():
 @pytest.mark.parametrize("n,bs", [(10, 256), (700, 256), (3, 1)])
 def test_exdyna_with_fewer_blocks_than_ranks_is_exclusive_and_loses_nothing(n, bs, per_element):
     # A 10-element bias at the codec's 256: one block, four ranks; most partitions are empty.
+    # (min_selected=0: by default such tensors go out whole.)
     size, steps = 4, 40
-    sp = [ExDyna(0.01, rank=r, size=size, block_size=bs, per_element=per_element)
-          for r in range(size)]
+    sp = [ExDyna(0.01, rank=r, size=size, block_size=bs, per_element=per_element,
+                 min_selected=0) for r in range(size)]
     gen = torch.Generator().manual_seed(1)
     sent, given = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for step in range(steps):
@@ -382,3 +383,30 @@ def test_state_dict_resumes_exactly(make, tmp_path):
     with pytest.raises(ValueError, match="state is of a"):
         (TopK(0.1) if not isinstance(run, TopK) else Threshold(0.5)).load_state_dict(
             run.state_dict())
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.01, rank=0, size=4),
+                                  lambda: ExDyna(0.01, rank=1, size=4),
+                                  lambda: DGC(0.01, momentum=0.0, rank=0, size=4)])
+def test_tensors_too_small_for_the_density_go_out_whole(make):
+    # 1% of 1,000 elements is 10 < min_selected (16): every step sends the gradient as it is
+    # (the float64 reference), and a large tensor beside it is still sparsified.
+    sp, gen = make(), torch.Generator().manual_seed(3)
+    for _ in range(5):
+        g = torch.randn(1000, generator=gen)
+        torch.testing.assert_close(sp("small", g.clone()).double(), g.double(), rtol=0, atol=0)
+        big = sp("big", torch.randn(4000, generator=gen))
+        assert 0 < int((big != 0).sum()) < 400
+    assert sp.too_small(1599) and not sp.too_small(1600)
+    assert not type(sp)(0.01, min_selected=0).too_small(10)
+
+
+def test_dgc_on_a_tensor_sent_whole_is_momentum_sgd():
+    # The optimizer's momentum moved into DGC; a small tensor sent whole every step must get
+    # exactly the momentum buffer torch's SGD would (u = m u + g), not momentum masked away.
+    sp, gen, m = DGC(0.01, momentum=0.9, rank=0, size=1), torch.Generator().manual_seed(4), 0.9
+    u = torch.zeros(100, dtype=torch.float64)
+    for _ in range(6):
+        g = torch.randn(100, generator=gen)
+        u = m * u + g.double()
+        torch.testing.assert_close(sp("bias", g.clone()).double(), u, rtol=1e-6, atol=1e-6)

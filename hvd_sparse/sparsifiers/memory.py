@@ -32,6 +32,11 @@ class NoMemory:
         """Leaves only the selected units (``idx``, ascending, of ``unit`` elements) in ``out``."""
         ops.extract_(out, out, idx, unit, False)
 
+    def flush(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Sends all of ``x`` (the compensated tensor) in ``out``: nothing is kept back."""
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+
     def reset(self, name: str) -> None:
         pass
 
@@ -53,6 +58,12 @@ class ResidualMemory(NoMemory):
     def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
                unit: int) -> None:
         ops.extract_(x, out, idx, unit, True)
+
+    def flush(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        # The residual goes out now. MomentumMemory keeps its velocity (no masking): a tensor
+        # sent whole every step gets momentum SGD, the optimizer's momentum having moved here.
+        super().flush(x, out)
+        x.zero_()
 
     def reset(self, name: str) -> None:
         # A non-finite value went out dense; keeping it would poison every later step.
