@@ -112,8 +112,9 @@ def base_image() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def build(project: str = "hvdsparse") -> float:
-    """Builds both images (docker's layer cache makes a rebuild quick); returns the seconds."""
+def build(project: str = "hvdsparse", no_cache: bool = False) -> float:
+    """Builds both images (docker's layer cache makes a rebuild quick unless ``no_cache``);
+    returns the seconds."""
     t0 = time.monotonic()
     env = {"BASE": base_image()}
     cas = sorted(Path("/usr/local/share/ca-certificates").glob("**/*.crt"))
@@ -131,7 +132,8 @@ def build(project: str = "hvdsparse") -> float:
             + (f", wheels from {wheels}" if wheels else ""))
         # One service per image: v1 would build the shared worker image once per service.
         # --force-rm: a failed step's container goes too
-        out = compose(project, "build", "--force-rm", "agg0", "launcher",
+        out = compose(project, "build", "--force-rm", *(["--no-cache"] if no_cache else []),
+                      "agg0", "launcher",
                       env={**env, "DOCKER_BUILDKIT": "0"}, timeout=BUILD_TIMEOUT_S)
     if out.returncode != 0:
         raise RuntimeError(f"compose: build failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
@@ -196,8 +198,9 @@ def main() -> int:
     p.add_argument("command", choices=("build", "run"))
     p.add_argument("--job", help="the launcher's command (default: the demo)")
     p.add_argument("--rate", default="1gbit", help="every container's link rate")
+    p.add_argument("--no-cache", action="store_true", help="build every layer anew (cold build)")
     args = p.parse_args()
-    seconds = build()
+    seconds = build(no_cache=args.no_cache)
     log(f"images built in {seconds:.0f} s: " + ", ".join(
         f"{n} {image_size(n) / 1e6:.0f} MB" for n in IMAGES))
     if args.command == "build":

@@ -1,11 +1,13 @@
-"""Convergence table: dense vs TopK / DGC / ExDyna at 1% on 4 ranks (tests/mp/convergence.py).
+"""Convergence suite: every sparsifier at 1% against dense and PowerSGD, three tasks, 4 ranks.
 
-    .venv/bin/python scripts/convergence.py              # 3000 steps, as the test
-    .venv/bin/python scripts/convergence.py --steps 500  # shorter
+    .venv/bin/python scripts/convergence.py                      # 3 tasks x 8 methods x 3 seeds
+    .venv/bin/python scripts/convergence.py --tasks digits --seeds 1 --methods dense,exdyna
 
-Runs the test's worker under ``horovodrun -np 4 --gloo`` and prints held-out accuracy, the mean
-union density after warm-up (a quarter of the steps) and the bytes each rank sent per step.
-Writes <out-dir>/convergence.json.
+One ``horovodrun -np 4 --gloo`` job per seed trains each task with each method
+(scripts/_accuracy.py has the tasks, the methods and how bytes are counted). Prints per task and
+method the held-out score (mean over seeds, with min-max), its gap to dense (mean of the
+per-seed gaps, in points), and bytes per step per rank as a share of dense's; writes
+<out-dir>/convergence.json and convergence.png (score against epochs, mean over seeds).
 """
 
 from __future__ import annotations
@@ -13,51 +15,122 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts")]
 
-from _report import console, print_table, write_json  # noqa: E402
+from _accuracy import METHODS, TASKS  # noqa: E402
+from _report import console, print_table, save_png, write_json  # noqa: E402
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--np", type=int, default=4)
-    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
-    args = ap.parse_args()
+def run_seed(seed: int, tasks: list[str], methods: list[str], np_: int, timeout: float,
+             ) -> list[dict]:
+    """One Horovod job: rank 0's results, one dict per (task, method)."""
+    runs = ",".join(f"{t}:{m}:{seed}" for t in tasks for m in methods)
     bindir = Path(sys.executable).parent
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HVD_SPARSE_TEST_OUT": tmp,
                "HVD_SPARSE_CACHE_DIR": str(Path(tmp) / "cache"), "OMP_NUM_THREADS": "1",
-               "HVD_SPARSE_CONV_STEPS": str(args.steps)}
-        cmd = [str(bindir / "horovodrun"), "-np", str(args.np), "-H", f"localhost:{args.np}",
-               "--gloo", sys.executable, str(ROOT / "tests" / "mp" / "convergence.py")]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        path = Path(tmp) / "rank0.json"
-        if not path.exists():
-            console.print(proc.stdout[-3000:], proc.stderr[-3000:])
-            return 1
-        rep = json.loads(path.read_text())
-    if rep["error"]:
-        console.print(rep["error"])
-        return 1
+               "HVD_SPARSE_ACC_RUNS": runs, "PYTHONWARNINGS": "ignore"}
+        cmd = [str(bindir / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+               sys.executable, str(ROOT / "scripts" / "_accuracy.py")]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        tail: list[str] = []
+        deadline = time.monotonic() + timeout
+        assert proc.stdout is not None
+        for line in proc.stdout:  # progress: rank 0 prints a line per finished run
+            tail = (tail + [line])[-40:]
+            if "[accuracy]" in line:
+                console.print(line.split("[accuracy] ", 1)[1].rstrip())
+            if time.monotonic() > deadline:
+                proc.kill()
+                break
+        proc.wait()
+        path = Path(tmp) / "rank0.jsonl"
+        results = [json.loads(ln) for ln in path.read_text().splitlines()] \
+            if path.exists() else []
+    if proc.returncode != 0 or len(results) != len(tasks) * len(methods):
+        console.print("".join(tail))
+        raise SystemExit(f"seed {seed}: the job failed (exit {proc.returncode}) after "
+                         f"{len(results)} of {len(tasks) * len(methods)} runs")
+    return results
+
+
+def summarize(results: list[dict], tasks: list[str], methods: list[str]) -> list[dict]:
     rows = []
-    for v in ("dense", "topk", "dgc", "exdyna"):
-        rows.append({"variant": v, "accuracy %": 100 * rep[f"{v}.accuracy"],
-                     "vs dense (points)": 100 * (rep[f"{v}.accuracy"] - rep["dense.accuracy"]),
-                     "union density %": 100 * rep[f"{v}.density"],
-                     "bytes/step/rank": rep[f"{v}.bytes"]})
-    print_table(rows, f"convergence, {args.np} ranks, {args.steps} steps, requested density 1%",
-                caption=f"training {rep['seconds']:.1f} s; ExDyna overlap: "
-                + (rep["exdyna.overlap"] or "none (no block chosen by two ranks)"))
-    out = write_json(args.out_dir / "convergence.json", rows, args=vars(args),
-                     seconds=rep["seconds"])
-    console.print(f"wrote {out}")
+    for t in tasks:
+        dense = {r["seed"]: r for r in results if r["task"] == t and r["method"] == "dense"}
+        for m in methods:
+            mine = [r for r in results if r["task"] == t and r["method"] == m]
+            scores = [100 * r["score"] for r in mine]
+            gaps = [100 * (r["score"] - dense[r["seed"]]["score"]) for r in mine
+                    if r["seed"] in dense]
+            bytes_ = statistics.mean(r["bytes_per_step"] for r in mine)
+            rows.append({
+                "task": t, "method": m, "metric": mine[0]["metric"],
+                "score": statistics.mean(scores), "min": min(scores), "max": max(scores),
+                "vs dense (points)": statistics.mean(gaps) if gaps else float("nan"),
+                "bytes/step/rank": bytes_,
+                "% of dense bytes": 100 * bytes_ / mine[0]["dense_bytes_per_step"],
+                "union density %": (100 * statistics.mean(r["union_density"] for r in mine)
+                                    if mine[0]["union_density"] is not None else float("nan")),
+                "seeds": len(mine)})
+    return rows
+
+
+def plot(results: list[dict], tasks: list[str], methods: list[str], path: Path) -> None:
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(5 * len(tasks), 4))
+    for i, t in enumerate(tasks):
+        ax = fig.add_subplot(1, len(tasks), i + 1)
+        for m in methods:
+            curves = [r["scores"] for r in results if r["task"] == t and r["method"] == m]
+            mean = [100 * statistics.mean(c[e] for c in curves) for e in range(len(curves[0]))]
+            ax.plot(range(1, len(mean) + 1), mean, marker=".", label=m,
+                    linestyle="-" if m == "dense" or not m.startswith("powersgd") else "--")
+        metric = next(r["metric"] for r in results if r["task"] == t)
+        ax.set(title=t, xlabel="epoch", ylabel=f"held-out {metric} (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save_png(fig, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--np", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per seed's job")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
+    args = ap.parse_args()
+    tasks, methods = args.tasks.split(","), args.methods.split(",")
+    bad = [t for t in tasks if t not in TASKS] + [m for m in methods if m not in METHODS]
+    if bad:
+        ap.error(f"unknown: {bad} (tasks {list(TASKS)}, methods {list(METHODS)})")
+    if "dense" not in methods:
+        methods.insert(0, "dense")  # the reference every gap is taken against
+    results: list[dict] = []
+    t0 = time.monotonic()
+    for seed in map(int, args.seeds.split(",")):
+        console.print(f"[bold]seed {seed}[/]: {len(tasks)} tasks x {len(methods)} methods, "
+                      f"{args.np} ranks")
+        results += run_seed(seed, tasks, methods, args.np, args.timeout)
+    rows = summarize(results, tasks, methods)
+    print_table(rows, f"convergence, {args.np} ranks, seeds {args.seeds}, sparsifiers at 1%",
+                columns=[c for c in rows[0] if c != "metric"],
+                caption="score: held-out accuracy (mlp, digits) or AUC (ctr), in %; "
+                        f"{time.monotonic() - t0:.0f} s in all")
+    out = write_json(args.out_dir / "convergence.json", rows, args=vars(args), runs=results)
+    plot(results, tasks, methods, args.out_dir / "convergence.png")
+    console.print(f"wrote {out} and convergence.png")
     return 0
 
 

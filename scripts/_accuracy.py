@@ -1,0 +1,265 @@
+"""The convergence suite's rank side: three tasks, each trained by every method from the same
+initial model on the same data split, scored on held-out data after every epoch.
+
+Tasks (``TASKS``):
+- ``mlp``: an MLP 64-256-256-10 (ReLU) on a teacher-labelled synthetic task, SGD with momentum
+  0.9 in the optimizer, as users write it;
+- ``digits``: a small CNN on scikit-learn's bundled handwritten digits (1,797 8x8 images, no
+  download), 360 held out;
+- ``ctr``: the demo's click-through model (hvd_sparse.tools.workload: embedding tables over
+  Zipf ids, whose gradients are mostly-zero rows, plus dense layers), scored by held-out AUC.
+
+Methods (``METHODS``): ``dense`` (hvd_sparse's dense scheme: Horovod's allreduce),
+``topk``/``dgc``/``exdyna`` at 1% through ``hvd_sparse.DistributedOptimizer`` (error feedback;
+DGC with its density warm-up over the first two epochs and the optimizer's momentum moved into
+its correction), ``exdyna4`` (ExDyna at 4%: ExDyna's density is the union's, TopK's and DGC's
+each rank's, so at 4 ranks this is their union), and PowerSGD ranks 1, 2, 4 (``powersgd1`` ...)
+under PyTorch DDP with its built-in hook, on a Gloo group made beside Horovod in the same
+processes, so every method sees the same ranks, data and initial model.
+
+Bytes per step are what one rank puts on the wire: hvd_sparse's own count (ring collectives
+modelled) for its methods, the ring allreduce model for PowerSGD (its P and Q, and the tensors
+it leaves uncompressed) and for DDP's dense allreduce.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import horovod.torch as hvd
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hvd_sparse
+from hvd_sparse.tools.workload import CTRModel, make_shard, vocab_sizes
+
+DENSITY = 0.01
+SPARSIFIED = ("topk", "dgc", "exdyna", "exdyna4")
+POWERSGD = {"powersgd1": 1, "powersgd2": 2, "powersgd4": 4}
+METHODS = ("dense", *SPARSIFIED, *POWERSGD)
+Batches = Callable[[int], Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]]
+
+
+@dataclass
+class Task:
+    """One training problem, this rank's share of it."""
+
+    epochs: int
+    lr: float
+    model: Callable[[], nn.Module]  # the same initial weights on every rank (seeded)
+    batches: Batches  # epoch -> this rank's (inputs, target) batches, the same count on all
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    score: Callable[[nn.Module], float]  # held-out accuracy or AUC, in [0, 1]
+    metric: str
+
+
+def shuffled(n: int, batch: int, seed: int, epoch: int) -> Iterator[slice | torch.Tensor]:
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+    for i in range(n // batch):
+        yield order[i * batch:(i + 1) * batch]
+
+
+def classify(x_test: torch.Tensor, y_test: torch.Tensor) -> Callable[[nn.Module], float]:
+    def score(model: nn.Module) -> float:
+        with torch.no_grad():
+            return float((model(x_test).argmax(1) == y_test).float().mean())
+    return score
+
+
+def mlp(seed: int, rank: int, size: int) -> Task:
+    """A fixed random teacher (64-128-10, tanh) labels Gaussian inputs (10 classes); 8,192
+    training examples split over the ranks, 4,000 held out, batch 128 in all (32 a rank at 4).
+    Dense reaches ~80% in its 8 epochs, still learning: lost gradient information shows."""
+    g = torch.Generator().manual_seed(1234)
+    w1, w2 = torch.randn(64, 128, generator=g) / 16, torch.randn(128, 10, generator=g)
+    x, x_test = torch.randn(8192, 64, generator=g), torch.randn(4000, 64, generator=g)
+    y, y_test = ((torch.tanh(v @ w1) @ w2).argmax(1) for v in (x, x_test))
+    mine, my_y, batch = x[rank::size], y[rank::size], 128 // size
+
+    def model() -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                             nn.Linear(256, 10))
+
+    def batches(epoch: int):
+        for idx in shuffled(len(mine), batch, seed, epoch):
+            yield (mine[idx],), my_y[idx]
+
+    return Task(8, 0.1, model, batches, nn.functional.cross_entropy,
+                classify(x_test, y_test), "accuracy")
+
+
+def digits(seed: int, rank: int, size: int) -> Task:
+    """scikit-learn's load_digits: 1,437 training images split over the ranks, 360 held out
+    (a fixed split), batch 64 in all; a CNN with two 3x3 convolutions and two linear layers."""
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    x_test, y_test, x, y = x[-360:], y[-360:], x[:-360], y[:-360]
+    mine, my_y, batch = x[rank::size], y[rank::size], 64 // size
+    n = min(len(x[r::size]) for r in range(size))  # the same number of steps on every rank
+
+    def model() -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+                             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(),
+                             nn.Linear(64, 10))
+
+    def batches(epoch: int):
+        for idx in shuffled(n, batch, seed, epoch):
+            yield (mine[idx],), my_y[idx]
+
+    return Task(20, 0.05, model, batches, nn.functional.cross_entropy,
+                classify(x_test, y_test), "accuracy")
+
+
+def ctr(seed: int, rank: int, size: int) -> Task:
+    """The demo's CTR model at a twentieth of its vocabularies (13k rows x 16): 32,768 training
+    examples split over the ranks, 16,384 held out, batch 1,024 in all."""
+    from sklearn.metrics import roc_auc_score
+    sizes, per_rank = vocab_sizes(0.05), 32768 // size
+    shard = make_shard(7, rank, per_rank, sizes)
+    held = make_shard(7, 1000, 16384, sizes, tag=1)
+
+    def model() -> nn.Module:
+        torch.manual_seed(seed)
+        return CTRModel(sizes, 16)
+
+    def batches(epoch: int):
+        for idx in shuffled(per_rank, 1024 // size, seed, epoch):
+            yield (shard.ids[idx], shard.dense[idx]), shard.label[idx]
+
+    def score(model: nn.Module) -> float:
+        with torch.no_grad():
+            return float(roc_auc_score(held.label.numpy(), model(held.ids, held.dense).numpy()))
+
+    return Task(4, 1.0, model, batches, nn.functional.binary_cross_entropy_with_logits, score,
+                "auc")
+
+
+TASKS: dict[str, Callable[[int, int, int], Task]] = {"mlp": mlp, "digits": digits, "ctr": ctr}
+
+
+def sparsifier(method: str, warmup: int) -> hvd_sparse.Sparsifier | None:
+    return {"dense": None, "topk": hvd_sparse.TopK(DENSITY),
+            "dgc": hvd_sparse.DGC(DENSITY, warmup=warmup),
+            "exdyna": hvd_sparse.ExDyna(DENSITY),
+            "exdyna4": hvd_sparse.ExDyna(DENSITY * hvd.size())}[method]
+
+
+def torch_group() -> None:
+    """A Gloo process group beside Horovod, for DDP (rank 0 picks the port)."""
+    if dist.is_initialized():
+        return
+    port = 0
+    if hvd.rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = hvd.broadcast_object(port, root_rank=0, name="accuracy.port")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=hvd.rank(),
+                            world_size=hvd.size())
+
+
+def powersgd_bytes(model: nn.Module, rank: int, size: int) -> float:
+    """Per rank per step, ring allreduce model: PowerSGD sends P (n x r) and Q (m x r) for each
+    matrix it compresses (those whose n*m exceed (n+m)*r by its min_compression_rate, 2) and
+    every other tensor whole."""
+    floats = 0
+    for p in model.parameters():
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        small = p.dim() < 2 or n * m <= (n + m) * rank * 2
+        floats += p.numel() if small else (n + m) * rank
+    return 2 * (size - 1) / size * floats * 4
+
+
+def train(task_name: str, method: str, seed: int,
+          progress: Callable[[int, int], None] | None = None) -> dict[str, object]:
+    """Trains ``task_name`` with ``method``; returns scores per epoch and bytes per step."""
+    task = TASKS[task_name](seed, hvd.rank(), hvd.size())
+    model = task.model()
+    steps = sum(1 for _ in task.batches(0))
+    opt = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
+    named = [(f"{task_name}.{method}.{seed}.{n}", p) for n, p in model.named_parameters()]
+    names = [n for n, _ in named]
+    ddp_bytes = None
+    if method in POWERSGD:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        torch_group()
+        net = nn.parallel.DistributedDataParallel(model)
+        r = POWERSGD[method]
+        # From the second step on (its default waits 1,000 steps with plain allreduce).
+        net.register_comm_hook(psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2,
+            random_seed=seed), psgd.powerSGD_hook)
+        ddp_bytes = powersgd_bytes(model, r, hvd.size())
+    else:
+        net = model
+        sp = sparsifier(method, warmup=2 * steps)
+        opt = hvd_sparse.DistributedOptimizer(
+            opt, named_parameters=named, sparsifier=sp,
+            scheme="dense" if sp is None else "allgather",
+            block_size=None if sp is None else 4)
+    scores, sent, union, numel = [], 0.0, 0.0, sum(p.numel() for p in model.parameters())
+    t0, done = time.perf_counter(), 0
+    for epoch in range(task.epochs):
+        net.train()
+        for inputs, target in task.batches(epoch):
+            opt.zero_grad()
+            task.loss(net(*inputs), target).backward()
+            opt.step()
+            done += 1
+            if ddp_bytes is None:
+                m = hvd_sparse.metrics()
+                sent += sum(m[n]["bytes_sent"] for n in names)
+                union += sum(m[n].get("union", 0) for n in names) if method != "dense" else 0
+            if progress:
+                progress(done, steps * task.epochs)
+        net.eval()
+        scores.append(task.score(model))
+    total = steps * task.epochs
+    if hasattr(opt, "close"):
+        opt.close()
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    return {"task": task_name, "method": method, "seed": seed, "metric": task.metric,
+            "scores": scores, "score": scores[-1], "steps": total,
+            "bytes_per_step": ddp_bytes if ddp_bytes is not None else sent / total,
+            "dense_bytes_per_step": 2 * (hvd.size() - 1) / hvd.size() * numel * 4,
+            "union_density": union / total / numel if method in SPARSIFIED else None,
+            "seconds": time.perf_counter() - t0, "checksum": checksum,
+            "finite": all(math.isfinite(s) for s in scores)}
+
+
+def main() -> None:
+    """Under horovodrun: HVD_SPARSE_ACC_RUNS="task:method:seed,..." -> rank<r>.json lines in
+    HVD_SPARSE_TEST_OUT (scripts/convergence.py reads rank 0's)."""
+    import json
+    from pathlib import Path
+    torch.set_num_threads(1)
+    hvd.init()
+    hvd_sparse.init()
+    out = Path(os.environ["HVD_SPARSE_TEST_OUT"]) / f"rank{hvd.rank()}.jsonl"
+    for run in os.environ["HVD_SPARSE_ACC_RUNS"].split(","):
+        task, method, seed = run.split(":")
+        res = train(task, method, int(seed))
+        with out.open("a") as f:
+            f.write(json.dumps(res) + "\n")
+        if hvd.rank() == 0:
+            print(f"[accuracy] {task} {method} seed {seed}: {res['metric']} "
+                  f"{res['score']:.4f}, {res['bytes_per_step']:.0f} B/step, "
+                  f"{res['seconds']:.1f} s", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
