@@ -39,16 +39,16 @@ build: setup $(EXT) install
 lint: build
 	@$(VENV)/bin/ruff check hvd_sparse tests scripts
 
-# tests/test_compose.py is `make test-compose`: its cold image build alone takes longer than
-# the rest of the tests.
+# tests/test_compose.py is `make test-compose` (a CI step of its own): a cold image build
+# alone takes about as long as the rest of the tests.
 test: build lint $(if $(NVCC),cuda-check)
 	@$(PY) -m pytest -q -rs tests --ignore=tests/test_compose.py
 
 # The compose cluster for real (tests/test_compose.py): a Docker engine started where none
 # runs (docker.io from apt) and stopped after, both images built (docker's layer cache keeps
 # them between runs), a 4-worker job across the containers. Skipped where Docker cannot run.
-# Cached: 2-5 min at load average 13-16 (2 cores); cold: the worker image compiles Horovod and
-# the extension, 90 min at that load (docs/BENCHMARKS.md, Test time).
+# Cached: 2-5 min; cold: the worker image compiles Horovod and the extension, 59 min beside a
+# 4-rank training job, 90 at load 13-16 (docs/BENCHMARKS.md, Test time).
 test-compose: build
 	@$(PY) -m pytest -q -rs tests/test_compose.py
 
