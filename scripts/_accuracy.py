@@ -182,8 +182,7 @@ def powersgd_bytes(model: nn.Module, rank: int, size: int) -> float:
     return 2 * (size - 1) / size * floats * 4
 
 
-def train(task_name: str, method: str, seed: int,
-          progress: Callable[[int, int], None] | None = None) -> dict[str, object]:
+def train(task_name: str, method: str, seed: int) -> dict[str, object]:
     """Trains ``task_name`` with ``method``; returns scores per epoch and bytes per step."""
     task = TASKS[task_name](seed, hvd.rank(), hvd.size())
     model = task.model()
@@ -210,25 +209,20 @@ def train(task_name: str, method: str, seed: int,
             scheme="dense" if sp is None else "allgather",
             block_size=None if sp is None else 4)
     scores, sent, union, numel = [], 0.0, 0.0, sum(p.numel() for p in model.parameters())
-    t0, done = time.perf_counter(), 0
+    t0 = time.perf_counter()
     for epoch in range(task.epochs):
         net.train()
         for inputs, target in task.batches(epoch):
             opt.zero_grad()
             task.loss(net(*inputs), target).backward()
             opt.step()
-            done += 1
             if ddp_bytes is None:
                 m = hvd_sparse.metrics()
                 sent += sum(m[n]["bytes_sent"] for n in names)
                 union += sum(m[n].get("union", 0) for n in names) if method != "dense" else 0
-            if progress:
-                progress(done, steps * task.epochs)
         net.eval()
         scores.append(task.score(model))
     total = steps * task.epochs
-    if hasattr(opt, "close"):
-        opt.close()
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"task": task_name, "method": method, "seed": seed, "metric": task.metric,
             "scores": scores, "score": scores[-1], "steps": total,
