@@ -82,14 +82,17 @@ class SparseCompressor:
         process_set = getattr(opt, "process_set", hvd.global_process_set)
         if isinstance(self.sparsifier, DGC) and opt is not None:  # before the first step
             self.sparsifier.take_momentum(opt.param_groups)
+        scheme = self.scheme
         if self.sparsifier is not None:  # the sparsified gradient is what gets reduced
             self.sparsifier(name, tensor, self.block_size or basics.state().config.block_size)
+            if self.sparsifier.too_small(tensor.numel()):
+                scheme = "dense"  # it went out whole: a ring allreduce ships it cheapest
         if not (blocks.supported(tensor) or staging.staged(tensor)):  # integer: Horovod's own
             return tensor, None
         # Horovod's optimizer replaces the gradient with the result: reduce it in place. Other
         # callers (hvd.allreduce(t, compression=...)) get a new tensor and keep theirs.
         start = allreduce_async_ if opt is not None else allreduce_async
-        handle = start(tensor, name=name, op=hvd.Sum, scheme=self.scheme,
+        handle = start(tensor, name=name, op=hvd.Sum, scheme=scheme,
                        block_size=self.block_size, process_set=process_set)
         # A host placeholder for a GPU tensor: a CPU-only Horovod can reduce it
         placeholder = tensor.new_ones(1) if tensor.device.type == "cpu" else torch.ones(1)

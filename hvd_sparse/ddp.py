@@ -107,30 +107,53 @@ class State:
         if t.device.type != "cpu":  # reduced through host memory
             return self.reduce(name, t.cpu(), parts, comm).to(t.device)
         bs = self.config.block_size
-        sparsify = self.sparsifier is not None and not t.is_sparse and parts
-        if sparsify:
-            flat = t.view(-1)
-            for part, start, numel in parts:
-                self.sparsifier(part, flat[start:start + numel], bs)
         scheme = self.config.scheme
         if t.is_sparse:
-            scheme = "rows" if rows.supported(t) else "dense"
-            flat = t if scheme == "rows" else t.to_dense().view(-1)
-        else:
-            flat = t.contiguous().view(-1)
-            if not blocks.supported(flat) or flat.numel() == 0:
-                scheme = "dense"
-        job = Job(name=name, tensor=flat, shape=t.shape, average=True, prescale=1.0,
-                  postscale=1.0, block_size=bs,
-                  meta=blocks.meta_hash(t.shape, t.dtype), scheme=scheme, ctx=self.context,
-                  comm=comm, inplace=scheme != "rows" and flat.numel() > 0,
-                  asked=self.config.scheme)
-        h = engine.submit(job, schemes.run(job), _record)
-        out = engine.synchronize(h, self.config.timeout)
+            if rows.supported(t):
+                return self._run(name, t, t.shape, t.dtype, "rows", comm)
+            return self._run(name, t.to_dense().view(-1), t.shape, t.dtype, "dense",
+                             comm).view(t.shape)
+        flat = t.contiguous().view(-1)
+        if not blocks.supported(flat) or flat.numel() == 0:
+            scheme = "dense"
+        sparsify = self.sparsifier is not None and bool(parts)
+        whole: list[Part] = []
+        if sparsify:
+            for part, start, numel in parts:
+                self.sparsifier(part, flat[start:start + numel], bs)
+            # Parameters too small for the density went out whole: a ring allreduce ships them
+            # cheapest (an allgather of whole blocks costs ~2x), so they are reduced apart, and
+            # zeroed in the bucket, whose scheme then sends no blocks for them.
+            whole = [p for p in parts if self.sparsifier.too_small(p[2])]
+            if len(whole) == len(parts):
+                scheme, whole = "dense", []
+            elif scheme == "dense":
+                whole = []
+        if whole:
+            small = torch.cat([flat[s:s + n] for _, s, n in whole])
+            for _, s, n in whole:
+                flat[s:s + n].zero_()
+            small = self._run(f"{name}.whole", small, small.shape, t.dtype, "dense", comm)
+        out = self._run(name, flat, t.shape, t.dtype, scheme, comm)
+        at = 0
+        for _, s, n in whole:
+            out[s:s + n] = small[at:at + n]
+            at += n
         if sparsify:
             for part, start, numel in parts:
                 self.sparsifier.observe(part, out[start:start + numel], bs)
-        return out if out.is_sparse else out.view(t.shape)
+        return out.view(t.shape)
+
+    def _run(self, name: str, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+             scheme: str, comm: TorchCollectives) -> torch.Tensor:
+        """The average of ``flat`` (in place unless by rows) by ``scheme``, on this thread."""
+        job = Job(name=name, tensor=flat, shape=shape, average=True, prescale=1.0,
+                  postscale=1.0, block_size=self.config.block_size,
+                  meta=blocks.meta_hash(shape, dtype), scheme=scheme, ctx=self.context,
+                  comm=comm, inplace=scheme != "rows" and flat.numel() > 0,
+                  asked=self.config.scheme)
+        h = engine.submit(job, schemes.run(job), _record)
+        return engine.synchronize(h, self.config.timeout)
 
     def state_dict(self) -> dict[str, Any]:
         """What the hook learnt in training (the sparsifier's memory, auto's union ratios):

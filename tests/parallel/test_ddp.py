@@ -239,13 +239,18 @@ def test_sparsifier_per_parameter(make) -> None:
                                            msg=lambda m, n=n: f"{n}: {m}")
         sparsified = [k for k, v in metrics().items() if "achieved_density" in v]
         assert "emb.weight" in sparsified, sorted(metrics())
+        # the biases and the last weight (<= 64 elements, 3 selected) went out whole, reduced
+        # apart from their bucket's sparsified weight, by a ring allreduce
+        whole = {k: v["scheme"] for k, v in metrics().items() if k.endswith(".whole")}
+        assert whole and set(whole.values()) == {"dense"}, whole
     finally:
         st.close()
 
 
 def test_checkpoint_resumes_the_sparsifier(tmp_path_factory) -> None:
     """Two steps, then a checkpoint (model, optimizer, hook state) loaded into a new model and
-    a new State: the third step's gradients equal the uninterrupted run's to the bit."""
+    a new State: the third step's sparsified gradients equal the uninterrupted run's to the
+    bit."""
     torch.manual_seed(0)
     model = Net()
     opts = {"scheme": "allgather", "probe": "off"}
@@ -274,7 +279,12 @@ def test_checkpoint_resumes_the_sparsifier(tmp_path_factory) -> None:
         for m in (run, resumed):
             nn.functional.mse_loss(m(batch(52)[0]), batch(52)[1]).backward()
         for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad), n
+            if b.sparsifier.too_small(p.numel()):
+                # sent whole by a ring allreduce, whose order of sums follows the place in the
+                # bucket, and DDP rebuilds its buckets after the first step: float rounding
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=n)
+            else:  # sparsified: blocks summed in rank order, wherever they lie
+                assert torch.equal(p.grad, q.grad), n
     finally:
         a.close()
         b.close()

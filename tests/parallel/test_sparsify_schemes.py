@@ -74,6 +74,10 @@ def check(scheme: str, api: str, kind: str) -> str:
         return f"metrics lack the sparsifier's fields: {m}"
     if ("staged" in m) != (DEVICE != "cpu" or device.CPU_AS_DEVICE):
         return f"staged through host memory or not, unlike the tensor's device: {m}"
+    # the bias (200 elements, 2 or 10 of them selected) went out whole: by a ring allreduce
+    bias = hvd_sparse.metrics()["bias" if api == "optimizer" else "grad.bias"]
+    if bias.get("scheme") != "dense":
+        return f"the whole bias went by {bias.get('scheme')}, not dense: {bias}"
     return ""
 
 
