@@ -149,11 +149,11 @@ def ctr(seed: int, rank: int, size: int) -> Task:
 TASKS: dict[str, Callable[[int, int, int], Task]] = {"mlp": mlp, "digits": digits, "ctr": ctr}
 
 
-def sparsifier(method: str, warmup: int) -> hvd_sparse.Sparsifier | None:
-    return {"dense": None, "topk": hvd_sparse.TopK(DENSITY),
-            "dgc": hvd_sparse.DGC(DENSITY, warmup=warmup),
-            "exdyna": hvd_sparse.ExDyna(DENSITY),
-            "exdyna4": hvd_sparse.ExDyna(DENSITY * hvd.size())}[method]
+def sparsifier(method: str, warmup: int, density: float) -> hvd_sparse.Sparsifier | None:
+    return {"dense": None, "topk": hvd_sparse.TopK(density),
+            "dgc": hvd_sparse.DGC(density, warmup=warmup),
+            "exdyna": hvd_sparse.ExDyna(density),
+            "exdyna4": hvd_sparse.ExDyna(density * hvd.size())}[method]
 
 
 def torch_group() -> None:
@@ -182,8 +182,10 @@ def powersgd_bytes(model: nn.Module, rank: int, size: int) -> float:
     return 2 * (size - 1) / size * floats * 4
 
 
-def train(task_name: str, method: str, seed: int) -> dict[str, object]:
-    """Trains ``task_name`` with ``method``; returns scores per epoch and bytes per step."""
+def train(task_name: str, method: str, seed: int, density: float = DENSITY
+          ) -> dict[str, object]:
+    """Trains ``task_name`` with ``method`` (sparsifiers at ``density``); returns scores per
+    epoch and bytes per step."""
     task = TASKS[task_name](seed, hvd.rank(), hvd.size())
     model = task.model()
     steps = sum(1 for _ in task.batches(0))
@@ -203,7 +205,7 @@ def train(task_name: str, method: str, seed: int) -> dict[str, object]:
         ddp_bytes = powersgd_bytes(model, r, hvd.size())
     else:
         net = model
-        sp = sparsifier(method, warmup=2 * steps)
+        sp = sparsifier(method, warmup=2 * steps, density=density)
         opt = hvd_sparse.DistributedOptimizer(
             opt, named_parameters=named, sparsifier=sp,
             scheme="dense" if sp is None else "allgather",
@@ -224,7 +226,8 @@ def train(task_name: str, method: str, seed: int) -> dict[str, object]:
         scores.append(task.score(model))
     total = steps * task.epochs
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    return {"task": task_name, "method": method, "seed": seed, "metric": task.metric,
+    return {"task": task_name, "method": method, "seed": seed, "density": density,
+            "metric": task.metric,
             "scores": scores, "score": scores[-1], "steps": total,
             "bytes_per_step": ddp_bytes if ddp_bytes is not None else sent / total,
             "dense_bytes_per_step": 2 * (hvd.size() - 1) / hvd.size() * numel * 4,
@@ -234,8 +237,9 @@ def train(task_name: str, method: str, seed: int) -> dict[str, object]:
 
 
 def main() -> None:
-    """Under horovodrun: HVD_SPARSE_ACC_RUNS="task:method:seed,..." -> rank<r>.json lines in
-    HVD_SPARSE_TEST_OUT (scripts/convergence.py reads rank 0's)."""
+    """Under horovodrun: HVD_SPARSE_ACC_RUNS="task:method:seed,..." (sparsifiers at
+    HVD_SPARSE_ACC_DENSITY, default 1%) -> rank<r>.json lines in HVD_SPARSE_TEST_OUT
+    (scripts/convergence.py reads rank 0's)."""
     import json
     from pathlib import Path
     torch.set_num_threads(1)
@@ -244,7 +248,8 @@ def main() -> None:
     out = Path(os.environ["HVD_SPARSE_TEST_OUT"]) / f"rank{hvd.rank()}.jsonl"
     for run in os.environ["HVD_SPARSE_ACC_RUNS"].split(","):
         task, method, seed = run.split(":")
-        res = train(task, method, int(seed))
+        res = train(task, method, int(seed),
+                    float(os.environ.get("HVD_SPARSE_ACC_DENSITY", DENSITY)))
         with out.open("a") as f:
             f.write(json.dumps(res) + "\n")
         if hvd.rank() == 0:
