@@ -110,9 +110,8 @@ class State:
         scheme = self.config.scheme
         if t.is_sparse:
             if rows.supported(t):
-                return self._run(name, t, t.shape, t.dtype, "rows", comm)
-            return self._run(name, t.to_dense().view(-1), t.shape, t.dtype, "dense",
-                             comm).view(t.shape)
+                return self._run(name, t, t.shape, "rows", comm)
+            return self._run(name, t.to_dense().view(-1), t.shape, "dense", comm).view(t.shape)
         flat = t.contiguous().view(-1)
         if not blocks.supported(flat) or flat.numel() == 0:
             scheme = "dense"
@@ -126,15 +125,15 @@ class State:
             # zeroed in the bucket, whose scheme then sends no blocks for them.
             whole = [p for p in parts if self.sparsifier.too_small(p[2])]
             if len(whole) == len(parts):
-                scheme, whole = "dense", []
-            elif scheme == "dense":
+                scheme = "dense"
+            if scheme == "dense":
                 whole = []
         if whole:
             small = torch.cat([flat[s:s + n] for _, s, n in whole])
             for _, s, n in whole:
                 flat[s:s + n].zero_()
-            small = self._run(f"{name}.whole", small, small.shape, t.dtype, "dense", comm)
-        out = self._run(name, flat, t.shape, t.dtype, scheme, comm)
+            small = self._run(f"{name}.whole", small, small.shape, "dense", comm)
+        out = self._run(name, flat, t.shape, scheme, comm)
         at = 0
         for _, s, n in whole:
             out[s:s + n] = small[at:at + n]
@@ -144,12 +143,12 @@ class State:
                 self.sparsifier.observe(part, out[start:start + numel], bs)
         return out.view(t.shape)
 
-    def _run(self, name: str, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
-             scheme: str, comm: TorchCollectives) -> torch.Tensor:
+    def _run(self, name: str, flat: torch.Tensor, shape: torch.Size, scheme: str,
+             comm: TorchCollectives) -> torch.Tensor:
         """The average of ``flat`` (in place unless by rows) by ``scheme``, on this thread."""
         job = Job(name=name, tensor=flat, shape=shape, average=True, prescale=1.0,
                   postscale=1.0, block_size=self.config.block_size,
-                  meta=blocks.meta_hash(shape, dtype), scheme=scheme, ctx=self.context,
+                  meta=blocks.meta_hash(shape, flat.dtype), scheme=scheme, ctx=self.context,
                   comm=comm, inplace=scheme != "rows" and flat.numel() > 0,
                   asked=self.config.scheme)
         h = engine.submit(job, schemes.run(job), _record)
