@@ -1,14 +1,15 @@
 """the emulated switch as the testbed's switch (``--switch emu``, 4 worker hosts, 1 aggregator
 host): it owns one DPDK port per host and forwards by MAC learning, so MPI and the aggregation
 traffic to other hosts cross it as they would a Linux bridge, and it aggregates the datagrams
-sent to its own address: scheme "switch" of real Horovod jobs, and raw protocol workers. Needs
-root and DPDK (make build installs libdpdk-dev): both hold in CI."""
+sent to its own address: scheme "switch" of real Horovod jobs and of a DDP job, and raw
+protocol workers. Needs root and DPDK (make build installs libdpdk-dev): both hold in CI."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,72 @@ def test_jobs_cross_and_aggregate_in_the_emulated_switch(testbed: topology.Testb
     assert agg["unsupported"] == was["unsupported"] and agg["overflow"] == 0, agg
     assert agg["recirculations"] == was["recirculations"], agg
     assert agg["malformed"] == was["malformed"], agg
+
+
+# Each torch.distributed rank: DDP with our hook on scheme "switch" (a table whose gradient is
+# mostly zero blocks, and a linear layer), two backward passes, every averaged gradient against
+# the float64 average of the ranks' gradients (a twin model without DDP gives this rank's);
+# writes the worst excess over the fixed-point bound, the schemes that ran, a digest.
+DDP_RANK = textwrap.dedent("""
+    import copy, hashlib, json, os
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from hvd_sparse import ddp, fixedpoint, metrics
+    dist.init_process_group("gloo")
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(8000, 64, mode="sum"), nn.Linear(64, 1))
+    local = copy.deepcopy(model)
+    ours = DDP(model)
+    state = ddp.State(scheme="switch", probe="off")
+    ours.register_comm_hook(state, ddp.hook)
+    worst, digest = -1.0, hashlib.sha256()
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * r + step)
+        ids, y = torch.randint(0, 8000, (32, 4), generator=g), torch.randn(32, 1, generator=g)
+        for m in (ours, local):
+            m.zero_grad()
+            nn.functional.mse_loss(m(ids), y).backward()
+        # one bucket (DDP's 25 MB cap): its largest value sets the fixed-point step
+        top = torch.stack([p.grad.abs().max() for p in local.parameters()]).max().double()
+        dist.all_reduce(top, dist.ReduceOp.MAX)
+        # the sum's fixed-point error, averaged, then one rounding to float32
+        bound = fixedpoint.error_bound(float(top), n) / n
+        for p, q in zip(local.parameters(), model.parameters()):
+            exact = p.grad.double()
+            dist.all_reduce(exact)
+            exact /= n
+            allowed = bound + 2.0 ** -23 * (exact.abs() + bound) + 1e-30
+            worst = max(worst, float(((q.grad.double() - exact).abs() - allowed).max()))
+            digest.update(q.grad.numpy().tobytes())
+    out = {"worst": worst, "digest": digest.hexdigest(),
+           "schemes": sorted({m["scheme"] for m in metrics().values()}),
+           "reasons": [m["reason"] for m in metrics().values() if "reason" in m]}
+    open(os.path.join(os.environ["OUT"], f"rank{r}.json"), "w").write(json.dumps(out))
+    state.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_ddp_hook_sums_in_the_switch(testbed: topology.Testbed, tmp_path: Path) -> None:
+    """The DDP front end's scheme "switch": torch.distributed ranks on the worker hosts, their
+    buckets summed in the emulated switch, each gradient within the fixed-point bound of the
+    float64 average and bit-identical on every rank, one pass per packet."""
+    script = tmp_path / "rank.py"
+    script.write_text(DDP_RANK)
+    was = launch.counters(testbed, "switch")["aggregation"]
+    proc = launch.run(testbed, ["python", str(script)], capture=True, timeout=180,
+                      env={"OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
+                           "PYTHONPATH": str(ROOT)}, launcher="torch")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(g["worst"] <= 0 and g["schemes"] == ["switch"] and not g["reasons"]
+               for g in got), got
+    assert len({g["digest"] for g in got}) == 1, got
+    now = launch.counters(testbed, "switch")["aggregation"]
+    assert now["results"] > was["results"] and now["jobs"] > was["jobs"], now
+    assert now["recirculations"] == was["recirculations"] and now["overflow"] == 0, now
 
 
 def test_scheme_switch_under_loss(testbed: topology.Testbed, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import torch
@@ -158,6 +158,42 @@ def _allgathered(job: Job, rows: torch.Tensor, vals: torch.Tensor, nrows: int
     s.union = int(out_rows.numel())
     s.bytes_sent, s.bytes_received = int(gathered * (n - 1) / n), gathered - own
     return out_rows, out_vals
+
+
+def fuse(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """Sparse COO tensors of one row shape and dtype (several embedding tables' gradients) as
+    one: their rows one after another, reduced by one exchange instead of one each. Returns the
+    tensor and where each one's rows start (``split`` undoes it). Each is summed by rows first:
+    an embedding's gradient holds a row per lookup, its sum only the distinct ones."""
+    offsets, lines, vals = [0], [], []
+    for g in grads:
+        k = g.sparse_dim()
+        idx = g._indices()
+        nrows = math.prod(g.shape[:k])
+        line, v = sum_rows((idx[0] if k == 1 else _linear(idx, g.shape[:k])).contiguous(),
+                           g._values().contiguous(), nrows)
+        lines.append(line + offsets[-1])
+        vals.append(v)
+        offsets.append(offsets[-1] + nrows)
+    rows_shape = grads[0].shape[grads[0].sparse_dim():]
+    fused = torch.sparse_coo_tensor(torch.cat(lines).unsqueeze(0), torch.cat(vals),
+                                    (offsets[-1], *rows_shape), check_invariants=False)
+    return fused, offsets
+
+
+def split(fused: torch.Tensor, shapes: Sequence[torch.Size], offsets: list[int]
+          ) -> list[torch.Tensor]:
+    """``fuse``'s tensors back from its reduced (coalesced) result."""
+    line, vals = fused._indices()[0], fused._values()
+    cuts = torch.searchsorted(line, torch.tensor(offsets)).tolist()
+    out = []
+    for j, shape in enumerate(shapes):
+        k = len(shape) - (vals.dim() - 1)
+        mine = line[cuts[j]:cuts[j + 1]] - offsets[j]
+        indices = mine.unsqueeze(0) if k == 1 else _unravel(mine, shape[:k])
+        out.append(torch.sparse_coo_tensor(indices, vals[cuts[j]:cuts[j + 1]], shape,
+                                           is_coalesced=True, check_invariants=False))
+    return out
 
 
 def _linear(idx: torch.Tensor, dims: torch.Size) -> torch.Tensor:
