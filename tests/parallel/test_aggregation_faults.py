@@ -123,13 +123,17 @@ def test_down_fails_at_once_then_resumes(ref):
         assert time.monotonic() < deadline, "the restarted aggregator never answered"
         time.sleep(0.1)
     hvd.allreduce(torch.zeros(1), name="down.answered")
+    # a sixteenth of the data: the restarted aggregator's first job within the 4 s timeout
+    # even on a loaded box (the whole tensor once took longer there)
+    t = data()[:NUMEL // 16]
+    want = hvd.allreduce(t.double(), name="down.ref")
     for i in range(RETRY_EVERY):  # the look comes at the RETRY_EVERY-th call of the name
         try:
-            out = hvd_sparse.allreduce(data(), name="down.back", scheme="omnireduce")
+            out = hvd_sparse.allreduce(t, name="down.back", scheme="omnireduce")
             break
         except hvd_sparse.HvdSparseError as e:
             assert "is down" in str(e) and i < RETRY_EVERY - 1, str(e)
-    assert session.down == "" and close_to(out, ref, torch.float32) == ""
+    assert session.down == "" and close_to(out, want, torch.float32) == ""
     assert hvd_sparse.metrics()["down.back"]["scheme"] == "omnireduce"
 
 
