@@ -185,7 +185,8 @@ setup(
                   extra_link_args=SANITIZE_FLAGS if SANITIZE else []),
         *cuda_extensions(),
     ],
-    package_data={"hvd_sparse": [f"bin/{name}" for name in [*BINARIES, "hvd-sparse-switch"]]},
+    package_data={"hvd_sparse": [f"bin/{name}" for name in [*BINARIES, "hvd-sparse-switch"]]
+                  + ["tools/testbed/allgatherv.rules"]},
     entry_points={"console_scripts": ["hvd-sparse=hvd_sparse.tools.cli:main"]},
     cmdclass={"build_ext": Build},
 )
