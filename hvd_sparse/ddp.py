@@ -8,16 +8,16 @@ A dense bucket (DDP's flat buffer of several gradients) is reduced as one tensor
 configured scheme ("auto": the cost model's choice among the schemes and dense); a sparse one
 (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``) from its rows. DDP gives every sparse
 parameter a bucket of its own, and a table with few distinct rows costs an exchange more than
-its bytes: so the sparse buckets that come one after another are held until the last of them,
-and those whose results were small last time are reduced together (their rows one after
-another, ``rows.fuse``), by one exchange. The result is the average over the ranks, as DDP
-expects of a hook. With a ``sparsifier`` each parameter's gradient in a dense bucket is
-sparsified first (error feedback per parameter, named by ``named_parameters``). Reductions go
-to the state's streams in turn, each a thread and a Gloo group of its own, one reduction after
-another on each: torch.distributed matches operations by the order they are issued in on a
-group, and DDP hands buckets to the hook in the same order on every rank, so every rank issues
-the same operations in the same order on each group, while backward goes on. Horovod is not
-needed.
+its bytes: so the sparse buckets whose results were small last time are held until the last of
+the sparse buckets that come one after another, and reduced together (their rows one after
+another, ``rows.fuse``) by one exchange; the others go at once. The result is the average over
+the ranks, as DDP expects of a hook. With a ``sparsifier`` each parameter's gradient in a dense
+bucket is sparsified first (error feedback per parameter, named by ``named_parameters``).
+Reductions go to the state's streams in turn, each a thread and a Gloo group of its own, one
+reduction after another on each: torch.distributed matches operations by the order they are
+issued in on a group, and DDP hands buckets to the hook in the same order on every rank, so
+every rank issues the same operations in the same order on each group, while backward goes on.
+Horovod is not needed.
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 import logging
@@ -102,15 +102,22 @@ class State:
         return fut
 
     def hold(self, index: int, t: torch.Tensor) -> torch.futures.Future:
-        """Sparse bucket ``index``'s average, reduced with the buckets held beside it at the
-        next ``release``."""
+        """Sparse bucket ``index``'s average: reduced now when its last result was large (or
+        it has none yet), else with the buckets held beside it at the next ``release``. The
+        last result is the union, alike on every rank, so every rank holds the same ones."""
         if any(i == index for i, _, _ in self._held):  # a backward pass that never finished
             self._fail_held(HvdSparseError(
                 f"hvd_sparse: ddp.bucket{index}: held since a backward pass that did not reach "
                 "its last bucket"))
         fut: torch.futures.Future = torch.futures.Future()
-        self._held.append((index, t, fut))
+        item = (index, t, fut)
         self._sparse_now.add(index)
+        if self._seen.get(index, self.fuse_bytes + 1) > self.fuse_bytes:
+            # a large table pays for its bytes, not for an exchange of its own: it goes while
+            # backward computes the next one
+            self._put(lambda comm: self._reduce_held([item], comm), [fut])
+        else:
+            self._held.append(item)
         return fut
 
     def last_sparse(self, index: int) -> bool:
@@ -125,8 +132,8 @@ class State:
         self._sparse_last, self._sparse_now = self._sparse_now, set()
 
     def release(self) -> None:
-        """Reduces the held sparse buckets: those of one row shape and dtype whose last results
-        were small together as one tensor, each large one (or one not seen yet) alone."""
+        """Reduces the held sparse buckets, those of one row shape and dtype as one tensor
+        (several, if their last results together exceed ``fuse_bytes``)."""
         held, self._held = self._held, []
         groups: dict[tuple[Any, ...], list[Held]] = {}
         for item in held:
@@ -138,14 +145,11 @@ class State:
                           [f for _, _, f in chunk])
 
     def _chunks(self, group: list[Held]) -> Iterator[list[Held]]:
-        # A large table pays for its bytes, not for an exchange of its own; alone, it is
-        # reduced while the next one is on the other stream. Small ones pay for the exchange
-        # (a few ms each, on any link), so they share one. The last result's size decides: it
-        # is the union, alike on every rank, so every rank cuts the same chunks.
+        # Small tables pay for the exchange (a few ms each, on any link), so they share one.
         chunk: list[Held] = []
         size = 0
         for item in group:
-            nbytes = self._seen.get(item[0], self.fuse_bytes + 1)
+            nbytes = self._seen[item[0]]  # held: seen, and small
             if chunk and size + nbytes > self.fuse_bytes:
                 yield chunk
                 chunk, size = [], 0
