@@ -54,12 +54,9 @@ def supported(t: torch.Tensor) -> bool:
 def run(job: Job) -> Stage:
     g = job.tensor
     k = g.sparse_dim()
-    nrows = math.prod(g.shape[:k])
-    idx, vals = g._indices(), g._values().contiguous()
-    line = idx[0] if k == 1 else _linear(idx, g.shape[:k])
-    rows, vals = sum_rows(line.contiguous(), vals, nrows)
+    rows, vals, nrows = _summed(g)
     s = job.stats
-    s.nnz_local, s.rows_local = int(idx.shape[1]), int(rows.numel())
+    s.nnz_local, s.rows_local = int(g._nnz()), int(rows.numel())
     session = job.ctx.omni
     plan = job.ctx.rows_plans.setdefault(job.name, RowsPlan())
     way = yield from _way(job, plan, vals)
@@ -167,11 +164,7 @@ def fuse(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     an embedding's gradient holds a row per lookup, its sum only the distinct ones."""
     offsets, lines, vals = [0], [], []
     for g in grads:
-        k = g.sparse_dim()
-        idx = g._indices()
-        nrows = math.prod(g.shape[:k])
-        line, v = sum_rows((idx[0] if k == 1 else _linear(idx, g.shape[:k])).contiguous(),
-                           g._values().contiguous(), nrows)
+        line, v, nrows = _summed(g)
         lines.append(line + offsets[-1])
         vals.append(v)
         offsets.append(offsets[-1] + nrows)
@@ -194,6 +187,17 @@ def split(fused: torch.Tensor, shapes: Sequence[torch.Size], offsets: list[int]
         out.append(torch.sparse_coo_tensor(indices, vals[cuts[j]:cuts[j + 1]], shape,
                                            is_coalesced=True, check_invariants=False))
     return out
+
+
+def _summed(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A COO tensor's distinct rows (linearized over its sparse dimensions, sorted), their
+    sums, and how many rows it has."""
+    k = g.sparse_dim()
+    nrows = math.prod(g.shape[:k])
+    idx = g._indices()
+    line = idx[0] if k == 1 else _linear(idx, g.shape[:k])
+    rows, vals = sum_rows(line.contiguous(), g._values().contiguous(), nrows)
+    return rows, vals, nrows
 
 
 def _linear(idx: torch.Tensor, dims: torch.Size) -> torch.Tensor:

@@ -186,10 +186,9 @@ def job_env(tb: Testbed, extra: dict[str, str] | None = None) -> dict[str, str]:
     # 1 Gbit/s link into each of 4 ranks, its ring algorithm 0.83-0.88 (Gloo's all_gather:
     # 0.86). Every peer-to-peer scheme rides on it. The ring only from 1 MiB gathered in all
     # (RULES): below, its N-1 steps cost 5-20% at 8 ranks. The caller's own settings win.
-    ring = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
-            "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(RULES)}
     if not any(k.startswith("OMPI_MCA_coll_tuned_") for k in os.environ):
-        env.update(ring)
+        env.update({"OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
+                    "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(RULES)})
     if tb.aggregator_hosts:
         env["HVD_SPARSE_AGGREGATORS"] = tb.aggregator_addresses()
         if tb.auth:
