@@ -221,7 +221,7 @@ class State:
         if sparsify:
             for part, start, numel in parts:
                 self.sparsifier(part, flat[start:start + numel], bs)
-            # Parameters too small for the density went out whole: a ring allreduce ships them
+            # Parameters too small to sparsify went out whole: a ring allreduce ships them
             # cheapest (an allgather of whole blocks costs ~2x), so they are reduced apart, and
             # zeroed in the bucket, whose scheme then sends no blocks for them.
             whole = [p for p in parts if self.sparsifier.too_small(p[2])]

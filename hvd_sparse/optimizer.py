@@ -179,7 +179,7 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
 
     ``sparsifier`` (e.g. ``hvd_sparse.ExDyna(density=0.01)``) sparsifies each dense gradient
     before its reduction; element-wise ones (TopK, Threshold, DGC) want a small ``block_size``.
-    Tensors too small for the sparsifier's density (``Sparsifier.too_small``) go out whole by
+    Tensors too small to sparsify (``Sparsifier.too_small``: by size and density) go out whole by
     the dense scheme. With ``process_set`` gradients are reduced over its ranks only; other
     ranks step on their own gradients, as with Horovod's optimizer.
     """

@@ -28,7 +28,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import horovod.torch as hvd
 import torch
@@ -182,11 +182,12 @@ def powersgd_bytes(model: nn.Module, rank: int, size: int) -> float:
     return 2 * (size - 1) / size * floats * 4
 
 
-def train(task_name: str, method: str, seed: int, density: float = DENSITY
-          ) -> dict[str, object]:
-    """Trains ``task_name`` with ``method`` (sparsifiers at ``density``); returns scores per
-    epoch and bytes per step."""
+def train(task_name: str, method: str, seed: int, density: float = DENSITY,
+          epochs_x: int = 1) -> dict[str, object]:
+    """Trains ``task_name`` with ``method`` (sparsifiers at ``density``) for ``epochs_x`` times
+    its epochs; returns scores per epoch and bytes per step."""
     task = TASKS[task_name](seed, hvd.rank(), hvd.size())
+    task = replace(task, epochs=task.epochs * epochs_x)
     model = task.model()
     steps = sum(1 for _ in task.batches(0))
     opt = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
@@ -238,7 +239,8 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY
 
 def main() -> None:
     """Under horovodrun: HVD_SPARSE_ACC_RUNS="task:method:seed,..." (sparsifiers at
-    HVD_SPARSE_ACC_DENSITY, default 1%) -> rank<r>.json lines in HVD_SPARSE_TEST_OUT
+    HVD_SPARSE_ACC_DENSITY, default 1%; HVD_SPARSE_ACC_EPOCHS_X times each task's epochs,
+    default 1) -> rank<r>.json lines in HVD_SPARSE_TEST_OUT
     (scripts/convergence.py reads rank 0's)."""
     import json
     from pathlib import Path
@@ -249,7 +251,8 @@ def main() -> None:
     for run in os.environ["HVD_SPARSE_ACC_RUNS"].split(","):
         task, method, seed = run.split(":")
         res = train(task, method, int(seed),
-                    float(os.environ.get("HVD_SPARSE_ACC_DENSITY", DENSITY)))
+                    float(os.environ.get("HVD_SPARSE_ACC_DENSITY", DENSITY)),
+                    int(os.environ.get("HVD_SPARSE_ACC_EPOCHS_X", "1")))
         with out.open("a") as f:
             f.write(json.dumps(res) + "\n")
         if hvd.rank() == 0:

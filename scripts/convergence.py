@@ -3,13 +3,14 @@
     .venv/bin/python scripts/convergence.py                      # 3 tasks x 8 methods x 3 seeds
     .venv/bin/python scripts/convergence.py --tasks digits --seeds 1 --methods dense,exdyna
     .venv/bin/python scripts/convergence.py --density 0.001 --methods dense,topk,dgc,exdyna
+    .venv/bin/python scripts/convergence.py --density 0.001 --tasks mlp --epochs-x 4
 
 One ``horovodrun -np 4 --gloo`` job per seed trains each task with each method
 (scripts/_accuracy.py has the tasks, the methods and how bytes are counted). Prints per task and
 method the held-out score (mean over seeds, with min-max), its gap to dense (mean of the
 per-seed gaps, in points), and bytes per step per rank as a share of dense's; writes
 <out-dir>/convergence.json and convergence.png (score against epochs, mean over seeds;
-convergence-0.001.* for another --density).
+convergence-0.001.* for another --density, -x4 for --epochs-x 4).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from _report import console, print_table, save_png, write_json  # noqa: E402
 
 
 def run_seed(seed: int, tasks: list[str], methods: list[str], np_: int, timeout: float,
-             density: float) -> list[dict]:
+             density: float, epochs_x: int) -> list[dict]:
     """One Horovod job: rank 0's results, one dict per (task, method)."""
     runs = ",".join(f"{t}:{m}:{seed}" for t in tasks for m in methods)
     bindir = Path(sys.executable).parent
@@ -40,6 +41,7 @@ def run_seed(seed: int, tasks: list[str], methods: list[str], np_: int, timeout:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HVD_SPARSE_TEST_OUT": tmp,
                "HVD_SPARSE_CACHE_DIR": str(Path(tmp) / "cache"), "OMP_NUM_THREADS": "1",
                "HVD_SPARSE_ACC_RUNS": runs, "HVD_SPARSE_ACC_DENSITY": str(density),
+               "HVD_SPARSE_ACC_EPOCHS_X": str(epochs_x),
                "PYTHONWARNINGS": "ignore"}
         cmd = [str(bindir / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
                sys.executable, str(ROOT / "scripts" / "_accuracy.py")]
@@ -112,6 +114,8 @@ def main() -> int:
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--density", type=float, default=DENSITY,
                     help="the sparsifiers' (ExDyna: the union's; exdyna4: 4x)")
+    ap.add_argument("--epochs-x", type=int, default=1,
+                    help="train every task this many times its epochs (same warm-up)")
     ap.add_argument("--np", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per seed's job")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
@@ -127,14 +131,16 @@ def main() -> int:
     for seed in map(int, args.seeds.split(",")):
         console.print(f"[bold]seed {seed}[/]: {len(tasks)} tasks x {len(methods)} methods, "
                       f"{args.np} ranks")
-        results += run_seed(seed, tasks, methods, args.np, args.timeout, args.density)
+        results += run_seed(seed, tasks, methods, args.np, args.timeout, args.density,
+                            args.epochs_x)
     rows = summarize(results, tasks, methods)
     print_table(rows, f"convergence, {args.np} ranks, seeds {args.seeds}, sparsifiers at "
                 f"{args.density:.2%}",
                 columns=[c for c in rows[0] if c != "metric"],
                 caption="score: held-out accuracy (mlp, digits) or AUC (ctr), in %; "
                         f"{time.monotonic() - t0:.0f} s in all")
-    stem = "convergence" + ("" if args.density == DENSITY else f"-{args.density:g}")
+    stem = "convergence" + ("" if args.density == DENSITY else f"-{args.density:g}") \
+        + ("" if args.epochs_x == 1 else f"-x{args.epochs_x}")
     out = write_json(args.out_dir / f"{stem}.json", rows, args=vars(args), runs=results)
     plot(results, tasks, methods, args.out_dir / f"{stem}.png")
     console.print(f"wrote {out} and {stem}.png")

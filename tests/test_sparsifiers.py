@@ -14,7 +14,8 @@ import hvd_sparse
 from hvd_sparse import _C, DGC, ExDyna, Threshold, TopK
 from hvd_sparse.sparsifiers.exdyna import _State
 
-ONE = {"rank": 0, "size": 1, "min_selected": 0}  # selection itself, on small tensors too
+# selection itself, on small tensors too
+ONE = {"rank": 0, "size": 1, "min_selected": 0, "min_numel": 0}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -192,10 +193,10 @@ def test_exdyna_rebalance_moves_towards_the_heavier_neighbour():
 @pytest.mark.parametrize("n,bs", [(10, 256), (700, 256), (3, 1)])
 def test_exdyna_with_fewer_blocks_than_ranks_is_exclusive_and_loses_nothing(n, bs, per_element):
     # A 10-element bias at the codec's 256: one block, four ranks; most partitions are empty.
-    # (min_selected=0: by default such tensors go out whole.)
+    # (min_selected=0, min_numel=0: by default such tensors go out whole.)
     size, steps = 4, 40
     sp = [ExDyna(0.01, rank=r, size=size, block_size=bs, per_element=per_element,
-                 min_selected=0) for r in range(size)]
+                 min_selected=0, min_numel=0) for r in range(size)]
     gen = torch.Generator().manual_seed(1)
     sent, given = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for step in range(steps):
@@ -219,7 +220,7 @@ def test_exdyna_with_fewer_blocks_than_ranks_is_exclusive_and_loses_nothing(n, b
 
 
 def test_exdyna_per_element_false_selects_whole_blocks_of_the_codec_size():
-    sp = ExDyna(0.05, rank=1, size=2, error_feedback=False, per_element=False)
+    sp = ExDyna(0.05, rank=1, size=2, error_feedback=False, per_element=False, min_numel=0)
     g = torch.randn(10_000)
     out = sp("w", g.clone(), 16)  # block size from the call (the codec's)
     b0, b1 = sp.states["w"].bounds.tolist()[1:3]
@@ -259,6 +260,7 @@ def test_exdyna_selects_elements_in_its_partition_and_takes_the_largest():
     lambda: DGC(2.0), lambda: DGC(0.01, sample=0), lambda: DGC(0.01, momentum=1.0),
     lambda: ExDyna(0.0), lambda: ExDyna(1.01), lambda: ExDyna(0.01, block_size=0),
     lambda: Threshold(-1.0), lambda: Threshold(float("nan")), lambda: TopK(0.1, warmup=-1),
+    lambda: TopK(0.1, min_numel=-1), lambda: ExDyna(0.1, min_selected=1.5),
     lambda: hvd_sparse.Compression.sparse(sparsifier="topk"),
 ])
 def test_bad_arguments_raise_value_error(make):
@@ -385,20 +387,24 @@ def test_state_dict_resumes_exactly(make, tmp_path):
             run.state_dict())
 
 
-@pytest.mark.parametrize("make", [lambda: TopK(0.01, rank=0, size=4),
-                                  lambda: ExDyna(0.01, rank=1, size=4),
-                                  lambda: DGC(0.01, momentum=0.0, rank=0, size=4)])
-def test_tensors_too_small_for_the_density_go_out_whole(make):
-    # 1% of 1,000 elements is 10 < min_selected (16): every step sends the gradient as it is
-    # (the float64 reference), and a large tensor beside it is still sparsified.
-    sp, gen = make(), torch.Generator().manual_seed(3)
-    for _ in range(5):
-        g = torch.randn(1000, generator=gen)
-        torch.testing.assert_close(sp("small", g.clone()).double(), g.double(), rtol=0, atol=0)
-        big = sp("big", torch.randn(4000, generator=gen))
-        assert 0 < int((big != 0).sum()) < 400
-    assert sp.too_small(1599) and not sp.too_small(1600)
-    assert not type(sp)(0.01, min_selected=0).too_small(10)
+@pytest.mark.parametrize("make", [lambda **kw: TopK(0.01, rank=0, size=4, **kw),
+                                  lambda **kw: ExDyna(0.01, rank=1, size=4, **kw),
+                                  lambda **kw: DGC(0.01, momentum=0.0, rank=0, size=4, **kw)])
+def test_tensors_too_small_go_out_whole(make):
+    # Under 16,384 elements (10,000: 100 selected a step), or 1% of 1,000 elements, 10 <
+    # min_selected (16), with min_numel=0: every step sends the gradient as it is (the float64
+    # reference), and a large tensor beside it is still sparsified.
+    gen = torch.Generator().manual_seed(3)
+    for sp, n in ((make(), 10_000), (make(min_numel=0), 1000)):
+        for _ in range(5):
+            g = torch.randn(n, generator=gen)
+            torch.testing.assert_close(sp("small", g.clone()).double(), g.double(), rtol=0,
+                                       atol=0)
+            big = sp("big", torch.randn(20_000, generator=gen))
+            assert 0 < int((big != 0).sum()) < 2000
+    assert make().too_small(16_383) and not make().too_small(16_384)
+    assert make(min_numel=0).too_small(1599) and not make(min_numel=0).too_small(1600)
+    assert not make(min_selected=0, min_numel=0).too_small(10)
 
 
 def test_dgc_on_a_tensor_sent_whole_is_momentum_sgd():

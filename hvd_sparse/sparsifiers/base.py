@@ -6,14 +6,16 @@ and leaves ``grad`` holding the selected values and zeros elsewhere (the tensor 
 reduces). After the reduction, ``observe(name, reduced, block_size)`` lets it see the result
 (union size; ExDyna's load balancing). Subclasses implement only ``select``.
 
-A tensor too small for its density (fewer than ``min_selected`` elements, 16 by default, would be
-selected per step) goes out whole with what its memory held: 1% of a bias, a small convolution
-or the last layer is less than one element per step, and error feedback then sends each element
-once in ~100 steps with ~100 steps of gradient in it, which the optimizer's momentum replays.
-On a CNN for scikit-learn's digits at 1%, 4 ranks, ExDyna fell to chance (8%) sparsifying
-every tensor; in a one-process simulation of the same run it reached 99.7% with the tensors
-under 16 selected elements whole (98.1% with a bar of 4). Such tensors are a small share of a
-model's bytes (docs/BENCHMARKS.md, Convergence).
+Small tensors go out whole with what their memory held: those under ``min_numel`` elements
+(16,384: 64 KiB of float32, the size below which ``auto`` sends a tensor dense anyway,
+``Config.small_bytes``) and those where the density selects fewer than ``min_selected`` (16)
+elements a step. Sparsified, 1% of a bias, a small convolution or the last layer is a few
+elements a step, and error feedback then sends each element once in ~100 steps with ~100 steps
+of gradient in it, which the optimizer's momentum replays. On a CNN for scikit-learn's digits at
+1%, 4 ranks, ExDyna fell to chance (8%) sparsifying every tensor; ExDyna at 1% on the suite's
+click-through model trailed dense by 1.2 AUC points with only the tensors under 16 selected
+elements whole and by 0.2 with those under 16,384 elements whole too. Such tensors are a small
+share of a model's bytes (docs/BENCHMARKS.md, Convergence).
 
 A gradient holding NaN or Inf (after adding the memory) is not sparsified: it goes out whole,
 so the reduced gradient carries the NaN/Inf exactly as a dense allreduce would, and the memory
@@ -34,6 +36,7 @@ from .memory import NoMemory, ResidualMemory
 _FLOATS = (torch.float32, torch.float64)
 WARMUP_START = 0.25  # density of the first warm-up step
 MIN_SELECTED = 16  # tensors where density * numel is below this go out whole
+MIN_NUMEL = 16 * 1024  # and tensors under this many elements (64 KiB of float32)
 
 
 def check_density(density: float) -> float:
@@ -46,7 +49,8 @@ class Sparsifier:
     """Base class. ``error_feedback`` (default on) keeps what is not sent for the next step;
     ``warmup`` steps (default 0) start at density 0.25 and decay exponentially to the requested
     density (DGC's warm-up training); tensors where the requested density selects fewer than
-    ``min_selected`` elements (default 16; 0: sparsify every tensor) go out whole;
+    ``min_selected`` elements (default 16) and tensors under ``min_numel`` elements (default
+    16,384) go out whole (both 0: sparsify every tensor);
     ``rank``/``size`` default to Horovod's, read at first use.
     """
 
@@ -54,13 +58,16 @@ class Sparsifier:
     STATE: tuple[str, ...] = ("_steps",)  # attributes training changes: what state_dict saves
 
     def __init__(self, error_feedback: bool = True, *, warmup: int = 0,
-                 min_selected: int = MIN_SELECTED, rank: int | None = None,
+                 min_selected: int = MIN_SELECTED, min_numel: int = MIN_NUMEL,
+                 rank: int | None = None,
                  size: int | None = None) -> None:
         if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
         if not isinstance(min_selected, int) or min_selected < 0:
             raise ValueError(f"min_selected must be an int >= 0, got {min_selected!r}")
-        self.min_selected = min_selected
+        if not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
+        self.min_selected, self.min_numel = min_selected, min_numel
         self.memory = self.default_memory() if error_feedback else NoMemory()
         self.warmup = warmup
         self._steps: dict[str, int] = {}
@@ -119,9 +126,10 @@ class Sparsifier:
         """Called instead of ``select`` on a step that went out dense (non-finite values)."""
 
     def too_small(self, numel: int) -> bool:
-        """Whether a tensor of ``numel`` elements goes out whole (by the requested density, so
-        a tensor's treatment does not change during warm-up)."""
-        return self.density is not None and self.density * numel < self.min_selected
+        """Whether a tensor of ``numel`` elements goes out whole (by its size and the requested
+        density, so a tensor's treatment does not change during warm-up)."""
+        return numel < self.min_numel or (self.density is not None
+                                          and self.density * numel < self.min_selected)
 
     def __call__(self, name: str, grad: torch.Tensor, block_size: int = 1) -> torch.Tensor:
         """Sparsifies ``grad`` in place (zeros outside the selection) and returns it."""

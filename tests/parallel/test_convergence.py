@@ -22,7 +22,7 @@ LAUNCHES = [Launch(np=4, timeout=900)]
 SEED = 1
 SPARSE = ("topk", "dgc", "exdyna")
 # Held-out points a method may trail dense by in one run. The suite's means over 3 seeds are
-# within 0.5 points on both tasks, but one MLP run is noisy, and two runs of one seed differ
+# within 1 point on both tasks, but one MLP run is noisy, and two runs of one seed differ
 # (Horovod's fusion changes the order of float sums; threshold selection turns that into other
 # picks): ExDyna on seed 1 was 1.0 point ahead of dense in one run, 3.9 behind in another;
 # per-seed gaps over the suite's seeds -2.9 to +2.9 (PowerSGD's -4.0 to +1.9); dense itself
@@ -57,7 +57,10 @@ def test_sparsified_training_stays_within_the_margin_of_dense(runs, task, method
 
 @pytest.mark.parametrize("task", list(MARGIN))
 def test_sparsified_methods_send_a_fraction_of_dense_bytes(runs, task):
+    # The suite measured 6-25% (DGC the most: its warm-up starts at 25% and each rank's 1% is
+    # its own, so the union reaches 4%; digits sends 14% of its elements whole, the tensors
+    # under 16,384 elements): under a third, or sparsification did not happen.
     dense = runs[task, "dense"][0]["bytes_per_step"]
     for method in SPARSE:
         sent = runs[task, method][0]["bytes_per_step"]
-        assert sent < dense / 4, f"{task}/{method}: {sent:.0f} B/step vs dense {dense:.0f}"
+        assert sent < dense / 3, f"{task}/{method}: {sent:.0f} B/step vs dense {dense:.0f}"
