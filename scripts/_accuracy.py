@@ -23,10 +23,12 @@ it leaves uncompressed) and for DDP's dense allreduce.
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import socket
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -182,22 +184,46 @@ def powersgd_bytes(model: nn.Module, rank: int, size: int) -> float:
     return 2 * (size - 1) / size * floats * 4
 
 
+def _equal(a: object, b: object) -> bool:
+    """Whether two state dicts (nested dicts, lists, tensors, numbers) hold the same values."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(
+            _equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
 def train(task_name: str, method: str, seed: int, density: float = DENSITY,
-          epochs_x: int = 1) -> dict[str, object]:
+          epochs_x: int = 1, resume_at: int | None = None) -> dict[str, object]:
     """Trains ``task_name`` with ``method`` (sparsifiers at ``density``) for ``epochs_x`` times
-    its epochs; returns scores per epoch and bytes per step."""
+    its epochs; returns scores per epoch and bytes per step. ``resume_at``: after that many
+    epochs, checkpoint model and optimizer (the sparsifier's residuals and momentum with it)
+    through torch.save/torch.load and go on with a new model, optimizer and sparsifier loaded
+    from it, as a restarted job would."""
     task = TASKS[task_name](seed, hvd.rank(), hvd.size())
     task = replace(task, epochs=task.epochs * epochs_x)
     model = task.model()
     steps = sum(1 for _ in task.batches(0))
-    opt = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
-    named = [(f"{task_name}.{method}.{seed}.{n}", p) for n, p in model.named_parameters()]
-    names = [n for n, _ in named]
-    ddp_bytes = None
+    names = [f"{task_name}.{method}.{seed}.{n}" for n, _ in model.named_parameters()]
+
+    def ours(model: nn.Module) -> torch.optim.Optimizer:
+        sp = sparsifier(method, warmup=2 * steps, density=density)
+        return hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9),
+            named_parameters=list(zip(names, model.parameters(), strict=True)), sparsifier=sp,
+            scheme="dense" if sp is None else "allgather",
+            block_size=None if sp is None else 4)
+
+    ddp_bytes, restored = None, None
     if method in POWERSGD:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         torch_group()
         net = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9)
         r = POWERSGD[method]
         # From the second step on (its default waits 1,000 steps with plain allreduce).
         net.register_comm_hook(psgd.PowerSGDState(
@@ -205,12 +231,7 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
             random_seed=seed), psgd.powerSGD_hook)
         ddp_bytes = powersgd_bytes(model, r, hvd.size())
     else:
-        net = model
-        sp = sparsifier(method, warmup=2 * steps, density=density)
-        opt = hvd_sparse.DistributedOptimizer(
-            opt, named_parameters=named, sparsifier=sp,
-            scheme="dense" if sp is None else "allgather",
-            block_size=None if sp is None else 4)
+        net, opt = model, ours(model)
     scores, sent, union, numel = [], 0.0, 0.0, sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     for epoch in range(task.epochs):
@@ -225,10 +246,23 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
                 union += sum(m[n].get("union", 0) for n in names) if method != "dense" else 0
         net.eval()
         scores.append(task.score(model))
+        if epoch + 1 == resume_at and ddp_bytes is None:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            buf.seek(0)
+            ckpt = torch.load(buf)
+            net = model = task.model()
+            model.load_state_dict(ckpt["model"])
+            with warnings.catch_warnings():  # DGC takes the new SGD's momentum again
+                warnings.simplefilter("ignore")
+                opt = ours(model)
+            opt.load_state_dict(ckpt["opt"])
+            key = hvd_sparse.optimizer.SPARSIFIER_KEY
+            restored = key in ckpt["opt"] and _equal(opt.state_dict()[key], ckpt["opt"][key])
     total = steps * task.epochs
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"task": task_name, "method": method, "seed": seed, "density": density,
-            "metric": task.metric,
+            "metric": task.metric, "resumed_at": resume_at, "restored": restored,
             "scores": scores, "score": scores[-1], "steps": total,
             "bytes_per_step": ddp_bytes if ddp_bytes is not None else sent / total,
             "dense_bytes_per_step": 2 * (hvd.size() - 1) / hvd.size() * numel * 4,

@@ -41,6 +41,9 @@ def runs() -> dict[tuple[str, str], list[dict]]:
         for method in ("dense", *SPARSE):
             res = train(task, method, SEED)
             out[task, method] = hvd.allgather_object(res, name=f"acc.{task}.{method}")
+    for method in SPARSE:  # stopped after 10 of its 20 epochs and resumed from a checkpoint
+        res = train("digits", method, SEED, resume_at=10)
+        out["resumed", method] = hvd.allgather_object(res, name=f"acc.resumed.{method}")
     return out
 
 
@@ -64,3 +67,16 @@ def test_sparsified_methods_send_a_fraction_of_dense_bytes(runs, task):
     for method in SPARSE:
         sent = runs[task, method][0]["bytes_per_step"]
         assert sent < dense / 3, f"{task}/{method}: {sent:.0f} B/step vs dense {dense:.0f}"
+
+
+@pytest.mark.parametrize("method", SPARSE)
+def test_training_resumed_from_a_checkpoint_keeps_its_accuracy(runs, method):
+    """digits, checkpointed after 10 of 20 epochs (model and optimizer state through
+    torch.save/torch.load) and finished by a new model, optimizer and sparsifier loaded from
+    it: the sparsifier's state (residuals, DGC's momentum, ExDyna's partitions and threshold)
+    came back whole, and the run ends within the margin of dense, one model on every rank."""
+    dense, mine = runs["digits", "dense"][0], runs["resumed", method]
+    assert all(r["restored"] for r in mine), [r["restored"] for r in mine]
+    gap = 100 * (dense["score"] - mine[0]["score"])
+    assert gap <= MARGIN["digits"], f"resumed {method}: {mine[0]['scores']} vs {dense['scores']}"
+    assert len({r["checksum"] for r in mine}) == 1, mine
