@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..config import Config
 from ..metrics import record_sparsify
 from . import ops
 from .memory import NoMemory, ResidualMemory
@@ -36,7 +37,8 @@ from .memory import NoMemory, ResidualMemory
 _FLOATS = (torch.float32, torch.float64)
 WARMUP_START = 0.25  # density of the first warm-up step
 MIN_SELECTED = 16  # tensors where density * numel is below this go out whole
-MIN_NUMEL = 16 * 1024  # and tensors under this many elements (64 KiB of float32)
+# and tensors under this many elements: float32 that "auto" would send dense anyway (16,384)
+MIN_NUMEL = Config.small_bytes // 4
 
 
 def check_density(density: float) -> float:
@@ -59,8 +61,7 @@ class Sparsifier:
 
     def __init__(self, error_feedback: bool = True, *, warmup: int = 0,
                  min_selected: int = MIN_SELECTED, min_numel: int = MIN_NUMEL,
-                 rank: int | None = None,
-                 size: int | None = None) -> None:
+                 rank: int | None = None, size: int | None = None) -> None:
         if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
         if not isinstance(min_selected, int) or min_selected < 0:
