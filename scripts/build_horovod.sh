@@ -14,8 +14,13 @@ src=$(echo "$tmp"/horovod-*)
 sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
     "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
 grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
-# The system's cmake: pip's cmake 4.x rejects Gloo's CMakeLists.
-"$PY" -m pip uninstall -q -y cmake 2>/dev/null || true
+# pip's cmake 4.x rejects Gloo's CMakeLists (cmake_minimum_required below 3.5): the system's
+# cmake where there is one, else cmake 4 told to accept them.
+if [ -x /usr/bin/cmake ]; then "$PY" -m pip uninstall -q -y cmake 2>/dev/null || true; fi
+export CMAKE_POLICY_VERSION_MINIMUM=3.5
+# GCC 13 no longer includes <cstdint>, <string> and <stdexcept> through other headers, which
+# Gloo and Horovod rely on.
+export CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept"
 PATH=/usr/bin:$PATH HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
   HOROVOD_WITH_GLOO=1 MAKEFLAGS=-j"$(nproc)" \
   "$PY" -m pip install -q --no-build-isolation --no-deps "$src"
