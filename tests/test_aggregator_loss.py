@@ -14,6 +14,8 @@ from aggregator_helpers import (
     run,
 )
 
+from hvd_sparse import _C
+
 LOSS = [  # (id, aggregator flags, worker kwargs, counters that must have moved)
     ("agg-drop-in-1%", ("--drop-rate", "0.01"), {}, ("injected_drops", "w:retransmits")),
     ("agg-drop-in-10%", ("--drop-rate", "0.1"), {}, ("injected_drops", "w:retransmits")),
@@ -59,3 +61,34 @@ def test_loss_duplication_reordering_give_identical_results(aggs, make_workers, 
         assert value > 0, f"{counter} did not move: {s} {wstats}"
     assert s["malformed"] == 0 and s["mismatch"] == 0, s
     assert agg.alive()
+
+
+def test_eight_workers_with_lossy_peers_never_stall(aggs):
+    """Two of 8 workers lose 20% of what they send, so windows differ from worker to worker.
+    When the window gated every round, the workers filled their windows with rounds that
+    their peers held queued behind their own and only one slot at a time moved: this job ran
+    into its 20 s timeout every time. A slot's later rounds now go at once (csrc/omni/worker/
+    engine.h), and every rank gets the sum."""
+    n, bs = 8, 64
+    rng = np.random.default_rng(1)
+    ins = [block_sparse(rng, bs * 6000, bs, 0.3, torch.float32) for _ in range(n)]
+    ref = reference(ins)
+    agg = aggs(n, "--threads", "1")
+    ws = [_C.OmniWorker([agg.addr], 9, r, n, payload_bytes=1024, slots_per_aggregator=64,
+                        seed=r + 1, timeout=20.0, drop_rate=0.2 if r in (0, 4) else 0.0)
+          for r in range(n)]  # make_workers gives every rank the same drop rate
+    try:
+        for w in ws:
+            w.register(15.0)
+        outs = [torch.zeros_like(x) for x in ins]
+        tickets = [w.submit(7, ins[r], outs[r], bs, 7, None, "t7", 1.0)
+                   for r, w in enumerate(ws)]
+        for r, w in enumerate(ws):
+            assert w.wait(tickets[r], 30.0), f"worker {r} did not finish"
+        stats = [w.finish(tickets[r]) for r, w in enumerate(ws)]  # raises on a timeout
+        for r, o in enumerate(outs):
+            assert_result(o, ref, f"rank {r}")
+        assert sum(s["retransmits"] for s in stats) > 0, stats  # the drops happened
+    finally:
+        for w in ws:
+            w.close()

@@ -154,20 +154,24 @@ void Engine::start(TensorW& t, double now) {
   }
 }
 
-// A slot whose next DATA is built: out now if the window allows (or it is its tensor's
-// lowest unfinished slot there, which always goes), else in the aggregator's FIFO.
+// A slot whose next DATA is built. Its first round goes now if the window allows and no
+// lower-keyed slot waits, else it waits; later rounds, and its tensor's lowest unfinished slot
+// there, always go (engine.h: why the window admits slots, not rounds).
 void Engine::offer(TensorW& t, SlotW& s, double now) {
   AggregatorPath& a = aggs_[s.agg];
-  if (t.lowest[s.agg] == s.g || (a.ready.empty() && a.inflight < a.cwnd && paced(a, now))) {
+  const std::pair<uint64_t, uint32_t> key{t.id, s.g};
+  if (s.round > 0 || t.lowest[s.agg] == s.g ||
+      ((a.ready.empty() || key < *a.ready.begin()) && a.inflight < a.cwnd && paced(a, now))) {
     transmit(t, s, now);
   } else {
     s.queued = true;
-    a.ready.emplace_back(t.id, s.g);
+    a.ready.insert(key);
   }
 }
 
 void Engine::transmit(TensorW& t, SlotW& s, double now) {
   AggregatorPath& a = aggs_[s.agg];
+  if (s.queued) a.ready.erase({t.id, s.g});  // the lowest slot leaves the queue early
   s.queued = false;
   s.inflight = true;
   a.inflight++;
@@ -181,12 +185,12 @@ bool Engine::paced(const AggregatorPath& a, double now) const {
   return a.cwnd <= kPaceAbove || a.srtt == 0 || now >= a.next_send;
 }
 
-// Sends what waits for aggregator k's window, in FIFO order, as far as window and pace allow.
+// Sends what waits for aggregator k's window, lowest key first, as far as window and pace allow.
 void Engine::pump(size_t k, double now) {
   AggregatorPath& a = aggs_[k];
   while (!a.ready.empty() && a.inflight < a.cwnd && paced(a, now)) {
-    auto [id, g] = a.ready.front();
-    a.ready.pop_front();
+    auto [id, g] = *a.ready.begin();
+    a.ready.erase(a.ready.begin());
     auto it = by_id_.find(id);
     if (it == by_id_.end() || !it->second->slots[g].queued) continue;  // gone, or sent
     transmit(*it->second, it->second->slots[g], now);
@@ -234,6 +238,8 @@ void Engine::release_window(TensorW& t) {
       s.inflight = false;
       aggs_[s.agg].inflight--;
     }
+  for (auto& a : aggs_)  // its waiting slots: a later tensor of the same id is another one
+    a.ready.erase(a.ready.lower_bound({t.id, 0}), a.ready.upper_bound({t.id, UINT32_MAX}));
 }
 
 // DATA for the slot's current round: the blocks this rank holds at the lanes' positions and,
@@ -368,7 +374,7 @@ void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, 
     s.done = true;
     if (groups_) send_control(int(s.agg), kRelease, t.id, s.g);  // frees the switch's group
     if (--t.remaining == 0) return complete(t);
-    uint32_t& lo = t.lowest[s.agg];  // the next lowest may wait in the FIFO: it goes now
+    uint32_t& lo = t.lowest[s.agg];  // the next lowest may be waiting: it goes now
     while (lo < t.nslots && t.slots[lo].done) lo += uint32_t(aggs_.size());
     if (lo < t.nslots && t.slots[lo].queued) transmit(t, t.slots[lo], now);
     return;

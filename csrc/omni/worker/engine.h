@@ -16,17 +16,24 @@
 // retransmission timer fires while a later round was answered), paced over the round time
 // once the window is large. Loss, not delay, is the signal: a round's time includes waiting
 // for the slowest worker, which on a loaded host is mostly CPU scheduling, so delay says little
-// about the path. Slots beyond the window wait in a FIFO; the lowest unfinished slot of each
-// tensor on each aggregator always goes, which keeps every tensor moving whatever the windows
-// and submission orders of the other ranks (that slot is the same on every rank and never
-// waits on a later one).
+// about the path. The window admits slots, not rounds: a slot's first round waits for it, in
+// (tensor id, slot) order, and its later rounds go as soon as the previous one is answered (a
+// slot has one round in flight at a time, so the window still bounds the packets in flight).
+// Every rank thus starts slots in the same order and keeps each started slot going, so the
+// slots a rank has started are started at every rank with a window at least as large, and the
+// smallest window's slots always complete. (Gating every round, in arrival order, let ranks
+// whose windows differed fill them with rounds their peers had queued behind their own: each
+// waited on another, only the lowest slot moved, and at 8 workers rounds went unanswered for
+// the whole timeout.) The lowest unfinished slot of each tensor on each aggregator always
+// goes, which keeps every tensor moving whatever the windows and submission orders of the
+// other ranks (that slot is the same on every rank and never waits on a later one).
 #pragma once
 #include <algorithm>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -56,7 +63,7 @@ struct AggregatorPath {
   double next_send = 0;              // pacing: earliest time of the next send
   uint64_t cuts = 0;
   double heard = 0;  // when its latest REGACK came (keep-alives: it is up); 0: never
-  std::deque<std::pair<uint64_t, uint32_t>> ready;  // (tensor, slot) waiting for the window
+  std::set<std::pair<uint64_t, uint32_t>> ready;  // (tensor, slot) waiting for the window
 };
 
 struct SlotW {
