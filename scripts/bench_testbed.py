@@ -1,5 +1,6 @@
-"""Every scheme on emulated hosts: 4 worker namespaces and 4 aggregator namespaces behind a
-switch namespace, every link rate-capped (tbf) in both directions, MTU 9000. Needs root.
+"""Every scheme on emulated hosts: 4 worker namespaces (--workers) and 4 aggregator namespaces
+(--aggregators) behind a switch namespace, every link rate-capped (tbf) in both directions,
+MTU 9000. Needs root.
 
     .venv/bin/python scripts/bench_testbed.py [--rates 1gbit,10gbit] [--quick]
     .venv/bin/python scripts/bench_testbed.py --switch emu --rates 1gbit --densities 1,0.1,0.01
@@ -24,9 +25,13 @@ call them (the input restored outside the timed region):
 
 Per method: the median over --reps of the slowest rank's time; bytes each host received
 (its eth0 counters, read by rank 0 around every timed call); the link utilization of the
-busiest worker (its received bits / time / rate); and the ratio to the per-host lower bound:
-the bytes a worker must receive (every block non-zero on some other rank) over the link rate,
-for the worker that must receive most. Results are checked against ``hvd.allreduce`` first.
+busiest worker (its received bits / time / rate); and the ratio to its lower bound (``bound
+ms``): the bytes a worker must receive (every block non-zero on some other rank) over the link
+rate, for the worker that must receive most (``worker bound ms``, the same for every method),
+or, where more, what the method's aggregators must move through their own links: each of A
+aggregator hosts sends every worker its 1/A of the union and receives 1/A of every worker's
+blocks; colocated shards share the worker hosts' links, and rank0 puts it all on one.
+Results are checked against ``hvd.allreduce`` first.
 Writes bench_results/testbed.json and testbed.png (with --switch emu: switch.json, switch.png).
 """
 from __future__ import annotations
@@ -69,6 +74,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--mtu", type=int, default=9000)
+    ap.add_argument("--workers", type=int, default=4, help="worker hosts, one rank each")
+    ap.add_argument("--aggregators", type=int, default=4, help="aggregator hosts")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--quick", action="store_true", help="4 Mi elements, 3 reps: a smoke run")
     ap.add_argument("--switch", choices=("bridge", "emu"), default="bridge",
@@ -93,10 +100,10 @@ def drive(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     failed = False
     for rate in args.rates.split(","):
-        console.rule(f"testbed: 4 workers + 4 aggregator hosts, {rate}, MTU {args.mtu}, "
-                     f"switch {args.switch}")
-        tb = lifecycle.up(Testbed(args.name, workers=4, aggregators=4, rate=rate, mtu=args.mtu,
-                                  switch=args.switch))
+        console.rule(f"testbed: {args.workers} workers + {args.aggregators} aggregator hosts, "
+                     f"{rate}, MTU {args.mtu}, switch {args.switch}")
+        tb = lifecycle.up(Testbed(args.name, workers=args.workers, aggregators=args.aggregators,
+                                  rate=rate, mtu=args.mtu, switch=args.switch))
         try:
             got = rank_rows(tb, str(Path(__file__).resolve()), [
                 "--densities", args.densities, "--numel", str(args.numel), "--reps",
@@ -123,18 +130,19 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
             "util %", "worker rx MB", "aggregators tx MB", "busiest link MB",
             "worker links rx/tx MB", "scheme", "retransmits", "model ms",
             "model err %", "switch kpps", "passes / packet", "ok"]
-    print_table(rows, f"in-place allreduce of {args.numel:,} float32 on 4 emulated hosts, "
-                f"median of {args.reps} (slowest rank)", cols,
-                caption="bound: the bytes the worker that must receive most must receive (blocks "
-                "non-zero on some other rank), over the link rate. util: the busiest worker's "
-                "received bits / time / rate. worker rx MB: mean over workers, per call (eth0 "
-                "counters). aggregators tx MB: all aggregator hosts together, per call. busiest "
-                "link MB: the most any worker host's link carried in one direction, per call; "
-                "worker links rx/tx MB: each worker host's (w0 first). model: "
-                "the cost model's prediction (probed at init on these links; omnireduce's terms "
-                "fitted on the 4 aggregator hosts, so x1 has none). switch kpps: packets the "
-                "emulator aggregated per second of the call; passes / packet: pipeline passes "
-                "(1 + recirculations) per aggregated packet.")
+    print_table(rows, f"in-place allreduce of {args.numel:,} float32 on {args.workers} emulated "
+                      f"hosts, median of {args.reps} (slowest rank)", cols,
+                caption="bound: the bytes the worker that must receive most must receive "
+                "(blocks non-zero on some other rank), over the link rate, or what the "
+                "method's aggregator links must carry where more (worker bound ms: the former). "
+                "util: the busiest worker's received bits / time / rate. worker rx MB: mean "
+                "over workers, per call (eth0 counters). aggregators tx MB: all aggregator "
+                "hosts together, per call. busiest link MB: the most any worker host's link "
+                "carried in one direction, per call; worker links rx/tx MB: each worker host's "
+                "(w0 first). model: the cost model's prediction (probed at init on these "
+                "links; omnireduce's terms fitted on the 4 aggregator hosts, so x1 has none). "
+                "switch kpps: packets the emulator aggregated per second of the call; "
+                "passes / packet: pipeline passes (1 + recirculations) per aggregated packet.")
     targets = []
 
     def target(name: str, value: float, need: float, higher: bool = True) -> None:
@@ -187,7 +195,8 @@ def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
             ys = [next((r.get("ms", nan_) for r in rs if r["density"] == d and r["method"] == m),
                        nan_) for d in densities]
             ax.plot(densities, ys, marker="o", label=m, color=f"C{j}")
-        bound = [next(r["bound ms"] for r in rs if r["density"] == d) for d in densities]
+        bound = [next(r["worker bound ms"] for r in rs if r["density"] == d)
+                 for d in densities]
         ax.plot(densities, bound, "k--", label="per-host lower bound")
         ax.set(xscale="log", yscale="log", xlabel="block density per rank", ylabel="ms",
                title=f"{rate} links, 4 workers")
@@ -200,6 +209,29 @@ nan_ = float("nan")
 
 
 # --- the rank side: one Horovod rank per worker host ------------------------------------------
+
+def aggregation_bounds(masks, aggregator_hosts: int, worker_need: int,
+                       ms_per_byte: float) -> dict[str, float]:
+    """Lower bounds (ms) per method from the ranks' block masks (n x blocks, bool): the worker
+    bound, raised where a method's aggregators must move more through their own links (each
+    link full duplex; 256 float32 per block; headers not counted)."""
+    n = masks.shape[0]
+    block = 256 * 4
+    union = int(masks.any(0).sum()) * block
+    nnz = [int(m.sum()) * block for m in masks]
+
+    def agg_hosts(a: int) -> float:  # a hosts, each: out n x union/a, in sum(nnz)/a
+        return max(worker_need, n * union / a, sum(nnz) / a) * ms_per_byte
+
+    # colocated: host r's shard serves 1/n of the slots, its own worker's share stays local
+    out = [(nnz[r] + union) * (n - 1) / n for r in range(n)]
+    into = [(sum(nnz) - nnz[r]) / n + union * (n - 1) / n for r in range(n)]
+    return {"worker": worker_need * ms_per_byte,
+            "omnireduce x1": agg_hosts(1), "omnireduce x4": agg_hosts(aggregator_hosts),
+            "omnireduce colocated": max(worker_need, *out, *into) * ms_per_byte,
+            "omnireduce rank0": max(worker_need, (n - 1) * union, sum(nnz) - nnz[0])
+            * ms_per_byte}
+
 
 def rank_side(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
@@ -249,6 +281,8 @@ def rank_side(args: argparse.Namespace) -> None:
         masks = hvd.allgather(_C.block_mask(t, 256)[None], name="bench.masks") > 0
         need = [int((masks[[j for j in range(n) if j != r]].any(0)).sum()) * 256 * 4
                 for r in range(n)]
+        bound_ms = aggregation_bounds(masks, len(tb.aggregator_hosts), max(need),
+                                      8e3 / tb.rate_bps)
         # What the cost model (probed at init on these links) predicts, for its validation.
         pred = costmodel.predict(st.net, args.numel, 4, 256, masks.sum(1).tolist(),
                                  float(masks.any(0).sum())).seconds
@@ -273,7 +307,8 @@ def rank_side(args: argparse.Namespace) -> None:
             problem, _ = check(fn, ref, t, t_orig)
             bad = gather([float(bool(problem))], "bench.ok").sum().item()
             drows[m] = {"density": d, "method": m, "ok": bad == 0,
-                        "bound ms": max(need) * 8 / tb.rate_bps * 1e3}
+                        "worker bound ms": bound_ms["worker"],
+                        "bound ms": bound_ms.get(m, bound_ms["worker"])}
             if m in model_of:
                 drows[m]["model ms"] = pred[model_of[m]] * 1e3
             if bad:

@@ -11,7 +11,7 @@
 
 namespace hvd_sparse::omni {
 
-constexpr double kMinWindow = 2, kMaxWindow = 4096;
+constexpr double kMinWindow = 2, kMaxWindow = 4096, kInitialWindow = 8;
 constexpr double kPaceAbove = 16;  // packets: smaller windows go out at once
 constexpr double kMaxRto = 1.0;
 constexpr double kKeepalive = 10.0;  // seconds; the aggregator's --idle default is 120
@@ -173,6 +173,15 @@ void Engine::transmit(TensorW& t, SlotW& s, double now) {
   AggregatorPath& a = aggs_[s.agg];
   if (s.queued) a.ready.erase({t.id, s.g});  // the lowest slot leaves the queue early
   s.queued = false;
+  // After an idle spell longer than a retransmission timeout the window no longer reflects
+  // the path (the gap between two reductions): restart from the initial window, keeping the
+  // threshold, as TCP does after idle (RFC 2861), instead of bursting the old window.
+  if (a.inflight == 0 && a.last_send > 0 && now - a.last_send > rto_for(a) &&
+      a.cwnd > kInitialWindow) {
+    a.ssthresh = std::max(a.ssthresh, 0.75 * a.cwnd);
+    a.cwnd = kInitialWindow;
+  }
+  a.last_send = now;
   s.inflight = true;
   a.inflight++;
   if (a.cwnd > kPaceAbove && a.srtt > 0)  // a window spread over a round time, 1.25x faster

@@ -14,9 +14,9 @@
 // Congestion control, per aggregator: a window of DATA packets in flight, AIMD on loss (TCP
 // Reno's rule: +1 packet per window answered, halved at most once per round trip when a
 // retransmission timer fires while a later round was answered), paced over the round time
-// once the window is large. Loss, not delay, is the signal: a round's time includes waiting
-// for the slowest worker, which on a loaded host is mostly CPU scheduling, so delay says little
-// about the path. The window admits slots, not rounds: a slot's first round waits for it, in
+// once the window is large, restarted at the initial window after idle. Loss, not delay, is
+// the signal: a round's time includes waiting for the slowest worker, which on a loaded host is
+// mostly CPU scheduling, so delay says little about the path. The window admits slots, not rounds: a slot's first round waits for it, in
 // (tensor id, slot) order, and its later rounds go as soon as the previous one is answered (a
 // slot has one round in flight at a time, so the window still bounds the packets in flight).
 // Every rank thus starts slots in the same order and keeps each started slot going, so the
@@ -61,6 +61,7 @@ struct AggregatorPath {
   double last_cut = 0;               // when the window was last halved
   double answered_sent_at = 0;       // latest send time of an answered round
   double next_send = 0;              // pacing: earliest time of the next send
+  double last_send = 0;              // when its latest DATA went out (idle restart)
   uint64_t cuts = 0;
   double heard = 0;  // when its latest REGACK came (keep-alives: it is up); 0: never
   std::set<std::pair<uint64_t, uint32_t>> ready;  // (tensor, slot) waiting for the window
