@@ -11,22 +11,22 @@
 // its tensor with an error naming the aggregator. Tensors are keyed by an id every rank derives
 // from the name, so ranks may submit them in any order and any number may be in flight.
 //
-// Congestion control, per aggregator: a window of DATA packets in flight, AIMD on loss (TCP
-// Reno's rule: +1 packet per window answered, halved at most once per round trip when a
-// retransmission timer fires while a later round was answered), paced over the round time
-// once the window is large, restarted at the initial window after idle. Loss, not delay, is
-// the signal: a round's time includes waiting for the slowest worker, which on a loaded host is
-// mostly CPU scheduling, so delay says little about the path. The window admits slots, not rounds: a slot's first round waits for it, in
-// (tensor id, slot) order, and its later rounds go as soon as the previous one is answered (a
-// slot has one round in flight at a time, so the window still bounds the packets in flight).
-// Every rank thus starts slots in the same order and keeps each started slot going, so the
+// Congestion control, per aggregator: a window of DATA packets in flight, AIMD on loss (TCP Reno's
+// rule: +1 packet per window answered, halved at most once per round trip when a retransmission
+// timer fires while a later round was answered), paced over the round time once the window is
+// large, restarted at the initial window after idle. Loss, not delay, is the signal: a round's time
+// includes waiting for the slowest worker, which on a loaded host is mostly CPU scheduling, so
+// delay says little about the path. The window admits slots, not rounds: a slot's first round waits
+// for it, in (tensor id, slot) order, and its later rounds go as soon as the previous one is
+// answered (a slot has one round in flight at a time, so the window still bounds the packets in
+// flight). Every rank thus starts slots in the same order and keeps each started slot going, so the
 // slots a rank has started are started at every rank with a window at least as large, and the
-// smallest window's slots always complete. (Gating every round, in arrival order, let ranks
-// whose windows differed fill them with rounds their peers had queued behind their own: each
-// waited on another, only the lowest slot moved, and at 8 workers rounds went unanswered for
-// the whole timeout.) The lowest unfinished slot of each tensor on each aggregator always
-// goes, which keeps every tensor moving whatever the windows and submission orders of the
-// other ranks (that slot is the same on every rank and never waits on a later one).
+// smallest window's slots always complete. (Gating every round, in arrival order, let ranks whose
+// windows differed fill them with rounds their peers had queued behind their own: each waited on
+// another, only the lowest slot moved, and at 8 workers rounds went unanswered for the whole
+// timeout.) The lowest unfinished slot of each tensor on each aggregator always goes, which keeps
+// every tensor moving whatever the windows and submission orders of the other ranks (that slot is
+// the same on every rank and never waits on a later one).
 #pragma once
 #include <algorithm>
 #include <cstdint>
