@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
@@ -212,6 +213,7 @@ double Engine::rto_for(const AggregatorPath& a) const {
 
 // The window's response to one answered round: RTT estimate, then AIMD growth.
 void Engine::on_answer(AggregatorPath& a, SlotW& s, double now) {
+  a.answered = now;
   s.inflight = false;
   a.inflight--;
   a.answered_sent_at = std::max(a.answered_sent_at, s.sent_at);
@@ -554,6 +556,10 @@ void Engine::check_timers(double now) {
       if (s.done) continue;
       if (now - s.progress_at > o_.timeout) {
         const AggregatorPath& a = aggs_[s.agg];
+        // What tells a dead aggregator from a late peer: whether it answered anything lately.
+        char heard[64] = "never";
+        if (a.answered > 0) std::snprintf(heard, sizeof heard, "%.1f s ago", now - a.answered);
+        const uint32_t done = t->nslots - t->remaining;
         failed.emplace_back(t, "no result from aggregator " + a.name + " for " +
                                    std::to_string(int(o_.timeout)) + " s (slot " +
                                    std::to_string(s.g) + ", round " + std::to_string(s.round) +
@@ -563,8 +569,10 @@ void Engine::check_timers(double now) {
                                                : ", not sent") +
                                    ", " + std::to_string(a.inflight) + " in flight of a " +
                                    "window of " + std::to_string(int(a.cwnd)) +
-                                   "): the aggregator is down or a peer "
-                                   "rank has not submitted this tensor");
+                                   "; it last answered a round " + heard + ", " +
+                                   std::to_string(done) + " of " + std::to_string(t->nslots) +
+                                   " slots of this tensor done): the aggregator is down or a "
+                                   "peer rank has not submitted this tensor");
         break;
       }
       if (s.inflight && now - s.sent_at > s.rto) {

@@ -62,6 +62,7 @@ struct AggregatorPath {
   double answered_sent_at = 0;       // latest send time of an answered round
   double next_send = 0;              // pacing: earliest time of the next send
   double last_send = 0;              // when its latest DATA went out (idle restart)
+  double answered = 0;               // when it last answered a round (0: never)
   uint64_t cuts = 0;
   double heard = 0;  // when its latest REGACK came (keep-alives: it is up); 0: never
   std::set<std::pair<uint64_t, uint32_t>> ready;  // (tensor, slot) waiting for the window
