@@ -49,8 +49,9 @@ test: build lint $(if $(NVCC),cuda-check)
 # them between runs), a 4-worker job across the containers. Skipped where Docker cannot run.
 # Cached: 2-5 min; cold: the worker image compiles Horovod and the extension, 59 min beside a
 # 4-rank training job, 90 at load 13-16 (docs/BENCHMARKS.md, Test time).
+# -s: the build's progress lines as they come.
 test-compose: build
-	@$(PY) -m pytest -q -rs tests/test_compose.py
+	@$(PY) -m pytest -q -rs -s tests/test_compose.py
 
 # The unit tier only: in-process tests, no other process, socket or Horovod job (under a minute).
 test-fast: build

@@ -20,6 +20,10 @@ import compose  # noqa: E402
 import dockerd  # noqa: E402
 
 PY = sys.executable
+# The engine fixture's waits are bounded by their own timeouts (dockerd's start, the build's
+# BUILD_TIMEOUT_S): a cold image build compiles Horovod and the extension and outlasts
+# pytest's default of 600 s, which counts a module fixture's setup into its first test.
+pytestmark = pytest.mark.timeout(1800 + compose.BUILD_TIMEOUT_S + 900)
 
 
 def host_network() -> dict:
