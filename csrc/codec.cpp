@@ -4,6 +4,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -19,6 +22,9 @@
 #include "torch_dtype.h"
 
 namespace hvd_sparse {
+
+// csrc/fresh_zeros.cpp: a large byte buffer whose pages stay mapped from call to call.
+at::Tensor reused_empty(int64_t nbytes);
 
 // Threads the codec may use. Several ranks share a host, so hvd_sparse.init() sets this to
 // cores / local ranks: oversubscribed OpenMP teams spin and run many times slower.
@@ -214,6 +220,23 @@ std::vector<Seg> parse(const at::Tensor& buf, int64_t nsegs, const Expect& ex, i
   return segs;
 }
 
+// Copies a summed block to the result past the caches: the result (tens to hundreds of MiB) is
+// not read again here, and a plain store first reads each line it writes, which made the
+// decode ~3.5x its memory bound (scripts/bench_hostwork.py).
+inline void stream_out(void* dst, const void* src, size_t bytes) {
+#if defined(__SSE2__)
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  if ((reinterpret_cast<uintptr_t>(d) & 15) == 0 && bytes % 16 == 0) {
+    for (size_t i = 0; i < bytes; i += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
 template <typename A, typename V>
 void add_block(A* out, const uint8_t* src, int64_t n) {
   const V* v = reinterpret_cast<const V*>(src);
@@ -263,16 +286,24 @@ int64_t sum_segments(const std::vector<Seg>& segs, V* out, int64_t numel, int64_
       }
       for (int64_t b = b0; b < b1; ++b) {
         if (!seen[b - b0]) continue;
-        const A* a = acc.data() + (b - b0) * bs;
+        A* a = acc.data() + (b - b0) * bs;
         V* o = out + b * bs;
         const int64_t n = std::min(bs, numel - b * bs);
-        if (scale == 1.0)
+        if constexpr (std::is_same_v<A, V>) {
+          if (scale != 1.0)
+            for (int64_t i = 0; i < n; ++i) a[i] *= sc;
+          stream_out(o, a, n * sizeof(V));
+        } else if (scale == 1.0) {
           for (int64_t i = 0; i < n; ++i) o[i] = static_cast<V>(a[i]);
-        else
+        } else {
           for (int64_t i = 0; i < n; ++i) o[i] = static_cast<V>(a[i] * sc);
+        }
         ++count;
       }
     }
+#if defined(__SSE2__)
+    _mm_sfence();  // the streamed stores before the result is handed over
+#endif
     written += count;
   });
   return written;
@@ -349,7 +380,7 @@ at::Tensor encode(const at::Tensor& t, int64_t bs, uint64_t meta, c10::optional<
   auto idx = nonzero_list(mask ? *mask : mask_of(f), f.nblocks);
   const uint64_t count = idx.size();
   const uint64_t nbytes = segment_bytes(kIndexList, count, 0, bs, f.width);
-  auto buf = at::empty({static_cast<int64_t>(nbytes)}, at::kByte);
+  auto buf = reused_empty(static_cast<int64_t>(nbytes));  // every byte written below
   uint8_t* p = buf.data_ptr<uint8_t>();
   SegHeader h = make_header(f, kIndexList, count, 0, 1, meta, nbytes, count);
   std::memcpy(p, &h, sizeof h);
@@ -405,16 +436,21 @@ std::tuple<at::Tensor, std::vector<int64_t>> zen_encode(const at::Tensor& t, int
     splits[p] = static_cast<int64_t>(segment_bytes(kIndexList, cnt[p], 0, bs, f.width));
     off[p + 1] = off[p] + splits[p];
   }
-  auto buf = at::zeros({static_cast<int64_t>(off[np])}, at::kByte);
+  auto buf = reused_empty(static_cast<int64_t>(off[np]));
   uint8_t* base = buf.data_ptr<uint8_t>();
+  const int64_t bytes = bs * f.width;
   for (uint32_t p = 0; p < np; ++p) {
     SegHeader h = make_header(f, kIndexList, cnt[p], p, np, meta, splits[p], idx.size());
     std::memcpy(base + off[p], &h, sizeof h);
+    // Zero what the scatter below leaves unwritten: the index list's padding, the tail.
+    uint8_t* body = base + off[p] + sizeof h;
+    std::memset(body, 0, align8(4 * cnt[p]));
+    uint8_t* end = body + align8(4 * cnt[p]) + cnt[p] * bytes;
+    std::memset(end, 0, base + off[p + 1] - end);
   }
   // Stable scatter: each destination's indices stay ascending; remember each block's slot.
   std::vector<uint64_t> fill(np, 0);
   std::vector<uint8_t*> slot(idx.size());
-  const int64_t bytes = bs * f.width;
   for (size_t k = 0; k < idx.size(); ++k) {
     uint32_t p = dest[k];
     uint8_t* body = base + off[p] + sizeof(SegHeader);
@@ -441,9 +477,13 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
     auto segs = parse(buf, nsegs, ex, part, false);
     for (size_t s = 0; s < segs.size(); ++s)
       if (segs[s].h->nparts != static_cast<uint64_t>(nparts)) bad(s, "partition count differs");
+    // The union: each segment's indices are ascending (parse checked), so merges, not a sort.
     std::vector<uint32_t> uni;
-    for (const Seg& g : segs) uni.insert(uni.end(), g.idx, g.idx + g.h->count);
-    std::sort(uni.begin(), uni.end());
+    for (const Seg& g : segs) {
+      const auto mid = static_cast<std::ptrdiff_t>(uni.size());
+      uni.insert(uni.end(), g.idx, g.idx + g.h->count);
+      std::inplace_merge(uni.begin(), uni.begin() + mid, uni.end());
+    }
     uni.erase(std::unique(uni.begin(), uni.end()), uni.end());
     const int64_t nblocks = num_blocks(numel, bs), U = static_cast<int64_t>(uni.size());
     const int width = dtype_size(ex.dtype);
@@ -451,8 +491,13 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
     for (int64_t b = 0; b < nblocks; ++b) npos += partition_of(b, nparts) == part;
     const uint8_t kind = align8((npos + 7) / 8) < align8(4ull * U) ? kPartitionBitmap : kIndexList;
     const uint64_t nbytes = segment_bytes(kind, U, npos, bs, width);
-    out = at::zeros({static_cast<int64_t>(nbytes)}, at::kByte);
+    out = reused_empty(static_cast<int64_t>(nbytes));
     uint8_t* p = out.data_ptr<uint8_t>();
+    uint8_t* vals = p + sizeof(SegHeader) +
+                    (kind == kIndexList ? align8(4ull * U) : align8((npos + 7) / 8));
+    // Zero all but the values, which are written whole below (the bitmap is or-ed into).
+    std::memset(p, 0, vals - p);
+    std::memset(vals + U * bs * width, 0, p + nbytes - (vals + U * bs * width));
     Flat f{nullptr, numel, bs, nblocks, width, ex.dtype};
     SegHeader h = make_header(f, kind, U, part, nparts, meta, nbytes, nnz_local);
     std::memcpy(p, &h, sizeof h);
@@ -470,18 +515,25 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
         ++k;
       }
     }
-    uint8_t* vals = body + (kind == kIndexList ? align8(4ull * U) : align8((npos + 7) / 8));
     dispatch_wire(ex.dtype, [&](auto v) {
       using V = decltype(v);
       using A = acc_t<V>;
       // Accumulate the partition's union compactly, then round once to the wire dtype.
       par_for(0, U, 16, [&](int64_t u0, int64_t u1) {
+        if (u0 >= u1) return;
         std::vector<A> acc(static_cast<size_t>(bs));
+        // Per segment, its first block not below uni[u]: uni ascends, so the cursors only move
+        // forward (one search per chunk, not per block and segment).
+        std::vector<const uint32_t*> next(segs.size());
+        for (size_t s = 0; s < segs.size(); ++s)
+          next[s] = std::lower_bound(segs[s].idx, segs[s].idx + segs[s].h->count, uni[u0]);
         for (int64_t u = u0; u < u1; ++u) {
           std::fill(acc.begin(), acc.end(), A(0));
-          for (const Seg& g : segs) {
+          for (size_t s = 0; s < segs.size(); ++s) {  // in rank order: identical bits everywhere
+            const Seg& g = segs[s];
+            const uint32_t*& q = next[s];
             const uint32_t* end = g.idx + g.h->count;
-            const uint32_t* q = std::lower_bound(g.idx, end, uni[u]);
+            while (q != end && *q < uni[u]) ++q;
             if (q != end && *q == uni[u])
               add_block<A, V>(acc.data(), g.vals + (q - g.idx) * bs * width, bs);
           }

@@ -11,6 +11,11 @@
 // reader of the result a zero-page fault per 4 KiB (scripts/profile_output.py). Without THP the
 // mapping simply uses 4 KiB pages.
 //
+// The same cache serves large byte buffers that their writer fills whole (the codec's segments,
+// reused_empty): glibc hands such buffers back to the kernel when they are freed, so each call
+// faulted its output in anew, and on this project's VMs the ~2,500 faults of a 10 MiB segment
+// took 4-5 ms where writing it takes under 1 (scripts/bench_hostwork.py).
+//
 // Freed mappings are kept (up to kCacheBytes) and reused by the next request of the same size
 // after a memset: a page the process keeps costs a write, while a page given back costs a fault
 // and a kernel zeroing, and under free page reporting (this project's VMs) the host takes it
@@ -59,6 +64,24 @@ void* take_cached(size_t len) {
   return nullptr;
 }
 
+// The smallest cached mapping of at least len bytes and at most twice that (a much larger one
+// would hold memory the caller does not use); its length in *got.
+void* take_fitting(size_t len, size_t* got) {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  size_t best = c.maps.size();
+  for (size_t i = 0; i < c.maps.size(); ++i) {
+    const size_t n = c.maps[i].second;
+    if (n >= len && n <= 2 * len && (best == c.maps.size() || n < c.maps[best].second)) best = i;
+  }
+  if (best == c.maps.size()) return nullptr;
+  void* p = c.maps[best].first;
+  *got = c.maps[best].second;
+  c.bytes -= *got;
+  c.maps.erase(c.maps.begin() + best);
+  return p;
+}
+
 void give_back(void* p, size_t len) {
   Cache& c = cache();
   std::vector<std::pair<void*, size_t>> evicted;
@@ -102,6 +125,17 @@ at::Tensor fresh_zeros(int64_t numel, at::ScalarType dtype) {
   else p = map_fresh(len);
   return at::from_blob(
       p, {numel}, [len](void* q) { give_back(q, len); }, at::TensorOptions().dtype(dtype));
+}
+
+at::Tensor reused_empty(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, "reused_empty: negative size");
+  const size_t bytes = static_cast<size_t>(nbytes);
+  if (bytes < kMinBytes) return at::empty({nbytes}, at::kByte);
+  size_t len = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = take_fitting(len, &len);
+  if (p == nullptr) p = map_fresh(len);
+  return at::from_blob(
+      p, {nbytes}, [len](void* q) { give_back(q, len); }, at::TensorOptions().dtype(at::kByte));
 }
 
 void register_fresh_zeros(pybind11::module_& m) {
