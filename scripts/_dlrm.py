@@ -1,8 +1,10 @@
 """The DLRM-like model and batches that the embedding benchmarks share (bench_embedding.py
-under Horovod, bench_ddp.py under DDP): several ``nn.EmbeddingBag`` tables, a bottom MLP on
+under Horovod, bench_ddp.py under DDP, bench_torchrec.py): several ``nn.EmbeddingBag`` tables, a bottom MLP on
 dense features and a top MLP; ids uniform or Zipf-distributed (a few hot rows shared by the
 ranks, a long tail)."""
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 import torch
@@ -55,3 +57,27 @@ def batches(rank: int, rows: list[int], count: int, batch: int, bag: int,
         dense = torch.from_numpy(rng.standard_normal((batch, DENSE_FEATURES), dtype=np.float32))
         out.append((ids, dense, torch.from_numpy(rng.integers(0, 2, batch)).float()))
     return out
+
+
+def add_args(p: argparse.ArgumentParser, scale: float) -> None:
+    """The tables' and batches' options (bench_ddp.py, bench_torchrec.py); ``scale``: the
+    default of --scale."""
+    p.add_argument("--rows", default=",".join(map(str, ROWS)),
+                   help="rows of each table, before --scale")
+    p.add_argument("--scale", type=float, default=scale,
+                   help="tables' rows times this (1: 576 MB of tables; dense methods hold "
+                        "several copies per rank)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2048, help="per rank")
+    p.add_argument("--bag", type=int, default=4, help="ids per bag")
+    p.add_argument("--ids", choices=("uniform", "hot"), default="uniform",
+                   help="uniform ids, or Zipf ids (hot rows shared by the ranks)")
+    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent with --ids hot")
+
+
+def workload(args: argparse.Namespace, rank: int) -> tuple[list[int], list[Batch]]:
+    """The tables' rows and rank ``rank``'s --warmup + --steps batches, as ``add_args``'s
+    options say."""
+    rows = [max(8, int(int(r) * args.scale)) for r in args.rows.split(",")]
+    zipf = args.zipf if args.ids == "hot" else 0.0
+    return rows, batches(rank, rows, args.warmup + args.steps, args.batch, args.bag, zipf)

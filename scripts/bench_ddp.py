@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _dlrm import ROWS, Batch, RecModel, batches
+from _dlrm import Batch, RecModel, add_args, workload
 from _report import print_table, save_png, write_json
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -75,17 +75,7 @@ NAN = float("nan")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default=",".join(map(str, ROWS)),
-                   help="rows of each table, before --scale")
-    p.add_argument("--scale", type=float, default=0.25,
-                   help="tables' rows times this (1: 576 MB of tables; dense methods hold "
-                        "several copies per rank)")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2048, help="per rank")
-    p.add_argument("--bag", type=int, default=4, help="ids per bag")
-    p.add_argument("--ids", choices=("uniform", "hot"), default="uniform",
-                   help="uniform ids, or Zipf ids (hot rows shared by the ranks)")
-    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent with --ids hot")
+    add_args(p, scale=0.25)
     p.add_argument("--steps", type=int, default=5, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps first (DDP rebuilds its buckets after the first; "
@@ -217,11 +207,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)  # ranks share the cores
     rank, size = dist.get_rank(), dist.get_world_size()
-    rows = [max(8, int(int(r) * args.scale)) for r in args.rows.split(",")]
+    rows, data = workload(args, rank)
     torch.manual_seed(0)
     start = RecModel(rows, args.dim, sparse=False)
-    zipf = args.zipf if args.ids == "hot" else 0.0
-    data = batches(rank, rows, args.warmup + args.steps, args.batch, args.bag, zipf)
     progress(f"bench_ddp: {size} ranks, {len(rows)} tables ({sum(rows):,} rows x {args.dim}, "
              f"{sum(rows) * args.dim * 4 / 2**20:,.0f} MiB), {args.ids} ids, "
              f"{len(args.methods)} methods x {args.warmup}+{args.steps} steps")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _dlrm import ROWS, Batch, RecModel, batches
+from _dlrm import Batch, RecModel, add_args, workload
 from _report import print_table, save_png, write_json
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward
@@ -64,14 +64,7 @@ NAN = float("nan")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows per table")
-    p.add_argument("--scale", type=float, default=1.0, help="times every table's rows")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2048, help="per rank")
-    p.add_argument("--bag", type=int, default=4, help="ids per bag")
-    p.add_argument("--ids", choices=("uniform", "hot"), default="uniform",
-                   help="hot: Zipf ids, low ids shared by every rank")
-    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent with --ids hot")
+    add_args(p, scale=1.0)
     p.add_argument("--steps", type=int, default=5, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--methods", default=",".join(METHODS))
@@ -195,11 +188,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)  # ranks share the cores
     rank, size = dist.get_rank(), dist.get_world_size()
-    rows = [max(8, int(int(r) * args.scale)) for r in args.rows.split(",")]
+    rows, data = workload(args, rank)
     torch.manual_seed(0)
     start = RecModel(rows, args.dim, sparse=True)
-    zipf = args.zipf if args.ids == "hot" else 0.0
-    data = batches(rank, rows, args.warmup + args.steps, args.batch, args.bag, zipf)
     progress(f"bench_torchrec: {size} ranks, {len(rows)} tables ({sum(rows):,} rows x "
              f"{args.dim}), {args.ids} ids, {len(args.methods)} methods x "
              f"{args.warmup}+{args.steps} steps")
