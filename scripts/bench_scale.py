@@ -16,7 +16,10 @@ op=Sum, results checked against Horovod's dense allreduce first:
 * rows agg xA: ``scheme="omnireduce"`` on the testbed's A aggregator hosts: the rows summed at
   the aggregators, each rank receiving the union once;
 * rows agg colocated: the same on the job's own aggregators, a shard on every worker host;
-* auto: ``scheme="auto"`` (tries both ways on the tensor, keeps the faster; --warmup >= 5).
+* auto: ``scheme="auto"`` (tries both ways on the tensor, keeps the faster; --warmup >= 5)
+  with the testbed's aggregator hosts configured;
+* auto colocated: the same under the multi-host default, no aggregators configured (the
+  job's colocated shards).
 
 Per method: the median over --reps of the slowest rank's time; bytes each worker received per
 call (eth0 counters); the lower bound: the bytes of the distinct rows the worker that must
@@ -48,7 +51,8 @@ from _report import (  # noqa: E402
     write_json,
 )
 
-METHODS = ["hvd sparse", "rows allgather", "rows agg xA", "rows agg colocated", "auto"]
+METHODS = ["hvd sparse", "rows allgather", "rows agg xA", "rows agg colocated", "auto",
+           "auto colocated"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -163,7 +167,7 @@ def rank_side(args: argparse.Namespace) -> None:
     tb = Testbed.load(os.environ["HVD_SPARSE_TESTBED"])
     st = basics.state()
     sessions = {"rows agg xA": st.omni}
-    if "rows agg colocated" in args.methods:
+    if {"rows agg colocated", "auto colocated"} & set(args.methods):
         sessions["rows agg colocated"] = omni.start(dataclasses.replace(
             st.config, aggregators="", aggregator_layout="colocated"), st.comm)
 
@@ -183,6 +187,9 @@ def rank_side(args: argparse.Namespace) -> None:
             return hvd_sparse.allreduce(g, name=name, op=hvd.Sum, scheme="auto")
         if m == "rows allgather":
             return hvd_sparse.allreduce(g, name=name, op=hvd.Sum, scheme="allgather")
+        if m == "auto colocated":
+            with basics.joined(omni=sessions["rows agg colocated"]):
+                return hvd_sparse.allreduce(g, name=name, op=hvd.Sum, scheme="auto")
         with basics.joined(omni=sessions[m]):
             return hvd_sparse.allreduce(g, name=name, op=hvd.Sum, scheme="omnireduce")
 
