@@ -47,9 +47,10 @@ test: build lint $(if $(NVCC),cuda-check)
 # The compose cluster for real (tests/test_compose.py): a Docker engine started where none
 # runs (docker.io from apt) and stopped after, both images built (docker's layer cache keeps
 # them between runs), a 4-worker job across the containers. Skipped where Docker cannot run.
-# Cached: 2-5 min; cold: the worker image compiles Horovod and the extension, 59 min beside a
-# 4-rank training job, 90 at load 13-16 (docs/BENCHMARKS.md, Test time).
-# -s: the build's progress lines as they come.
+# Cached: 1-5 min; cold: the worker image compiles Horovod and the extension, 10 min on a quiet
+# machine, 59 beside a 4-rank training job, 90 at load 13-16 (docs/BENCHMARKS.md, Test time):
+# longer than pytest's default timeout, so tests/test_compose.py sets its own; -s shows the
+# build's progress as it comes.
 test-compose: build
 	@$(PY) -m pytest -q -rs -s tests/test_compose.py
 
