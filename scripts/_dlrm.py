@@ -1,7 +1,7 @@
 """The DLRM-like model and batches that the embedding benchmarks share (bench_embedding.py
-under Horovod, bench_ddp.py under DDP, bench_torchrec.py): several ``nn.EmbeddingBag`` tables, a bottom MLP on
-dense features and a top MLP; ids uniform or Zipf-distributed (a few hot rows shared by the
-ranks, a long tail)."""
+under Horovod, bench_ddp.py under DDP, bench_torchrec.py): several ``nn.EmbeddingBag``
+tables, a bottom MLP on dense features and a top MLP; ids uniform or Zipf-distributed (a few
+hot rows shared by the ranks, a long tail)."""
 from __future__ import annotations
 
 import argparse
