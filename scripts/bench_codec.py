@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make build)
 
 import torch  # noqa: E402
+from _inputs import make_tensor  # noqa: E402
 from _report import console, print_table, save_png, write_json  # noqa: E402
 
 from hvd_sparse import blocks, device, staging  # noqa: E402
@@ -63,16 +64,6 @@ def parse_size(s: str) -> int:
 def size_label(n: int) -> str:
     return f"{n // MI}M" if n % MI == 0 else f"{n:,}"
 
-
-def make_tensor(numel: int, block: int, density: float, gen: torch.Generator) -> torch.Tensor:
-    """Zeros except round(density * nblocks) whole blocks (at least one) of N(0,1) values."""
-    nblocks = -(-numel // block)
-    x = torch.zeros(nblocks, block)
-    k = max(1, round(density * nblocks))
-    rows = torch.randperm(nblocks, generator=gen)[:k]
-    x[rows] = torch.randn(k, block, generator=gen)
-    flat = x.view(-1)
-    return flat if flat.numel() == numel else flat[:numel].clone()
 
 
 def torch_mask(t: torch.Tensor, block: int) -> torch.Tensor:

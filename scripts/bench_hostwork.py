@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _inputs import make_tensor  # noqa: E402
 from _report import plt, print_table, save_png, write_json  # noqa: E402
 
 from hvd_sparse import _C, blocks  # noqa: E402
@@ -46,12 +47,7 @@ F32 = blocks.DTYPE_CODES[torch.float32]
 
 
 def gradient(rank: int, density: float) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 + rank)
-    nb = NUMEL // BS
-    keep = torch.randperm(nb, generator=g)[:int(nb * density)]
-    t = torch.zeros(nb, BS)
-    t[keep] = torch.randn(len(keep), BS, generator=g)
-    return t.view(-1)
+    return make_tensor(NUMEL, BS, density, torch.Generator().manual_seed(1000 + rank))
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:

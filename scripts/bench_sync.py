@@ -69,6 +69,7 @@ sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make
 
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
+from _inputs import make_tensor  # noqa: E402
 from _report import console, print_table, save_png, write_json  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
@@ -142,15 +143,6 @@ def gather(xs: list[float], name: str) -> torch.Tensor:
     """[n, len(xs)]: row r holds rank r's values."""
     return hvd.allgather(torch.tensor([xs], dtype=torch.float64), name=name)
 
-
-def make_tensor(numel: int, block: int, density: float, gen: torch.Generator) -> torch.Tensor:
-    """Zeros except round(density * nblocks) whole blocks (at least one) of N(0,1) values."""
-    nblocks = -(-numel // block)
-    x = torch.zeros(nblocks, block)
-    k = max(1, round(density * nblocks))
-    rows = torch.randperm(nblocks, generator=gen)[:k]
-    x[rows] = torch.randn(k, block, generator=gen)
-    return x.view(-1)[:numel].clone() if nblocks * block != numel else x.view(-1)
 
 
 @dataclass

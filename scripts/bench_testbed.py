@@ -236,7 +236,8 @@ def aggregation_bounds(masks, aggregator_hosts: int, worker_need: int,
 def rank_side(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
     import torch
-    from bench_sync import Method, check, gather, make_tensor, slowest_median_ms, sync
+    from _inputs import make_tensor
+    from bench_sync import Method, check, gather, slowest_median_ms, sync
 
     import hvd_sparse
     from hvd_sparse import _C, basics, costmodel

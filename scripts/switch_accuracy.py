@@ -89,7 +89,7 @@ def rank_side(args: argparse.Namespace) -> None:
 
     import horovod.torch as hvd
     import torch
-    from bench_sync import make_tensor
+    from _inputs import make_tensor
 
     import hvd_sparse
     from hvd_sparse import fixedpoint
