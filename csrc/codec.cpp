@@ -465,6 +465,13 @@ std::tuple<at::Tensor, std::vector<int64_t>> zen_encode(const at::Tensor& t, int
   return {buf, splits};
 }
 
+// Blocks of a tensor of nblocks that partition_of() gives to `part`.
+int64_t count_partition(int64_t nblocks, int64_t part, int64_t nparts) {
+  int64_t n = 0;
+  for (int64_t b = 0; b < nblocks; ++b) n += partition_of(b, nparts) == part;
+  return n;
+}
+
 // Sums the segments every rank sent for partition `part` and returns the result as one segment
 // (index list or partition bitmap, whichever is smaller) for the final allgather.
 at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t dtype,
@@ -487,8 +494,7 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
     uni.erase(std::unique(uni.begin(), uni.end()), uni.end());
     const int64_t nblocks = num_blocks(numel, bs), U = static_cast<int64_t>(uni.size());
     const int width = dtype_size(ex.dtype);
-    uint64_t npos = 0;
-    for (int64_t b = 0; b < nblocks; ++b) npos += partition_of(b, nparts) == part;
+    const uint64_t npos = count_partition(nblocks, part, nparts);
     const uint8_t kind = align8((npos + 7) / 8) < align8(4ull * U) ? kPartitionBitmap : kIndexList;
     const uint64_t nbytes = segment_bytes(kind, U, npos, bs, width);
     out = reused_empty(static_cast<int64_t>(nbytes));
@@ -545,12 +551,6 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
     });
   }
   return out;
-}
-
-int64_t count_partition(int64_t nblocks, int64_t part, int64_t nparts) {
-  int64_t n = 0;
-  for (int64_t b = 0; b < nblocks; ++b) n += partition_of(b, nparts) == part;
-  return n;
 }
 
 void register_codec(py::module_& m) {
