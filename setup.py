@@ -186,7 +186,7 @@ setup(
         *cuda_extensions(),
     ],
     package_data={"hvd_sparse": [f"bin/{name}" for name in [*BINARIES, "hvd-sparse-switch"]]
-                  + ["tools/testbed/allgatherv.rules"]},
+                  + ["tools/testbed/collectives.rules"]},
     entry_points={"console_scripts": ["hvd-sparse=hvd_sparse.tools.cli:main"]},
     cmdclass={"build_ext": Build},
 )

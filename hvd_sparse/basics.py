@@ -76,7 +76,9 @@ def _start_run_file(cfg: _config.Config, comm: Collectives, net: costmodel.NetMo
         "world_size": comm.size,
         "hosts": comm.hosts(),
         "aggregators": len(omni.addrs) if omni else 0,
-        "aggregators_local": bool(omni) and not cfg.aggregator_list(),  # on rank 0's host
+        "aggregators_local": bool(omni) and not cfg.aggregator_list(),  # the job's own
+        "aggregator_hosts": omni.link_hosts() if omni else None,
+        "aggregator_placement": omni.placement if omni else None,
         "link_rate_bps": runfile.parse_rate(cfg.link_rate) if cfg.link_rate else None,
         "net": asdict(net),
         "config": asdict(cfg),

@@ -99,6 +99,13 @@ class Session:
         """(payload bytes per packet, slots over all aggregators): what sets a tensor's rounds."""
         return self.payload, self.worker.slots_per_aggregator() * len(self.addrs)
 
+    def link_hosts(self) -> int:
+        """The hosts whose links carry the aggregation (costmodel.aggregation_link_blocks):
+        the configured aggregators' hosts, 1 for rank 0's, 0 for a shard on every worker host."""
+        if self.placement == "colocated":
+            return 0
+        return len({host for host, _ in self.addrs})
+
     def describe(self) -> str:
         """What the probe's timings depend on: how many aggregators, where, fusion."""
         return f"{len(self.addrs)}x{self.placement}/{self.layout()}"

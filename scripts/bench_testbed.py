@@ -129,7 +129,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     cols = ["rate", "density", "method", "ms", "x vs hvd sparse", "bound ms", "x of bound",
             "util %", "worker rx MB", "aggregators tx MB", "busiest link MB",
             "worker links rx/tx MB", "scheme", "retransmits", "model ms",
-            "model err %", "switch kpps", "passes / packet", "ok"]
+            "model err %", "link model err %", "switch kpps", "passes / packet", "ok"]
     print_table(rows, f"in-place allreduce of {args.numel:,} float32 on {args.workers} emulated "
                       f"hosts, median of {args.reps} (slowest rank)", cols,
                 caption="bound: the bytes the worker that must receive most must receive "
@@ -215,6 +215,8 @@ def aggregation_bounds(masks, aggregator_hosts: int, worker_need: int,
     """Lower bounds (ms) per method from the ranks' block masks (n x blocks, bool): the worker
     bound, raised where a method's aggregators must move more through their own links (each
     link full duplex; 256 float32 per block; headers not counted)."""
+    from hvd_sparse import costmodel
+
     n = masks.shape[0]
     block = 256 * 4
     union = int(masks.any(0).sum()) * block
@@ -224,11 +226,10 @@ def aggregation_bounds(masks, aggregator_hosts: int, worker_need: int,
         return max(worker_need, n * union / a, sum(nnz) / a) * ms_per_byte
 
     # colocated: host r's shard serves 1/n of the slots, its own worker's share stays local
-    out = [(nnz[r] + union) * (n - 1) / n for r in range(n)]
-    into = [(sum(nnz) - nnz[r]) / n + union * (n - 1) / n for r in range(n)]
+    colocated = costmodel.aggregation_link_blocks(nnz, union, 0)
     return {"worker": worker_need * ms_per_byte,
             "omnireduce x1": agg_hosts(1), "omnireduce x4": agg_hosts(aggregator_hosts),
-            "omnireduce colocated": max(worker_need, *out, *into) * ms_per_byte,
+            "omnireduce colocated": max(worker_need, colocated) * ms_per_byte,
             "omnireduce rank0": max(worker_need, (n - 1) * union, sum(nnz) - nnz[0])
             * ms_per_byte}
 
@@ -285,8 +286,16 @@ def rank_side(args: argparse.Namespace) -> None:
         bound_ms = aggregation_bounds(masks, len(tb.aggregator_hosts), max(need),
                                       8e3 / tb.rate_bps)
         # What the cost model (probed at init on these links) predicts, for its validation.
-        pred = costmodel.predict(st.net, args.numel, 4, 256, masks.sum(1).tolist(),
-                                 float(masks.any(0).sum())).seconds
+        nnz, union = masks.sum(1).tolist(), float(masks.any(0).sum())
+        pred = costmodel.predict(st.net, args.numel, 4, 256, nnz, union).seconds
+        # ... and moved onto these links as `hvd-sparse analyze`'s what-if moves it
+        link = costmodel.predict(costmodel.NetModel.for_link(
+            tb.rate_bps, n, st.net, len(tb.aggregator_hosts)), args.numel, 4, 256, nnz,
+            union).seconds
+        link["colocated"] = costmodel.predict(costmodel.NetModel.for_link(
+            tb.rate_bps, n, st.net, 0), args.numel, 4, 256, nnz, union).seconds["omnireduce"]
+        inputs = {"nnz": nnz, "union": union, "workers": n, "rate_bps": tb.rate_bps,
+                  "aggregator hosts": len(tb.aggregator_hosts), "net": dataclasses.asdict(st.net)}
         model_of = {"hvd dense": "dense", "allgather": "allgather", "zen": "zen",
                     "omnireduce x4": "omnireduce", "switch": "switch"}
 
@@ -312,6 +321,9 @@ def rank_side(args: argparse.Namespace) -> None:
                         "bound ms": bound_ms.get(m, bound_ms["worker"])}
             if m in model_of:
                 drows[m]["model ms"] = pred[model_of[m]] * 1e3
+            if m in model_of or m == "omnireduce colocated":
+                drows[m]["link model ms"] = link[model_of.get(m, "colocated")] * 1e3
+            drows[m]["model inputs"] = inputs  # to check other models against this run
             if bad:
                 drows[m]["problem"] = problem or "wrong on another rank"
                 del fns[m]
@@ -362,8 +374,9 @@ def rank_side(args: argparse.Namespace) -> None:
                                            for h in workers for k in (0, 1)) / 1e6
                 r["util %"] = 100 * max(wrx) * 8 / (ms / 1e3) / tb.rate_bps
                 r["x of bound"] = ms / r["bound ms"]
-                if "model ms" in r:
-                    r["model err %"] = 100 * (r["model ms"] - ms) / ms
+                for k in ("model", "link model"):
+                    if f"{k} ms" in r:
+                        r[f"{k} err %"] = 100 * (r[f"{k} ms"] - ms) / ms
                 if pipeline[m]:
                     secs, pkts, passes = (sum(x) for x in zip(*pipeline[m], strict=True))
                     r["switch kpps"] = pkts / secs / 1e3

@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import costmodel, runfile
 
-RATES = (1e9, 10e9, 100e9)
+RATES = (1e9, 10e9, 100e9, 400e9)
 WORKERS = (4, 16, 64, 256, 1024)
 SCHEMES = ("dense", "allgather", "zen", "omnireduce")
 FRACTION = 0.1  # "dense is enough" when its sync takes at most this share of a step
@@ -133,13 +133,19 @@ class WhatIf:
         self.base = net_model(run["net"])
         self.ts = ts
         self.n = run["world_size"]
-        self.aggregators = run.get("aggregators") or None
+        # the hosts whose links carry the aggregation (older run files: one per aggregator)
+        self.agg_hosts = int(run.get("aggregator_hosts", run.get("aggregators")) or 0)
+        self.remote = run.get("aggregator_placement", "remote") == "remote"
         self.slots = int(run.get("config", {}).get("slots", 64))
 
     def net(self, rate: float, n: int) -> costmodel.NetModel:
-        # the run's aggregator count where n is the run's, else the default one per 4 workers
-        aggs = self.aggregators if n == self.n else None
-        return costmodel.NetModel.for_link(rate, n, self.base, aggs, self.slots)
+        # the run's aggregator hosts at its own n; at another, configured ones grow with the
+        # workers (as many per worker as the run had), the job's own are the multi-host
+        # default, a shard on every worker host (0)
+        hosts = self.agg_hosts if n == self.n else (
+            max(1, round(self.agg_hosts * n / self.n)) if self.remote and self.agg_hosts else 0)
+        return costmodel.NetModel.for_link(rate, n, self.base, hosts, self.slots,
+                                           base_n=self.n)
 
     def step(self, rate: float, n: int) -> dict[str, float]:
         return step_prediction(self.net(rate, n), self.ts, n)
@@ -215,10 +221,12 @@ def analyze(run: dict[str, Any], rates: Sequence[float] = RATES,
         "notes": [
             "bytes: what this rank received (dense: Horovod's ring modelled, 2 (n-1)/n of the "
             "tensor); utilization: received bits / seconds / link rate",
-            "what-if: costmodel.predict on NetModel.for_link (links fully used, latencies and "
-            "CPU rates as measured); every worker holds the tensor's mean block density, blocks "
-            "placed independently; a step's tensors reduced one after the other; tensors "
-            "without a measured density (they ran dense) count as dense in every scheme",
+            "what-if: costmodel.predict on NetModel.for_link (each scheme's busiest link at "
+            "the share of the rate bulk transfers reach, CPU rates as measured, latencies as "
+            "measured growing as log2 of the workers); every worker holds the tensor's mean "
+            "block density, blocks placed independently; a step's tensors reduced one after "
+            "the other; tensors without a measured density (they ran dense) count as dense in "
+            "every scheme; checked against emulated hosts in docs/SCALE.md",
         ],
     }
 
@@ -291,7 +299,7 @@ def print_report(a: dict[str, Any], max_steps: int = 10) -> None:
                   _pct(s["utilization"]))
     con.print(t)
 
-    t = Table(title="what-if: predicted sync ms per step (cost model, links fully used)",
+    t = Table(title="what-if: predicted sync ms per step (cost model, busiest links)",
               caption=a["notes"][1])
     for c in ("link", "workers", *SCHEMES, "best"):
         t.add_column(c, justify="right")
@@ -388,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", type=Path, help="plot: predicted vs link rate and workers")
     p.add_argument("--json", type=Path, help="write the analysis here")
     p.add_argument("--link-rate", help="link rate, e.g. 10gbit (default: the run file's)")
-    p.add_argument("--rates", default="1gbit,10gbit,100gbit", help="what-if link rates")
+    p.add_argument("--rates", default="1gbit,10gbit,100gbit,400gbit", help="what-if link rates")
     p.add_argument("--workers", default=",".join(map(str, WORKERS)),
                    help="what-if worker counts")
     p.add_argument("--fraction", type=float, default=FRACTION,
