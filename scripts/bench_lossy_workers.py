@@ -1,7 +1,7 @@
-"""Omnireduce with some workers losing packets: N in-process workers, one local aggregator.
+"""Omnireduce with some workers losing packets: N in-process workers, local aggregators.
 
     .venv/bin/python scripts/bench_lossy_workers.py [--workers 8] [--drops 0,0.05,0.2]
-                                                     [--lossy 0,4] [--reps 3]
+                                                     [--lossy 0,4] [--reps 3] [--aggregators 1]
 
 Each worker submits its own 30%-dense float32 tensor (6,000 blocks of 64, own pattern); the
 workers in --lossy drop each DATA packet they send with the given probability (the engine's
@@ -40,9 +40,9 @@ def inputs(n: int) -> list[torch.Tensor]:
     return out
 
 
-def reduce_once(addr, n: int, token: int, drop: float, lossy: set[int], timeout: float,
+def reduce_once(addrs, n: int, token: int, drop: float, lossy: set[int], timeout: float,
                 ins: list[torch.Tensor], ref: np.ndarray) -> dict:
-    ws = [_C.OmniWorker([addr], token, r, n, payload_bytes=1024, slots_per_aggregator=64,
+    ws = [_C.OmniWorker(addrs, token, r, n, payload_bytes=1024, slots_per_aggregator=64,
                         seed=r + 1, timeout=timeout, drop_rate=drop if r in lossy else 0.0)
           for r in range(n)]
     try:
@@ -80,20 +80,21 @@ def main() -> None:
     ap.add_argument("--lossy", default="0,4", help="ranks that drop packets")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=20.0)
+    ap.add_argument("--aggregators", type=int, default=1, help="local aggregator processes")
     ap.add_argument("--out-dir", default="bench_results")
     args = ap.parse_args()
     n, lossy = args.workers, {int(r) for r in args.lossy.split(",")}
     ins = inputs(n)
     ref = sum(x.double().numpy() for x in ins)
-    aggs = LocalAggregators(1, n, "127.0.0.1")
+    aggs = LocalAggregators(args.aggregators, n, "127.0.0.1")
     rows, token = [], 100
     try:
         for drop in map(float, args.drops.split(",")):
             runs = []
             for rep in range(args.reps):
                 token += 1
-                runs.append(reduce_once(("127.0.0.1", aggs.ports[0]), n, token, drop, lossy,
-                                        args.timeout, ins, ref))
+                runs.append(reduce_once([("127.0.0.1", p) for p in aggs.ports], n, token, drop,
+                                        lossy, args.timeout, ins, ref))
                 print(f"drop {drop} rep {rep + 1}/{args.reps}: {runs[-1]['s']:.2f} s", flush=True)
             rows.append({"drop": drop, "median s": statistics.median(r["s"] for r in runs),
                          "runs s": " ".join(f"{r['s']:.2f}" for r in runs),
@@ -102,7 +103,8 @@ def main() -> None:
                          "timed out": sum(r["timed out"] for r in runs)})
     finally:
         aggs.stop()
-    print_table(rows, f"omnireduce, {n} workers, ranks {sorted(lossy)} lossy, "
+    print_table(rows, f"omnireduce, {n} workers, {args.aggregators} aggregator(s), ranks "
+                      f"{sorted(lossy)} lossy, "
                       f"{BLOCKS} blocks of {BS} at {DENSITY:.0%}, median of {args.reps}")
     out = Path(args.out_dir)
     write_json(out / "lossy_workers.json", rows, workers=n, lossy=sorted(lossy))

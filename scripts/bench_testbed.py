@@ -238,7 +238,7 @@ def rank_side(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
     import torch
     from _inputs import make_tensor
-    from bench_sync import Method, check, gather, slowest_median_ms, sync
+    from bench_sync import Method, check, slowest_median_ms, sync
 
     import hvd_sparse
     from hvd_sparse import _C, basics, costmodel
@@ -314,8 +314,11 @@ def rank_side(args: argparse.Namespace) -> None:
         fns = {m: fns[m] for m in args.methods}
         drows = {}
         for m, fn in list(fns.items()):
+            t0 = time.perf_counter()
             problem, _ = check(fn, ref, t, t_orig)
-            bad = gather([float(bool(problem))], "bench.ok").sum().item()
+            # every rank's problem, and when it ended: the first to fail names the cause
+            said = hvd.allgather_object((problem, time.perf_counter() - t0))
+            bad = sum(bool(p) for p, _ in said)
             drows[m] = {"density": d, "method": m, "ok": bad == 0,
                         "worker bound ms": bound_ms["worker"],
                         "bound ms": bound_ms.get(m, bound_ms["worker"])}
@@ -325,14 +328,19 @@ def rank_side(args: argparse.Namespace) -> None:
                 drows[m]["link model ms"] = link[model_of.get(m, "colocated")] * 1e3
             drows[m]["model inputs"] = inputs  # to check other models against this run
             if bad:
-                drows[m]["problem"] = problem or "wrong on another rank"
+                first = min((secs, r, p) for r, (p, secs) in enumerate(said) if p)
+                drows[m]["problem"] = f"rank {first[1]} after {first[0]:.1f} s: {first[2]}"
+                drows[m]["problems"] = {r: f"after {secs:.1f} s: {p}"
+                                        for r, (p, secs) in enumerate(said) if p}
+                if rank == 0:
+                    console.print(f"[red]{m} failed[/]: {drows[m]['problems']}")
                 del fns[m]
         times: dict[str, list[float]] = {m: [] for m in fns}
         rx: dict[str, list[dict]] = {m: [] for m in fns}
         pipeline: dict[str, list[tuple[float, int, int]]] = {m: [] for m in fns}
         retx0 = {k: s.worker.stats()["retransmits"] for k, s in sessions.items()}
         names = list(fns)
-        for i in range(args.warmup + args.reps):
+        for i in range(args.warmup + args.reps if names else 0):
             for m in names[i % len(names):] + names[:i % len(names)]:
                 fns[m].restore()
                 c0 = links.counters(tb) if rank == 0 else None
