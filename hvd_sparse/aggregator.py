@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .auth import write_secret_file
@@ -36,10 +37,11 @@ class LocalAggregators:
     parent check), so a killed rank leaves no orphans. With ``secret``, they share a fresh
     secret (``self.secret``, in a file of mode 0600 in a directory of mode 0700) and take only
     authenticated packets. ``secret`` may also be the secret itself: a job's aggregators on
-    several hosts share one (session.py, colocated layout)."""
+    several hosts share one (session.py, colocated layout). ``args``: more of the binary's
+    options (e.g. its fault injection, ``--drop-rate-out``), the same for each."""
 
     def __init__(self, count: int, workers: int, bind: str, log_dir: str | None = None,
-                 secret: bool | bytes = False) -> None:
+                 secret: bool | bytes = False, args: Sequence[str] = ()) -> None:
         self.dir = Path(log_dir or tempfile.mkdtemp(prefix="hvd_sparse_agg_"))
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
@@ -58,7 +60,8 @@ class LocalAggregators:
                 log = open(self.dir / f"agg{i}.log", "w")  # noqa: SIM115 - lives with the process
                 self.procs.append(subprocess.Popen(
                     [str(binary()), "--bind", f"{bind}:0", "--workers", str(workers),
-                     "--parent-pid", str(os.getpid()), "--port-file", str(port_file), *extra],
+                     "--parent-pid", str(os.getpid()), "--port-file", str(port_file), *extra,
+                     *args],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
                 self.ports.append(self._wait_port(port_file, self.procs[-1], i))
         except BaseException:

@@ -2,13 +2,16 @@
 
     .venv/bin/python scripts/bench_lossy_workers.py [--workers 8] [--drops 0,0.05,0.2]
                                                      [--lossy 0,4] [--reps 3] [--aggregators 1]
+                                                     [--result-drop 0]
 
 Each worker submits its own 30%-dense float32 tensor (6,000 blocks of 64, own pattern); the
 workers in --lossy drop each DATA packet they send with the given probability (the engine's
 ``drop_rate``), the others lose nothing. Loss makes the workers' windows differ, which is what
 left rounds of a slot unanswered for the whole timeout when the window gated every round
-(csrc/omni/worker/engine.h). Per drop rate: time of each reduction (all workers done), the
-retransmissions and window cuts summed over workers, and whether it timed out (--timeout s).
+(csrc/omni/worker/engine.h). --result-drop: the aggregators drop that share of the RESULTs
+they send (their --drop-rate-out), as a busy link to the workers does. Per drop rate: time of
+each reduction (all workers done), the retransmissions and window cuts summed over workers, and
+whether it timed out (--timeout s).
 Every result is checked against the float64 sum. Writes <out-dir>/lossy_workers.{json,png}.
 """
 from __future__ import annotations
@@ -81,12 +84,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--aggregators", type=int, default=1, help="local aggregator processes")
+    ap.add_argument("--result-drop", type=float, default=0.0,
+                    help="share of RESULTs the aggregators drop")
     ap.add_argument("--out-dir", default="bench_results")
     args = ap.parse_args()
-    n, lossy = args.workers, {int(r) for r in args.lossy.split(",")}
+    n, lossy = args.workers, {int(r) for r in args.lossy.split(",") if r}
     ins = inputs(n)
     ref = sum(x.double().numpy() for x in ins)
-    aggs = LocalAggregators(args.aggregators, n, "127.0.0.1")
+    aggs = LocalAggregators(args.aggregators, n, "127.0.0.1",
+                            args=["--drop-rate-out", str(args.result_drop)])
     rows, token = [], 100
     try:
         for drop in map(float, args.drops.split(",")):
@@ -103,8 +109,8 @@ def main() -> None:
                          "timed out": sum(r["timed out"] for r in runs)})
     finally:
         aggs.stop()
-    print_table(rows, f"omnireduce, {n} workers, {args.aggregators} aggregator(s), ranks "
-                      f"{sorted(lossy)} lossy, "
+    print_table(rows, f"omnireduce, {n} workers, {args.aggregators} aggregator(s) dropping "
+                      f"{args.result_drop:g} of RESULTs, ranks {sorted(lossy)} lossy, "
                       f"{BLOCKS} blocks of {BS} at {DENSITY:.0%}, median of {args.reps}")
     out = Path(args.out_dir)
     write_json(out / "lossy_workers.json", rows, workers=n, lossy=sorted(lossy))

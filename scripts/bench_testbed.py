@@ -316,6 +316,11 @@ def rank_side(args: argparse.Namespace) -> None:
         for m, fn in list(fns.items()):
             t0 = time.perf_counter()
             problem, _ = check(fn, ref, t, t_orig)
+            if problem and m in sessions:  # what this rank's worker dropped, and why
+                ws = sessions[m].worker.stats()
+                problem += " [worker: " + ", ".join(
+                    f"{k} {ws[k]}" for k in ("retransmits", "malformed", "stale", "foreign",
+                                             "bad_mac", "replayed", "rx_packets")) + "]"
             # every rank's problem, and when it ended: the first to fail names the cause
             said = hvd.allgather_object((problem, time.perf_counter() - t0))
             bad = sum(bool(p) for p, _ in said)
