@@ -204,7 +204,10 @@ def test_colocated_under_horovod(testbed: topology.Testbed, tmp_path: Path) -> N
     # colocated: every host link about alike; rank0: w0's carries its peers' traffic both ways
     assert max(coloc.values()) < 1.25 * min(coloc.values()), coloc
     assert rank0["w0"] > 1.6 * max(rank0["w1"], rank0["w2"]), rank0
-    assert rank0["w0"] > 1.3 * coloc["w0"], (rank0, coloc)
+    # 6 ranks on 3 hosts, c blocks each, union u: all on w0, its link carries 4 (c + u); a
+    # colocated host's 8 (c + u) / 3, so 1.5x (measured 1.42-1.45; retransmissions in the
+    # colocated half once added 11% to it, leaving 1.28x)
+    assert rank0["w0"] > 1.2 * coloc["w0"], (rank0, coloc)
 
 
 def test_colocated_under_torch_distributed(testbed: topology.Testbed, tmp_path: Path) -> None:
