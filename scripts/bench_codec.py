@@ -65,7 +65,6 @@ def size_label(n: int) -> str:
     return f"{n // MI}M" if n % MI == 0 else f"{n:,}"
 
 
-
 def torch_mask(t: torch.Tensor, block: int) -> torch.Tensor:
     return (torch_blocks(t, block) != 0).any(1)
 

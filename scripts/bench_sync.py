@@ -144,7 +144,6 @@ def gather(xs: list[float], name: str) -> torch.Tensor:
     return hvd.allgather(torch.tensor([xs], dtype=torch.float64), name=name)
 
 
-
 @dataclass
 class Method:
     call: Callable[[], torch.Tensor]

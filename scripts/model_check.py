@@ -31,6 +31,7 @@ sys.path[:0] = [str(ROOT / "scripts")]  # _report; hvd_sparse is installed (make
 from _report import console, print_table, save_png, write_json  # noqa: E402
 
 from hvd_sparse import costmodel  # noqa: E402
+from hvd_sparse.tools.analyze import net_model  # noqa: E402
 
 # bench_testbed's methods the model covers: (scheme, aggregator hosts: None = the testbed's)
 METHODS = {"hvd dense": ("dense", None), "allgather": ("allgather", None), "zen": ("zen", None),
@@ -59,9 +60,7 @@ def points(paths: list[Path]) -> list[dict]:
 def predict(p: dict, efficiency: tuple[float, float] = (costmodel.COLLECTIVE_EFFICIENCY,
                                                         costmodel.AGGREGATION_EFFICIENCY)) -> float:
     """The what-if's seconds for point ``p``."""
-    fields = {f for f in costmodel.NetModel.__dataclass_fields__}
-    base = costmodel.NetModel(**{k: tuple(v) if isinstance(v, list) else v
-                                 for k, v in p["net"].items() if k in fields})
+    base = net_model(p["net"])
     net = costmodel.NetModel.for_link(p["rate_bps"], p["workers"], base, p["aggregator_hosts"],
                                       efficiency=efficiency)
     return costmodel.predict(net, p["numel"], 4, 256, p["nnz"], p["union"]).seconds[p["scheme"]]
@@ -140,9 +139,7 @@ def extrapolate(ps: list[dict]) -> list[dict]:
     """Predicted ms per scheme at the what-if's scale, from the smallest run's probe (its
     CPU rates the least shared: fewest ranks on the machine's cores)."""
     src = min(ps, key=lambda p: p["workers"])
-    fields = {f for f in costmodel.NetModel.__dataclass_fields__}
-    base = costmodel.NetModel(**{k: tuple(v) if isinstance(v, list) else v
-                                 for k, v in src["net"].items() if k in fields})
+    base = net_model(src["net"])
     nblocks = src["numel"] // 256
     rows = []
     for d in sorted({p["density"] for p in ps}, reverse=True):

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from hvd_sparse import costmodel
+from hvd_sparse.tools.analyze import net_model
 
 NUMEL, BS = 26_214_400, 256
 NBLOCKS = NUMEL // BS
@@ -63,10 +64,7 @@ def test_link_model_predicts_recorded_runs_on_emulated_hosts():
     assert {p["scheme"] for p in points} == {"dense", "allgather", "zen", "omnireduce"}
     errors = []
     for p in points:
-        fields = costmodel.NetModel.__dataclass_fields__
-        base = costmodel.NetModel(**{k: tuple(v) if isinstance(v, list) else v
-                                     for k, v in p["net"].items() if k in fields})
-        net = costmodel.NetModel.for_link(p["rate_bps"], p["workers"], base,
+        net = costmodel.NetModel.for_link(p["rate_bps"], p["workers"], net_model(p["net"]),
                                           p["aggregator_hosts"])
         got = costmodel.predict(net, p["numel"], 4, BS, p["nnz"], p["union"]).seconds
         errors.append(got[p["scheme"]] / p["measured_s"] - 1)
