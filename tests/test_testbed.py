@@ -69,6 +69,12 @@ def testbed():
 
 
 def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
+    # The aggregator: out of the caller's process group (Ctrl-C spares it) but in its session,
+    # whose scheduling group the ranks share (in a session of its own, 16 ranks' load once
+    # starved it for up to 80 s: launch.py).
+    agg = testbed.pids[testbed.aggregator_hosts[0].name]
+    assert os.getpgid(agg) == agg != os.getpgid(0)
+    assert os.getsid(agg) == os.getsid(0)
     before = links.counters(testbed)
     t0 = time.monotonic()
     outcome = run_job(testbed, "test_testbed_job.py", tmp_path, timeout=240)

@@ -34,6 +34,14 @@ from .topology import AGGREGATOR_PORT, Testbed
 # from 1 MiB, algorithm 3 (ring).
 RULES = Path(__file__).with_name("collectives.rules")
 
+# The aggregators and the switch run in a process group of their own, so that neither Ctrl-C
+# nor the end of `testbed up` stops them (`down` does), but in the caller's session: with the
+# kernel's autogroups (sched_autogroup_enabled) a session of their own is a scheduling group
+# of their own, and under 16 ranks' load (2 cores, load ~40) this kernel left such a group's
+# woken aggregator runnable and unscheduled for up to 80 s, every time, which the workers saw
+# as an aggregator that stopped answering (docs/SCALE.md). In the session that also starts the
+# ranks (a shell, a script) it shares their group and gets its turn like any of them.
+
 
 def start_aggregators(tb: Testbed) -> None:
     """Starts `hvd-sparse aggregator` on every aggregator host; they run until `down`."""
@@ -57,7 +65,7 @@ def start_aggregators(tb: Testbed) -> None:
             p = subprocess.Popen(
                 cpu.wrap(tb, h.name, ["ip", "netns", "exec", h.ns, *cmd]),
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)  # outlives `testbed up`; `down` kills it
+                process_group=0)  # the caller's session: see above
         tb.pids[h.name] = p.pid
         deadline = time.monotonic() + 20
         while not port_file.exists():
@@ -87,7 +95,7 @@ def start_switch(tb: Testbed) -> None:
         # its own group, with no quota: it stands for switch hardware, but its CPU is counted
         p = subprocess.Popen(cpu.wrap(tb, cpu.SWITCH, ["ip", "netns", "exec", tb.switch_ns, *cmd]),
                              stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+                             process_group=0)  # the caller's session: see above
     tb.pids["switch"] = p.pid
     try:
         control.wait_ready(p, ready, log)
