@@ -39,6 +39,15 @@ _SWITCH_SLOT = protocol.SWITCH_CELLS_PER_SLOT * protocol.SWITCH_VALUES_PER_PASS 
 SWITCH_LAYOUT = (_SWITCH_SLOT, min(protocol.SWITCH_CELLS // protocol.SWITCH_CELLS_PER_SLOT // 4,
                                    Config.slots * max(1, Config.payload_bytes // _SWITCH_SLOT)))
 SEGMENT = SEGMENT_HEADER_BYTES + 8  # a segment's header, and its index list's alignment
+
+
+def switch_block(bs: int, layout: tuple[int, int]) -> int:
+    """Elements per block the switch sums a tensor of ``bs``-blocks at: halved until a block's
+    int32 values fit one packet (``layout``'s payload, what one slot holds; one pass of 64 by
+    default), as the switch scheme does."""
+    while bs > 1 and bs * 4 > layout[0]:
+        bs //= 2
+    return bs
 MARGIN = 0.8  # a sparse scheme must be predicted this much faster than dense
 # ... and receive at most this share of dense's bytes. The probe's small collectives miss the
 # host work that grows with volume (fresh receive buffers, copies, decode): in bench_sync at
@@ -185,23 +194,25 @@ def probe(comm: Collectives, omni: Callable[[int], float] | None = None,
         model.omnireduce = _fit_aggregation(omni, layout, (small, big), 2 * n)
         model.omni_layout = layout
     if switch is not None:
-        model.switch = _fit_aggregation(switch, switch_layout, (small, big), 2)
+        model.switch = _fit_aggregation(switch, switch_layout, (small, big), 2,
+                                        switch_block(256, switch_layout))
         model.switch_layout = switch_layout
     return model
 
 
 def _fit_aggregation(timed: Callable[[int, float], float], layout: tuple[int, int],
-                     sizes: tuple[int, int], copies: int) -> tuple[float, ...]:
+                     sizes: tuple[int, int], copies: int, bs: int = 256) -> tuple[float, ...]:
     """t = latency * rounds + packet * slots * rounds + byte * bytes, from aggregations timed
     at two sizes dense and one sparse (dense probes alone cannot tell packets from bytes, both
-    grow together). ``copies``: how many times a block crosses the link the bytes are on."""
+    grow together), in float32 blocks of ``bs``. ``copies``: how many times a block crosses the
+    link the bytes are on."""
     points = []
     for k, density in ((sizes[0], 1.0), (sizes[1], 1.0), (sizes[1], 1 / 32)):
-        nblocks = k // 256
+        nblocks = k // bs
         nnz = max(1, round(density * nblocks))
-        rounds = omni_rounds(nblocks, nnz, layout)
-        points.append(((rounds, omni_slots(nblocks, layout) * rounds, copies * nnz * 1024),
-                       timed(k, density)))
+        rounds = omni_rounds(nblocks, nnz, layout, 4, bs)
+        points.append(((rounds, omni_slots(nblocks, layout, 4, bs) * rounds,
+                        copies * nnz * bs * 4), timed(k, density)))
     return _fit_nonnegative(points)
 
 
@@ -365,16 +376,20 @@ def predict(
         p.seconds["omnireduce"] = local + latency * rounds + packet * packets + per_byte * through
         p.received["omnireduce"] = union * block
     if m.switch is not None:
-        # FIXED32 on the wire. Each worker link carries its own blocks in and the union out;
-        # the scale costs one tiny allreduce first.
-        wire = bs * 4 + packet_overhead(m.switch_layout, nblocks, 4, bs)
-        busiest = max(max(nnz, default=0), union) * wire
-        rounds = omni_rounds(nblocks, union, m.switch_layout, 4, bs)
-        packets = omni_slots(nblocks, m.switch_layout, 4, bs) * rounds
+        # FIXED32 on the wire, in the switch's finer blocks (each non-zero block counted as
+        # that many non-zero finer ones). Each worker link carries its own blocks in and the
+        # union out; the scale costs one tiny allreduce first.
+        sb = switch_block(bs, m.switch_layout)
+        finer, snblocks = bs // sb, max(1, blocks.num_blocks(numel, sb))
+        sunion = min(float(snblocks), union * finer)
+        wire = sb * 4 + packet_overhead(m.switch_layout, snblocks, 4, sb)
+        busiest = max(max(nnz, default=0) * finer, sunion) * wire
+        rounds = omni_rounds(snblocks, sunion, m.switch_layout, 4, sb)
+        packets = omni_slots(snblocks, m.switch_layout, 4, sb) * rounds
         latency, packet, per_byte = m.switch
         p.seconds["switch"] = (local + m.allreduce[0] + latency * rounds + packet * packets
                                + per_byte * busiest)
-        p.received["switch"] = union * bs * 4
+        p.received["switch"] = sunion * sb * 4
     return p
 
 

@@ -112,8 +112,10 @@ class Session:
 
     def probe_time(self, numel: int, density: float = 1.0, reps: int = 3) -> float:
         """Median seconds of aggregating a float32 tensor with ``density`` of its 256-blocks
-        non-zero, the same blocks on every rank (collective)."""
-        x, times = torch.zeros(numel // 256, 256), []
+        (a switch: blocks that fit its packets, costmodel.switch_block) non-zero, the same
+        blocks on every rank (collective)."""
+        bs = costmodel.switch_block(256, self.layout()) if self.switch else 256
+        x, times = torch.zeros(numel // bs, bs), []
         g = torch.Generator().manual_seed(0)
         x[torch.randperm(x.shape[0], generator=g)[:max(1, round(density * x.shape[0]))]] = 1
         x = x.view(-1)
@@ -121,7 +123,7 @@ class Session:
             out = torch.zeros_like(x)  # only the union's blocks are written
             t0 = time.perf_counter()
             ticket = self.worker.submit(
-                self.tensor_id(f"hvd_sparse.probe.omni{numel}.{density}"), x, out, 256, 0, None,
+                self.tensor_id(f"hvd_sparse.probe.omni{numel}.{density}"), x, out, bs, 0, None,
                 "probe", 1.0, exponent(1.0, self.size) if self.switch else None)
             self.worker.wait(ticket, self.cfg.timeout)
             self.worker.finish(ticket)

@@ -52,6 +52,29 @@ def test_switch_sends_each_link_its_own_blocks_and_the_union_once():
                                              union).seconds
 
 
+def test_switch_is_costed_in_blocks_that_fit_its_packets():
+    """A switch that sums one pass of 64 int32 per packet (its default program) takes 256-blocks
+    as 64-blocks, as the switch scheme splits them: the model counts 4x the blocks, each with
+    its own lane entry and share of the header, and the probe times blocks of that size."""
+    assert costmodel.switch_block(256, costmodel.SWITCH_LAYOUT) == 64
+    assert costmodel.switch_block(256, (8192, 64)) == 256
+    assert costmodel.switch_block(256, (100, 64)) == 16  # 64 B would not fit 100: 16 x 4 B
+    base = costmodel.NetModel.default(layout=(64512, 64), switch_layout=costmodel.SWITCH_LAYOUT)
+    m = costmodel.NetModel.for_link(1e9, 4, base, aggregators=1)
+    nnz = [round(0.1 * NBLOCKS)] * 4
+    union = 0.344 * NBLOCKS
+    p = costmodel.predict(m, NUMEL, 4, BS, nnz, union)
+    assert p.received["switch"] == union * BS * 4  # the same values, in 4x the blocks
+    # exactly the cost of the same tensor given in 64-blocks, each 256-block four of them
+    fine = costmodel.predict(m, NUMEL, 4, 64, [4 * c for c in nnz], 4 * union)
+    assert math.isclose(p.seconds["switch"], fine.seconds["switch"], rel_tol=1e-12)
+    # more packets for the same bytes than 256-blocks in 8 KiB packets
+    wide = costmodel.NetModel.for_link(1e9, 4, costmodel.NetModel.default(
+        layout=(64512, 64), switch_layout=(8192, 64)), aggregators=1)
+    assert costmodel.predict(wide, NUMEL, 4, BS, nnz, union).seconds["switch"] < p.seconds[
+        "switch"]
+
+
 def test_link_model_predicts_recorded_runs_on_emulated_hosts():
     """The what-if model (for_link, as `hvd-sparse analyze` uses it) against runs recorded on
     the testbed (scripts/bench_testbed.py at 4 and 8 workers, 100 Mbit/s, 10% and 1%;

@@ -162,6 +162,23 @@ def refused() -> str:
     return "; ".join(bad)
 
 
+def probed(cache: str) -> str:
+    """A fresh probe with the switch joined times it in blocks that fit its one-pass packets (a
+    256-block does not: init once failed with the switch's UNSUPPORTED), fits its terms, and
+    a reduction through the switch after it sums as Horovod does."""
+    hvd_sparse.init(probe="force", timeout=20.0, cache_dir=cache)
+    try:
+        net = hvd_sparse.basics.state().net
+        bad = [] if net.switch is not None and net.source == "probe" else [f"model: {net}"]
+        t = data(60, torch.float32, 0.05)
+        ref = hvd.allreduce(t.double(), name="ref.probed", op=hvd.Sum)
+        out = hvd_sparse.allreduce(t, name="sw.probed", scheme="switch", op=hvd.Sum)
+        bad += [w for w in (bounded(out, ref, t), went_through_switch("sw.probed")) if w]
+        return "; ".join(bad)
+    finally:
+        hvd_sparse.init(probe="off", timeout=20.0)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def hvd_sparse_started():
     start(probe="off", timeout=20.0)
@@ -187,3 +204,7 @@ def test_falls_back():
 
 def test_refused():
     assert refused() == ""
+
+
+def test_probe_times_the_switch(tmp_path):
+    assert probed(str(tmp_path)) == ""
