@@ -39,15 +39,6 @@ _SWITCH_SLOT = protocol.SWITCH_CELLS_PER_SLOT * protocol.SWITCH_VALUES_PER_PASS 
 SWITCH_LAYOUT = (_SWITCH_SLOT, min(protocol.SWITCH_CELLS // protocol.SWITCH_CELLS_PER_SLOT // 4,
                                    Config.slots * max(1, Config.payload_bytes // _SWITCH_SLOT)))
 SEGMENT = SEGMENT_HEADER_BYTES + 8  # a segment's header, and its index list's alignment
-
-
-def switch_block(bs: int, layout: tuple[int, int]) -> int:
-    """Elements per block the switch sums a tensor of ``bs``-blocks at: halved until a block's
-    int32 values fit one packet (``layout``'s payload, what one slot holds; one pass of 64 by
-    default), as the switch scheme does."""
-    while bs > 1 and bs * 4 > layout[0]:
-        bs //= 2
-    return bs
 MARGIN = 0.8  # a sparse scheme must be predicted this much faster than dense
 # ... and receive at most this share of dense's bytes. The probe's small collectives miss the
 # host work that grows with volume (fresh receive buffers, copies, decode): in bench_sync at
@@ -61,6 +52,15 @@ CACHE_MAX_AGE = 24 * 3600
 # (docs/SCALE.md, "The model at scale").
 COLLECTIVE_EFFICIENCY = 0.9
 AGGREGATION_EFFICIENCY = 0.95
+
+
+def switch_block(bs: int, layout: tuple[int, int]) -> int:
+    """Elements per block the switch sums a tensor of ``bs``-blocks at: halved until a block's
+    int32 values fit one packet (``layout``'s payload, what one slot holds; one pass of 64 by
+    default), as the switch scheme does."""
+    while bs > 1 and bs * 4 > layout[0]:
+        bs //= 2
+    return bs
 
 
 @dataclass

@@ -58,7 +58,7 @@ def test_switch_is_costed_in_blocks_that_fit_its_packets():
     its own lane entry and share of the header, and the probe times blocks of that size."""
     assert costmodel.switch_block(256, costmodel.SWITCH_LAYOUT) == 64
     assert costmodel.switch_block(256, (8192, 64)) == 256
-    assert costmodel.switch_block(256, (100, 64)) == 16  # 64 B would not fit 100: 16 x 4 B
+    assert costmodel.switch_block(256, (100, 64)) == 16  # 100 B of payload: 16 int32 fit, 32 do not
     base = costmodel.NetModel.default(layout=(64512, 64), switch_layout=costmodel.SWITCH_LAYOUT)
     m = costmodel.NetModel.for_link(1e9, 4, base, aggregators=1)
     nnz = [round(0.1 * NBLOCKS)] * 4
