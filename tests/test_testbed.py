@@ -160,10 +160,19 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "hvd_sparse.tools.cli", "testbed"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
+        # up from a session of its own (another terminal, say): its aggregator stays there
         up = subprocess.run([*cli, "up", "--name", name, "--workers", "2", "--aggregators", "1",
                              "--rate", "100mbit"], capture_output=True, text=True, env=env,
-                            timeout=120)
+                            timeout=120, start_new_session=True)
         assert up.returncode == 0, up.stderr
+        # ... and `run` from this one says that the aggregator may starve (launch.py)
+        run = subprocess.run([*cli, "run", "--name", name, "--", "true"], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert run.returncode == 0, run.stderr
+        autogroups = Path("/proc/sys/kernel/sched_autogroup_enabled")
+        warned = "a0 run in another session" in run.stderr
+        assert warned == (autogroups.exists() and autogroups.read_text().strip() == "1"), \
+            run.stderr
         again = subprocess.run([*cli, "up", "--name", name], capture_output=True, text=True,
                                env=env, timeout=60)
         assert again.returncode == 1 and "already up" in again.stderr

@@ -43,6 +43,26 @@ RULES = Path(__file__).with_name("collectives.rules")
 # ranks (a shell, a script) it shares their group and gets its turn like any of them.
 
 
+def elsewhere(tb: Testbed) -> list[str]:
+    """The testbed's processes (aggregators, switch) in another session than this one while
+    autogroups are on and no CPU budgets apply (a budget's group replaces the autogroup): `up`
+    and `run` from two terminals. Under load those may starve (see above)."""
+    try:
+        on = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        on = False
+    if not on or tb.cpu_per_host:
+        return []
+    out = []
+    for name, pid in sorted(tb.pids.items()):
+        try:
+            if os.getsid(pid) != os.getsid(0):
+                out.append(name)
+        except OSError:  # gone: `status` says so
+            pass
+    return out
+
+
 def start_aggregators(tb: Testbed) -> None:
     """Starts `hvd-sparse aggregator` on every aggregator host; they run until `down`."""
     tb.log_dir().mkdir(parents=True, exist_ok=True)
@@ -262,6 +282,11 @@ def run(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
         raise ValueError(f"testbed run: launcher must be one of {LAUNCHERS}, got {launcher!r}")
     if per_host < 1:
         raise ValueError(f"testbed run: ranks per host must be >= 1, got {per_host}")
+    if apart := elsewhere(tb):
+        print(f"testbed {tb.name}: warning: {', '.join(apart)} run in another session than "
+              "this command, so in a scheduling group of their own (the kernel's autogroups), "
+              "which heavy load can starve for seconds (docs/SCALE.md); start `testbed up` and "
+              "`testbed run` from one shell or script", file=sys.stderr)
     if launcher == "torch":
         return _run_torch(tb, cmd, env, timeout, capture, per_host)
     fwd = PmixForwarder([h.ns for h in tb.worker_hosts])
