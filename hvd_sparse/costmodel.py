@@ -57,7 +57,7 @@ AGGREGATION_EFFICIENCY = 0.95
 def switch_block(bs: int, layout: tuple[int, int]) -> int:
     """Elements per block the switch sums a tensor of ``bs``-blocks at: halved until a block's
     int32 values fit one packet (``layout``'s payload, what one slot holds; one pass of 64 by
-    default), as the switch scheme does."""
+    default): Session.switch_block's rule for a slot of one pass, all the model knows of it."""
     while bs > 1 and bs * 4 > layout[0]:
         bs //= 2
     return bs

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import random
 import socket
@@ -99,6 +100,15 @@ class Session:
         """(payload bytes per packet, slots over all aggregators): what sets a tensor's rounds."""
         return self.payload, self.worker.slots_per_aggregator() * len(self.addrs)
 
+    def switch_block(self, bs: int) -> int:
+        """``bs`` halved until a packet's values (int32) fit one slot's cells, a pass per
+        `values` of a lane: the switch's geometry, from its REGACK (unchanged without one)."""
+        values, cells = self.worker.slot_geometry()
+        while values and bs > 1 and (protocol.layout(1, bs, 4, self.payload, 1)[0]
+                                     * math.ceil(bs / values) > cells):
+            bs //= 2
+        return bs
+
     def link_hosts(self) -> int:
         """The hosts whose links carry the aggregation (costmodel.aggregation_link_blocks):
         the configured aggregators' hosts, 1 for rank 0's, 0 for a shard on every worker host."""
@@ -112,9 +122,9 @@ class Session:
 
     def probe_time(self, numel: int, density: float = 1.0, reps: int = 3) -> float:
         """Median seconds of aggregating a float32 tensor with ``density`` of its 256-blocks
-        (a switch: blocks that fit its packets, costmodel.switch_block) non-zero, the same
-        blocks on every rank (collective)."""
-        bs = costmodel.switch_block(256, self.layout()) if self.switch else 256
+        (a switch: the blocks its scheme would send, `switch_block`) non-zero, the same blocks
+        on every rank (collective)."""
+        bs = self.switch_block(256)
         x, times = torch.zeros(numel // bs, bs), []
         g = torch.Generator().manual_seed(0)
         x[torch.randperm(x.shape[0], generator=g)[:max(1, round(density * x.shape[0]))]] = 1

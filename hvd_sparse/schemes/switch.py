@@ -17,11 +17,9 @@ with the reason logged and in the tensor's metrics ("reason").
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
-from .. import protocol
 from ..engine import Stage
 from ..job import Job
 from ..session import Session
@@ -56,24 +54,13 @@ def unsupported(job: Job, session: Session | None) -> str:
     return ""
 
 
-def block_size(job: Job, session: Session) -> int:
-    """The job's block size, halved until a packet's values (int32) fit one slot's cells, a
-    pass per `values` of a lane: the switch's geometry, from its REGACK."""
-    values, cells = session.worker.slot_geometry()
-    bs = job.block_size
-    while values and bs > 1 and (protocol.layout(1, bs, 4, session.payload, 1)[0]
-                                 * math.ceil(bs / values) > cells):
-        bs //= 2
-    return bs
-
-
 def run(job: Job) -> Stage:
     session = job.ctx.switch
     why = unsupported(job, session)
     if why:
         return (yield from elsewhere(job, why))
     assert session is not None and session.turns is not None
-    if (bs := block_size(job, session)) != job.block_size:  # the mask again, at the finer size
+    if (bs := session.switch_block(job.block_size)) != job.block_size:  # the mask again, finer
         job.block_size, job.mask, job.stats.nnz_local = bs, None, None
     turns = session.turns
     exponent, (number,) = yield from agree(

@@ -53,10 +53,10 @@ def elsewhere(tb: Testbed) -> list[str]:
         on = False
     if not on or tb.cpu_per_host:
         return []
-    out = []
+    mine, out = os.getsid(0), []
     for name, pid in sorted(tb.pids.items()):
         try:
-            if os.getsid(pid) != os.getsid(0):
+            if os.getsid(pid) != mine:
                 out.append(name)
         except OSError:  # gone: `status` says so
             pass
