@@ -6,7 +6,9 @@ runs the C++ aggregator (csrc/omni/aggregator/, built by setup.py as a torch-fre
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,6 +19,7 @@ from pathlib import Path
 from .auth import write_secret_file
 from .errors import HvdSparseError
 
+log = logging.getLogger("hvd_sparse")
 BINARY = Path(__file__).resolve().parent / "bin" / "hvd-sparse-aggregator"
 
 
@@ -38,11 +41,14 @@ class LocalAggregators:
     secret (``self.secret``, in a file of mode 0600 in a directory of mode 0700) and take only
     authenticated packets. ``secret`` may also be the secret itself: a job's aggregators on
     several hosts share one (session.py, colocated layout). ``args``: more of the binary's
-    options (e.g. its fault injection, ``--drop-rate-out``), the same for each."""
+    options (e.g. its fault injection, ``--drop-rate-out``), the same for each. A directory
+    of their own (no ``log_dir``) goes when they stop, unless one of them had exited with an
+    error: then only the secret goes, and a warning names the directory with their logs."""
 
     def __init__(self, count: int, workers: int, bind: str, log_dir: str | None = None,
                  secret: bool | bytes = False, args: Sequence[str] = ()) -> None:
         self.dir = Path(log_dir or tempfile.mkdtemp(prefix="hvd_sparse_agg_"))
+        self._own_dir = log_dir is None
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         self.secret = b""
@@ -81,6 +87,7 @@ class LocalAggregators:
         raise HvdSparseError(f"hvd_sparse: local aggregator {i} did not start: {log}")
 
     def stop(self) -> None:
+        failed = [i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -90,6 +97,14 @@ class LocalAggregators:
             except subprocess.TimeoutExpired:
                 p.kill()
         self.procs.clear()
+        if self._own_dir:
+            self._own_dir = False  # stop runs again at exit
+            if failed:
+                (self.dir / "secret").unlink(missing_ok=True)
+                log.warning("hvd_sparse: local aggregator(s) %s had exited with an error; "
+                            "their logs: %s", failed, self.dir)
+            else:
+                shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -88,3 +88,28 @@ def process_alive(pid: int) -> bool:
             return not any(line.startswith("State:") and "Z" in line for line in f)
     except FileNotFoundError:
         return False
+
+
+def test_local_aggregators_leave_no_directory_behind(caplog):
+    """A job's local aggregators keep their port files, logs and secret in a directory of their
+    own: it goes when they stop; when one had died, only its secret goes, and the warning names
+    the directory with the logs."""
+    clean = aggregator.LocalAggregators(2, 1, "127.0.0.1", secret=True)
+    assert (clean.dir / "secret").exists() and len(clean.ports) == 2
+    clean.stop()
+    assert not clean.dir.exists()
+
+    died = aggregator.LocalAggregators(2, 1, "127.0.0.1", secret=True)
+    try:
+        died.procs[1].kill()
+        died.procs[1].wait(timeout=10)
+        died.stop()
+        assert (died.dir / "agg1.log").exists() and not (died.dir / "secret").exists()
+        assert str(died.dir) in caplog.text and "[1]" in caplog.text
+        died.stop()  # again, as at exit: the logs stay
+        assert (died.dir / "agg1.log").exists()
+    finally:
+        died.stop()
+        for f in died.dir.glob("*"):
+            f.unlink()
+        died.dir.rmdir()
