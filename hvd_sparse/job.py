@@ -24,6 +24,7 @@ class RowsPlan:
     union: int = 0  # rows in the last result
     seconds: dict[str, float] = field(default_factory=dict)  # this rank's, by way
     aggregate: bool = False  # the choice the ranks agreed on at the last trial
+    decided: dict[str, float] = field(default_factory=dict)  # that trial's slowest-rank times
     trying: bool = False  # this call is one of a trial's
 
 

@@ -113,6 +113,7 @@ def _way(job: Job, plan: RowsPlan, vals: torch.Tensor) -> Generator[Any, Any, st
         mine = [plan.seconds.get(w, math.inf) for w in ("allgather", "omnireduce")]
         slowest = yield "trial", job.comm.allreduce(torch.tensor(mine, dtype=torch.float64),
                                                    job.op_name("trial"), "max")
+        plan.decided = {"allgather": float(slowest[0]), "omnireduce": float(slowest[1])}
         plan.aggregate = bool(slowest[1] < MARGIN * slowest[0])
     return "omnireduce" if plan.aggregate else "allgather"
 

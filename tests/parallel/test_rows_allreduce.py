@@ -14,7 +14,7 @@ from ranktools import close_to, start
 from torch import nn
 
 import hvd_sparse
-from hvd_sparse import HvdSparseError
+from hvd_sparse import HvdSparseError, basics
 
 LAUNCHES = [Launch(np=4, timeout=300)]
 ROWS = 5000
@@ -124,6 +124,24 @@ def test_hybrid_3d_aggregated():
     g = torch.Generator().manual_seed(200 + hvd.rank())
     t = torch.randn(50, 3, 2, generator=g).to_sparse(sparse_dim=1) * (hvd.rank() + 1)
     assert check(t, "agg.hybrid", hvd.Sum, scheme="omnireduce") == ""
+
+
+def test_auto_times_both_ways_then_every_rank_takes_one():
+    """scheme="auto": two calls each way, then every rank takes the way the slowest rank's best
+    times favour (aggregation only when 10% faster), and keeps it; every sum right."""
+    ran = []
+    for step in range(7):
+        t = embedding_grad(step, torch.float32, dim=64)
+        ref = hvd.allreduce(t.to_dense().double(), name=f"ref.auto.{step}", op=hvd.Sum)
+        out = hvd_sparse.allreduce(t, name="rows.auto", op=hvd.Sum, scheme="auto")
+        assert close_to(out.to_dense(), ref, torch.float32) == ""
+        ran.append(hvd_sparse.metrics()["rows.auto"]["scheme"])
+    decided = hvd.allgather_object(basics.state().context.rows_plans["rows.auto"].decided)
+    assert all(d == decided[0] for d in decided) and set(decided[0]) == {"allgather",
+                                                                         "omnireduce"}
+    assert ran[:4] == ["rows", "rows+omnireduce"] * 2, ran
+    faster = decided[0]["omnireduce"] < 0.9 * decided[0]["allgather"]
+    assert ran[4:] == ["rows+omnireduce" if faster else "rows"] * 3, (ran, decided[0])
 
 
 @pytest.mark.parametrize("scheme", [None, "omnireduce"])
