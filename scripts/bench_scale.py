@@ -114,14 +114,17 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         base = by.get((r["workers"], r["ids"], "rows allgather"), {})
         r["x vs rows allgather"] = base.get("ms", nan) / r.get("ms", nan)
     cols = ["workers", "ids", "method", "ms", "x vs rows allgather", "bound ms", "x of bound",
-            "worker rx MB", "util %", "rows/rank", "union", "scheme", "retransmits", "ok"]
+            "worker rx MB", "util %", "rows/rank", "union", "scheme", "trial ms", "retransmits",
+            "ok"]
     print_table(rows, f"sum of one {args.rows:,} x {args.dim} embedding gradient, "
                 f"{args.lookups:,} lookups per rank, {args.rate} links, median of {args.reps} "
                 "(slowest rank)", cols,
                 caption="bound: the distinct rows non-zero on some other rank, for the worker "
                 "that must receive most, over the link rate. worker rx MB: the most any worker "
                 "received per call (eth0). util: that worker's received bits / time / rate. "
-                "rows/rank: mean distinct rows per rank; union: distinct rows over all ranks.")
+                "rows/rank: mean distinct rows per rank; union: distinct rows over all ranks. "
+                "trial ms: auto's last trial, allgather / aggregated (the slowest rank's best "
+                "of two calls each).")
     out = write_json(args.out_dir / "scale.json", rows, args=vars(args))
     plot(rows, args, args.out_dir / "scale.png")
     console.print(f"wrote {out} and {args.out_dir / 'scale.png'}")
@@ -181,8 +184,9 @@ def rank_side(args: argparse.Namespace) -> None:
         vals = torch.randn(args.lookups, args.dim, generator=gen)
         return torch.sparse_coo_tensor(lookups[None], vals, (args.rows, args.dim))
 
-    def ours(m: str, g: torch.Tensor) -> torch.Tensor:
-        name = f"bench.{m.replace(' ', '.')}"
+    def ours(m: str, g: torch.Tensor, ids: str) -> torch.Tensor:
+        # a name per pattern: auto's trial is per tensor name, and must not carry over
+        name = f"bench.{m.replace(' ', '.')}.{ids}"
         if m == "auto":
             return hvd_sparse.allreduce(g, name=name, op=hvd.Sum, scheme="auto")
         if m == "rows allgather":
@@ -207,7 +211,7 @@ def rank_side(args: argparse.Namespace) -> None:
         fns = {"hvd sparse": lambda: hvd.sparse_allreduce_async(
             g, name="bench.hvd_sparse", op=hvd.Sum)()}
         for m in args.methods:
-            fns.setdefault(m, lambda m=m: ours(m, g))
+            fns.setdefault(m, lambda m=m: ours(m, g, ids))
         fns = {m: fns[m] for m in args.methods}
         drows: dict[str, dict] = {}
         for m, fn in list(fns.items()):
@@ -247,10 +251,14 @@ def rank_side(args: argparse.Namespace) -> None:
             if rank == 0:
                 r["worker rx MB"] = statistics.mean(rx[m]) / 1e6
                 r["util %"] = 100 * statistics.mean(rx[m]) * 8 / (r["ms"] / 1e3) / tb.rate_bps
-            key = f"bench.{m.replace(' ', '.')}"
+            key = f"bench.{m.replace(' ', '.')}.{ids}"
             if key in metrics:  # the last call's
                 r["scheme"] = metrics[key]["scheme"]
                 r["retransmits"] = metrics[key].get("retransmits")
+            plan = st.context.rows_plans.get(key)
+            if plan is not None and plan.decided:  # what auto's trial timed (slowest rank)
+                r["trial ms"] = " / ".join(f"{plan.decided[w] * 1e3:.0f}"
+                                           for w in ("allgather", "omnireduce"))
         return list(drows.values())
 
     rows = []

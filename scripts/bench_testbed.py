@@ -21,7 +21,10 @@ call them (the input restored outside the timed region):
   with no aggregators configured) and omnireduce rank0 (the job's own, all on rank 0's host:
   the default before): the aggregator hosts stay idle;
 * with ``--switch emu`` (the emulated switch in place of the bridge): switch, aggregation in
-  the switch (scheme "switch"), with the emulator's packets per second and passes per packet.
+  the switch (scheme "switch"), with the emulator's packets per second and passes per packet;
+* allgather gloo, zen gloo: the same schemes over torch.distributed's Gloo (the DDP front end's
+  collective layer) on the same hosts' eth0, beside Horovod in the same ranks: a reference line
+  for the peer-to-peer exchange that does not ride on Open MPI.
 
 Per method: the median over --reps of the slowest rank's time; bytes each host received
 (its eth0 counters, read by rank 0 around every timed call); the link utilization of the
@@ -57,13 +60,17 @@ from _report import (  # noqa: E402
     write_json,
 )
 
-METHODS = ["hvd dense", "hvd sparse", "hvd sparse e2e", "allgather", "zen", "omnireduce x1",
-           "omnireduce x4", "omnireduce colocated", "omnireduce rank0", "switch", "auto"]
-OURS = ["allgather", "zen", "omnireduce x1", "omnireduce x4", "omnireduce colocated", "switch"]
+METHODS = ["hvd dense", "hvd sparse", "hvd sparse e2e", "allgather", "allgather gloo", "zen",
+           "zen gloo", "omnireduce x1", "omnireduce x4", "omnireduce colocated",
+           "omnireduce rank0", "switch", "auto"]
+OURS = ["allgather", "allgather gloo", "zen", "zen gloo", "omnireduce x1", "omnireduce x4",
+        "omnireduce colocated", "switch"]
+GLOO = {"allgather gloo": "allgather", "zen gloo": "zen"}  # scheme over torch.distributed
 # the job's own aggregators (no HVD_SPARSE_AGGREGATORS), by aggregator_layout
 OWN = {"omnireduce colocated": "colocated", "omnireduce rank0": "rank0"}
 TARGET_SPARSE_X, TARGET_BOUND_X, TARGET_AUTO_X = 2.0, 1.5, 0.95
 TARGET_SWITCH_X = 2.5  # the switch against one aggregator host at 10%
+TARGET_AGG_X = 1.3  # aggregation against the faster allgather (ours or over Gloo), 10%, N=16
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,12 +81,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--mtu", type=int, default=9000)
-    ap.add_argument("--workers", type=int, default=4, help="worker hosts, one rank each")
+    ap.add_argument("--workers", default="4",
+                    help="worker hosts, one rank each; several (4,8,16): a testbed each")
     ap.add_argument("--aggregators", type=int, default=4, help="aggregator hosts")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--quick", action="store_true", help="4 Mi elements, 3 reps: a smoke run")
     ap.add_argument("--switch", choices=("bridge", "emu"), default="bridge",
                     help="the testbed's switch; emu adds the method 'switch'")
+    ap.add_argument("--probe", choices=("force", "off"), default="force",
+                    help="probe the cost model at init (off: no model columns; the probe "
+                    "moves tens of MB per rank, minutes on slow links)")
     ap.add_argument("--name", default="hvbench", help="testbed name")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
     ap.add_argument("--rank-side", help=argparse.SUPPRESS)  # result file: run as a rank
@@ -99,20 +110,22 @@ def drive(args: argparse.Namespace) -> int:
 
     rows: list[dict] = []
     failed = False
-    for rate in args.rates.split(","):
-        console.rule(f"testbed: {args.workers} workers + {args.aggregators} aggregator hosts, "
+    for rate, n in ((r, int(w)) for r in args.rates.split(",")
+                    for w in args.workers.split(",")):
+        console.rule(f"testbed: {n} workers + {args.aggregators} aggregator hosts, "
                      f"{rate}, MTU {args.mtu}, switch {args.switch}")
-        tb = lifecycle.up(Testbed(args.name, workers=args.workers, aggregators=args.aggregators,
+        tb = lifecycle.up(Testbed(args.name, workers=n, aggregators=args.aggregators,
                                   rate=rate, mtu=args.mtu, switch=args.switch))
         try:
             got = rank_rows(tb, str(Path(__file__).resolve()), [
                 "--densities", args.densities, "--numel", str(args.numel), "--reps",
                 str(args.reps), "--warmup", str(args.warmup), "--switch", args.switch,
-                "--methods", ",".join(args.methods)], rate)
-            if got is None:  # report the other rates anyway
+                "--probe", args.probe,
+                "--methods", ",".join(args.methods)], f"{rate}, N={n}")
+            if got is None:  # report the other rates and sizes anyway
                 failed = True
                 continue
-            rows += [{"rate": rate, **r} for r in got]
+            rows += [{"rate": rate, "workers": n, **r} for r in got]
         finally:
             lifecycle.down(args.name)
     if rows:
@@ -122,16 +135,16 @@ def drive(args: argparse.Namespace) -> int:
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
     nan = float("nan")
-    by = {(r["rate"], r["density"], r["method"]): r for r in rows}
+    by = {(r["rate"], r["workers"], r["density"], r["method"]): r for r in rows}
     for r in rows:
-        base = by.get((r["rate"], r["density"], "hvd sparse"), {})
+        base = by.get((r["rate"], r["workers"], r["density"], "hvd sparse"), {})
         r["x vs hvd sparse"] = base.get("ms", nan) / r.get("ms", nan)
-    cols = ["rate", "density", "method", "ms", "x vs hvd sparse", "bound ms", "x of bound",
-            "util %", "worker rx MB", "aggregators tx MB", "busiest link MB",
+    cols = ["rate", "workers", "density", "method", "ms", "x vs hvd sparse", "bound ms",
+            "x of bound", "util %", "worker rx MB", "aggregators tx MB", "busiest link MB",
             "worker links rx/tx MB", "scheme", "retransmits", "model ms",
             "model err %", "link model err %", "switch kpps", "passes / packet", "ok"]
-    print_table(rows, f"in-place allreduce of {args.numel:,} float32 on {args.workers} emulated "
-                      f"hosts, median of {args.reps} (slowest rank)", cols,
+    print_table(rows, f"in-place allreduce of {args.numel:,} float32 on emulated hosts, "
+                      f"median of {args.reps} (slowest rank)", cols,
                 caption="bound: the bytes the worker that must receive most must receive "
                 "(blocks non-zero on some other rank), over the link rate, or what the "
                 "method's aggregator links must carry where more (worker bound ms: the former). "
@@ -151,30 +164,38 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         console.print(f"target {name}: {value:.2f} (need {'>=' if higher else '<='} {need}): "
                       + ("[green]met[/]" if met else "[red]NOT met[/]"))
 
-    for rate in dict.fromkeys(r["rate"] for r in rows):
-        densities = sorted({r["density"] for r in rows if r["rate"] == rate})
+    for rate, n in dict.fromkeys((r["rate"], r["workers"]) for r in rows):
+        at = f"{rate}, N={n}"
+        densities = sorted({r["density"] for r in rows if (r["rate"], r["workers"]) == (rate, n)})
         for d in densities:
-            ours = [by[(rate, d, m)] for m in OURS if "ms" in by.get((rate, d, m), {})]
+            def get(m: str, key: tuple = (rate, n, d)) -> dict:
+                return by.get((*key, m), {})
+            ours = [get(m) for m in OURS if "ms" in get(m)]
             if ours and rate == "1gbit" and d in (0.01, 0.1):
                 best = min(ours, key=lambda r: r["ms"])
-                target(f"{rate} @ {d:g}: best of ours ({best['method']}) vs hvd sparse",
+                target(f"{at} @ {d:g}: best of ours ({best['method']}) vs hvd sparse",
                        best["x vs hvd sparse"], TARGET_SPARSE_X)
-                target(f"{rate} @ {d:g}: best of ours ({best['method']}) x of bound",
+                target(f"{at} @ {d:g}: best of ours ({best['method']}) x of bound",
                        best["x of bound"], TARGET_BOUND_X, higher=False)
-            if (rate, d, "auto") in by:
-                a = by[(rate, d, "auto")]
+            a = get("auto")
+            if a and any(get(m) for m in ("hvd dense", "hvd sparse", "hvd sparse e2e")):
                 for sparse in ("hvd sparse", "hvd sparse e2e"):
-                    base = min(by.get((rate, d, m), {}).get("ms", nan)
-                               for m in ("hvd dense", sparse))
-                    target(f"{rate} @ {d:g}: auto ({a.get('scheme')}) vs best of hvd dense/"
+                    base = min(get(m).get("ms", nan) for m in ("hvd dense", sparse))
+                    target(f"{at} @ {d:g}: auto ({a.get('scheme')}) vs best of hvd dense/"
                            f"{sparse.removeprefix('hvd ')}", base / a.get("ms", nan),
                            TARGET_AUTO_X)
-            sw, one = by.get((rate, d, "switch"), {}), by.get((rate, d, "omnireduce x1"), {})
+            gathers = [get(m)["ms"] for m in ("allgather", "allgather gloo") if "ms" in get(m)]
+            if gathers and d == 0.1 and n >= 16:
+                for m in ("omnireduce colocated", "switch"):
+                    if get(m):
+                        target(f"{at} @ {d:g}: {m} vs the faster allgather",
+                               min(gathers) / get(m).get("ms", nan), TARGET_AGG_X)
+            sw, one = get("switch"), get("omnireduce x1")
             if "ms" in sw and rate == "1gbit" and d in (0.01, 0.1):
                 if d == 0.1 and "ms" in one:
-                    target(f"{rate} @ {d:g}: switch vs omnireduce x1", one["ms"] / sw["ms"],
+                    target(f"{at} @ {d:g}: switch vs omnireduce x1", one["ms"] / sw["ms"],
                            TARGET_SWITCH_X)
-                target(f"{rate} @ {d:g}: switch x of bound", sw["x of bound"], TARGET_BOUND_X,
+                target(f"{at} @ {d:g}: switch x of bound", sw["x of bound"], TARGET_BOUND_X,
                        higher=False)
     stem = "switch" if args.switch == "emu" else "testbed"
     out = write_json(args.out_dir / f"{stem}.json", rows, args=vars(args), targets=targets)
@@ -183,26 +204,43 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
+    """One panel per rate: ms against density with the per-host bound, or, with several worker
+    counts, time over the bound against N, one panel per (rate, density)."""
     from matplotlib.figure import Figure
 
-    rates = list(dict.fromkeys(r["rate"] for r in rows))
-    fig = Figure(figsize=(7 * len(rates), 5))
-    axes = fig.subplots(1, len(rates), squeeze=False)[0]
-    for ax, rate in zip(axes, rates, strict=True):
-        rs = [r for r in rows if r["rate"] == rate]
-        densities = sorted({r["density"] for r in rs})
-        for j, m in enumerate(args.methods):
-            ys = [next((r.get("ms", nan_) for r in rs if r["density"] == d and r["method"] == m),
-                       nan_) for d in densities]
-            ax.plot(densities, ys, marker="o", label=m, color=f"C{j}")
-        bound = [next(r["worker bound ms"] for r in rs if r["density"] == d)
-                 for d in densities]
-        ax.plot(densities, bound, "k--", label="per-host lower bound")
-        ax.set(xscale="log", yscale="log", xlabel="block density per rank", ylabel="ms",
-               title=f"{rate} links, 4 workers")
+    ns = sorted({r["workers"] for r in rows})
+    panels = list(dict.fromkeys((r["rate"], r["density"] if len(ns) > 1 else None)
+                                for r in rows))
+    fig = Figure(figsize=(7 * len(panels), 5))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (rate, density) in zip(axes, panels, strict=True):
+        rs = [r for r in rows if r["rate"] == rate and density in (None, r["density"])]
+        if density is None:
+            densities = sorted({r["density"] for r in rs})
+            for j, m in enumerate(args.methods):
+                ax.plot(densities, [pick(rs, m, density=d).get("ms", nan_) for d in densities],
+                        marker="o", label=m, color=f"C{j}")
+            ax.plot(densities, [pick(rs, None, density=d).get("worker bound ms", nan_)
+                                for d in densities], "k--", label="per-host lower bound")
+            ax.set(xscale="log", yscale="log", xlabel="block density per rank", ylabel="ms",
+                   title=f"{rate} links, {ns[0]} workers")
+        else:
+            for j, m in enumerate(args.methods):
+                ax.plot(ns, [pick(rs, m, workers=n).get("ms", nan_)
+                             / pick(rs, m, workers=n).get("worker bound ms", nan_) for n in ns],
+                        marker="o", label=m, color=f"C{j}")
+            ax.axhline(1.0, color="k", ls="--", lw=0.8, label="per-host lower bound")
+            ax.set(xticks=ns, yscale="log", xlabel="workers", ylabel="time / per-host bound",
+                   title=f"{rate} links, density {density:g}")
         ax.legend(fontsize=7)
     fig.suptitle(f"allreduce of {args.numel:,} float32 on emulated hosts (MTU {args.mtu})")
     save_png(fig, path)
+
+
+def pick(rows: list[dict], method: str | None, **key: object) -> dict:
+    """The row of ``method`` (any, when None) whose fields match ``key``; {} when none."""
+    return next((r for r in rows if method in (None, r["method"])
+                 and all(r[k] == v for k, v in key.items())), {})
 
 
 nan_ = float("nan")
@@ -234,6 +272,30 @@ def aggregation_bounds(masks, aggregator_hosts: int, worker_need: int,
             * ms_per_byte}
 
 
+def gloo_collectives(tb, rank: int, n: int):
+    """torch.distributed's Gloo beside Horovod on the worker hosts' eth0 (rank 0's address and
+    a free port, broadcast over Horovod): the collective layer of the DDP front end."""
+    import socket
+
+    import horovod.torch as hvd
+    import torch.distributed as dist
+
+    from hvd_sparse.comm.distributed import TorchCollectives
+
+    addr = None
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((tb.worker_hosts[-1].ip, 9))  # sends nothing: picks eth0's address
+            ip = s.getsockname()[0]
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            addr = f"tcp://{ip}:{s.getsockname()[1]}"
+    addr = hvd.broadcast_object(addr, root_rank=0, name="bench.gloo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+    dist.init_process_group("gloo", init_method=addr, rank=rank, world_size=n)
+    return TorchCollectives()
+
+
 def rank_side(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
     import torch
@@ -241,14 +303,15 @@ def rank_side(args: argparse.Namespace) -> None:
     from bench_sync import Method, check, slowest_median_ms, sync
 
     import hvd_sparse
-    from hvd_sparse import _C, basics, costmodel
+    from hvd_sparse import _C, basics, blocks, costmodel, engine, schemes
     from hvd_sparse import session as omni
+    from hvd_sparse.job import Job
     from hvd_sparse.tools.testbed import links
     from hvd_sparse.tools.testbed.topology import Testbed
 
     hvd.init()
     torch.set_num_threads(1)
-    hvd_sparse.init(probe="force")
+    hvd_sparse.init(probe=args.probe)
     rank, n = hvd.rank(), hvd.size()
     tb = Testbed.load(os.environ["HVD_SPARSE_TESTBED"])
     st = basics.state()
@@ -261,6 +324,16 @@ def rank_side(args: argparse.Namespace) -> None:
                 cfg, aggregators="", aggregator_layout=layout), st.comm)
     if st.switch is not None:
         sessions["switch"] = st.switch
+    gloo = gloo_collectives(tb, rank, n) if any(m in GLOO for m in args.methods) else None
+
+    def over_gloo(scheme: str, w: torch.Tensor) -> torch.Tensor:
+        """``scheme`` as the DDP front end runs it: the same Job, over Gloo."""
+        job = Job(name=f"bench.{scheme}.gloo", tensor=w.view(-1), shape=w.shape, average=False,
+                  prescale=1.0, postscale=1.0, block_size=cfg.block_size,
+                  meta=blocks.meta_hash(w.shape, w.dtype), scheme=scheme, ctx=st.context,
+                  comm=gloo, inplace=True, asked=scheme)
+        return engine.synchronize(engine.submit(job, schemes.run(job), lambda h: None),
+                                  cfg.timeout).view(w.shape)
 
     def switch_counters() -> dict:
         from hvd_sparse.tools.switch import control
@@ -268,6 +341,8 @@ def rank_side(args: argparse.Namespace) -> None:
 
     def ours(scheme: str, w: torch.Tensor) -> torch.Tensor:
         name = f"bench.{scheme.replace(' ', '.')}"
+        if scheme in GLOO:
+            return over_gloo(GLOO[scheme], w)
         if scheme not in sessions or scheme == "switch":
             return hvd_sparse.allreduce_(w, name=name, op=hvd.Sum, scheme=scheme)
         with basics.joined(omni=sessions[scheme]):
@@ -287,17 +362,23 @@ def rank_side(args: argparse.Namespace) -> None:
                                       8e3 / tb.rate_bps)
         # What the cost model (probed at init on these links) predicts, for its validation.
         nnz, union = masks.sum(1).tolist(), float(masks.any(0).sum())
-        pred = costmodel.predict(st.net, args.numel, 4, 256, nnz, union).seconds
-        # ... and moved onto these links as `hvd-sparse analyze`'s what-if moves it
-        link = costmodel.predict(costmodel.NetModel.for_link(
-            tb.rate_bps, n, st.net, len(tb.aggregator_hosts)), args.numel, 4, 256, nnz,
-            union).seconds
-        link["colocated"] = costmodel.predict(costmodel.NetModel.for_link(
-            tb.rate_bps, n, st.net, 0), args.numel, 4, 256, nnz, union).seconds["omnireduce"]
-        inputs = {"nnz": nnz, "union": union, "workers": n, "rate_bps": tb.rate_bps,
-                  "aggregator hosts": len(tb.aggregator_hosts), "net": dataclasses.asdict(st.net)}
         model_of = {"hvd dense": "dense", "allgather": "allgather", "zen": "zen",
                     "omnireduce x4": "omnireduce", "switch": "switch"}
+        pred: dict[str, float] = {}
+        link: dict[str, float] = {}
+        if args.probe == "off":
+            model_of = {}
+        else:
+            pred = costmodel.predict(st.net, args.numel, 4, 256, nnz, union).seconds
+            # ... and moved onto these links as `hvd-sparse analyze`'s what-if moves it
+            link = costmodel.predict(costmodel.NetModel.for_link(
+                tb.rate_bps, n, st.net, len(tb.aggregator_hosts)), args.numel, 4, 256, nnz,
+                union).seconds
+            link["colocated"] = costmodel.predict(costmodel.NetModel.for_link(
+                tb.rate_bps, n, st.net, 0), args.numel, 4, 256, nnz, union).seconds[
+                    "omnireduce"]
+        inputs = {"nnz": nnz, "union": union, "workers": n, "rate_bps": tb.rate_bps,
+                  "aggregator hosts": len(tb.aggregator_hosts), "net": dataclasses.asdict(st.net)}
 
         def restore() -> torch.Tensor:
             return work.copy_(t)
@@ -329,7 +410,7 @@ def rank_side(args: argparse.Namespace) -> None:
                         "bound ms": bound_ms.get(m, bound_ms["worker"])}
             if m in model_of:
                 drows[m]["model ms"] = pred[model_of[m]] * 1e3
-            if m in model_of or m == "omnireduce colocated":
+            if m in model_of or (m == "omnireduce colocated" and model_of):
                 drows[m]["link model ms"] = link[model_of.get(m, "colocated")] * 1e3
             drows[m]["model inputs"] = inputs  # to check other models against this run
             if bad:
@@ -413,6 +494,9 @@ def rank_side(args: argparse.Namespace) -> None:
     for m in OWN:
         if m in sessions:
             sessions[m].close()
+    if gloo is not None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
     hvd_sparse.shutdown()
 
 
