@@ -362,13 +362,12 @@ def rank_side(args: argparse.Namespace) -> None:
                                       8e3 / tb.rate_bps)
         # What the cost model (probed at init on these links) predicts, for its validation.
         nnz, union = masks.sum(1).tolist(), float(masks.any(0).sum())
-        model_of = {"hvd dense": "dense", "allgather": "allgather", "zen": "zen",
-                    "omnireduce x4": "omnireduce", "switch": "switch"}
+        model_of = {} if args.probe == "off" else {
+            "hvd dense": "dense", "allgather": "allgather", "zen": "zen",
+            "omnireduce x4": "omnireduce", "switch": "switch"}
         pred: dict[str, float] = {}
         link: dict[str, float] = {}
-        if args.probe == "off":
-            model_of = {}
-        else:
+        if model_of:
             pred = costmodel.predict(st.net, args.numel, 4, 256, nnz, union).seconds
             # ... and moved onto these links as `hvd-sparse analyze`'s what-if moves it
             link = costmodel.predict(costmodel.NetModel.for_link(
