@@ -48,16 +48,34 @@ Groups group_rows(const int64_t* r, int64_t n, int64_t nrows) {
 }  // namespace
 
 // (distinct rows ascending, int64 [u]; their summed values times `scale`, [u, ...]) of the
-// COO rows `rows` (int64 [n]) and `values` ([n, ...]). Rows < 0 are skipped; rows >= nrows raise.
+// COO rows `rows` (int64 [n]) and `values` ([n, ...]), or, given `uses` (int64 [n]), of
+// `values[uses[i]]` for row i: an EmbeddingBag's gradient repeats one value row for every id
+// of a bag, and travels with each row once. Rows < 0 are skipped; rows >= nrows raise.
 std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Tensor& values,
-                                            int64_t nrows, double scale) {
+                                            int64_t nrows, double scale,
+                                            const c10::optional<at::Tensor>& uses) {
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "sum_rows: rows must be a contiguous int64 vector");
-  TORCH_CHECK(values.dim() >= 1 && values.size(0) == rows.size(0) && values.is_contiguous() &&
-                  values.device().is_cpu(),
-              "sum_rows: values must be contiguous, one row per index");
-  const int64_t n = rows.size(0), width = n ? values.numel() / n : 0;
+  const int64_t n = rows.size(0);
+  TORCH_CHECK(values.dim() >= 1 && values.is_contiguous() && values.device().is_cpu(),
+              "sum_rows: values must be contiguous CPU rows");
+  const int64_t* use = nullptr;
+  if (uses.has_value()) {
+    TORCH_CHECK(uses->scalar_type() == at::kLong && uses->dim() == 1 && uses->is_contiguous() &&
+                    uses->size(0) == n,
+                "sum_rows: uses must be a contiguous int64 vector, one entry per row");
+    use = uses->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(values.size(0) == n, "sum_rows: values must hold one row per index");
+  }
+  const int64_t vrows = values.size(0);
+  const int64_t width = vrows ? values.numel() / vrows : 0;
   Groups g = group_rows(rows.data_ptr<int64_t>(), n, nrows);
+  if (use) {
+    for (int64_t i : g.order)
+      TORCH_CHECK(use[i] >= 0 && use[i] < vrows, "sum_rows: row ", i, " uses value row ",
+                  use[i], " of ", vrows);
+  }
   const int64_t u = int64_t(g.row.size());
   auto shape = values.sizes().vec();
   shape[0] = u;
@@ -75,7 +93,8 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Te
                  for (int64_t k = lo; k < hi; ++k) {
                    std::fill(acc.begin(), acc.end(), A(0));
                    for (int64_t j = g.first[k]; j < g.first[k + 1]; ++j) {
-                     const scalar_t* src = v + g.order[j] * width;
+                     const int64_t i = g.order[j];
+                     const scalar_t* src = v + (use ? use[i] : i) * width;
                      for (int64_t c = 0; c < width; ++c) acc[c] += A(src[c]);
                    }
                    scalar_t* dst = o + k * width;
@@ -92,5 +111,5 @@ void register_rows(pybind11::module_& m) {
   m.def("sum_rows", &hvd_sparse::sum_rows,
         "distinct rows of a COO gradient and their summed values", pybind11::arg("rows"),
         pybind11::arg("values"), pybind11::arg("nrows"), pybind11::arg("scale") = 1.0,
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("uses") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

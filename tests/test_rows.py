@@ -1,12 +1,15 @@
 """The row-sum kernel behind the "rows" scheme (csrc/rows.cpp) against a float64 reference."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvd_sparse import _C
+from hvd_sparse import _C, HvdSparseError
+from hvd_sparse.schemes import rows
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -52,3 +55,46 @@ def test_hybrid_values_and_nan_propagate():
 def test_rows_out_of_range_raise(bad):
     with pytest.raises(RuntimeError, match="out of range"):
         _C.sum_rows(bad, torch.zeros(len(bad), 3), 7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 300), nvals=st.integers(1, 40), nrows=st.integers(1, 60),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31))
+def test_uses_sums_the_value_row_each_row_names(n, nvals, nrows, dtype, seed):
+    """``uses``: row i adds value row uses[i] (an EmbeddingBag's gradient sent with each bag's
+    row once), like expanding the values first."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(-1, nrows, (n,), generator=g)
+    vals = torch.randn(nvals, 3, generator=g).to(dtype)
+    uses = torch.randint(0, nvals, (n,), generator=g)
+    out_rows, out_vals = _C.sum_rows(rows, vals, nrows, 0.5, uses)
+    keep = rows >= 0
+    ref = torch.zeros(nrows, 3, dtype=torch.float64)
+    ref.index_add_(0, rows[keep], vals[uses[keep]].double())
+    want = torch.unique(rows[keep])
+    assert torch.equal(out_rows, want)
+    assert torch.allclose(out_vals.double(), ref[want] * 0.5, rtol=TOL[dtype],
+                          atol=TOL[dtype] * max([1.0, *ref.abs().flatten().tolist()]))
+
+
+@pytest.mark.parametrize("uses", [torch.tensor([0, 2]), torch.tensor([-1, 0]),
+                                  torch.tensor([0])])
+def test_uses_out_of_range_or_short_raise(uses):
+    with pytest.raises(RuntimeError, match="uses"):
+        _C.sum_rows(torch.tensor([1, 3]), torch.zeros(2, 3), 7, 1.0, uses)
+
+
+@pytest.mark.parametrize("runs", [[2, 1, 1], [1, 4, 0], [0, 0], [0], [1, 3, 0, 2]])
+def test_malformed_runs_raise_naming_the_tensor(runs):
+    """What rows._uses takes from the ranks (two ranks of 3 and 2 rows, headers at 0 and 4):
+    runs that do not add up to a rank's rows, or more or fewer than the ranks sent, raise."""
+    job = SimpleNamespace(size=2, name="emb.t")
+    with pytest.raises(HvdSparseError, match="emb.t"):
+        rows._uses(job, torch.tensor([0, 4]), 7, torch.tensor(runs), 5)
+
+
+def test_runs_expand_to_each_ranks_value_rows():
+    # rank 0: 3 rows from 2 value rows (runs 2, 1); rank 1: 2 rows, a value each
+    job = SimpleNamespace(size=2, name="emb.t")
+    uses = rows._uses(job, torch.tensor([0, 4]), 7, torch.tensor([2, 2, 1, 0]), 6)
+    assert uses.tolist() == [0, 1, 1, 2, 3, 4, 5]

@@ -81,7 +81,7 @@ def run(job: Job) -> Stage:
             s.scheme = "rows+omnireduce"
     if out is None:
         way = "allgather"
-        out = yield from _allgathered(job, rows, vals, nrows)
+        out = yield from _allgathered(job, g, rows, vals, nrows)
     seconds = time.perf_counter() - t0
     plan.seconds[way] = min(seconds, plan.seconds.get(way, math.inf)) if plan.trying else seconds
     plan.union = int(out[0].numel())
@@ -129,14 +129,15 @@ def _slots(plan: RowsPlan, session: Session, nrows: int, width: int, esize: int)
     return max(len(session.addrs), math.ceil(plan.union / (ROUNDS * lanes)))
 
 
-def _allgathered(job: Job, rows: torch.Tensor, vals: torch.Tensor, nrows: int
+def _allgathered(job: Job, g: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, nrows: int
                  ) -> Stage:
     header = torch.tensor([-1 - job.meta])  # negative: never a row; sum_rows skips it
+    ids, runs, vals = _sent(g, rows, vals)
     vals = torch.cat([vals.new_zeros((1, *vals.shape[1:])), vals])
     # The allgather only moves values: bfloat16 (which Horovod 0.28 lacks) travels as its bits.
     bf16 = vals.dtype == torch.bfloat16
-    all_rows, all_vals = yield "rows", job.comm.allgather_many(
-        [torch.cat([header, rows]), vals.view(torch.int16) if bf16 else vals],
+    all_rows, all_runs, all_vals = yield "rows", job.comm.allgather_many(
+        [torch.cat([header, ids]), runs, vals.view(torch.int16) if bf16 else vals],
         job.op_name("rows"))
     if bf16:
         all_vals = all_vals.view(torch.bfloat16)
@@ -144,18 +145,69 @@ def _allgathered(job: Job, rows: torch.Tensor, vals: torch.Tensor, nrows: int
     if starts.numel() != job.size or bool((all_rows[starts] != header).any()):
         raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: tensor mismatch across ranks: "
                              "the ranks' sparse gradients differ in shape or dtype")
+    uses = _uses(job, starts, all_rows.numel(), all_runs, all_vals.shape[0])
     try:
-        out_rows, out_vals = sum_rows(all_rows, all_vals, nrows, job.scale)
+        out_rows, out_vals = sum_rows(all_rows, all_vals, nrows, job.scale, uses)
     except RuntimeError as e:
         raise error(job, e) from e
     n = job.size
-    gathered = all_rows.numel() * all_rows.element_size() + all_vals.nbytes
-    own = (rows.numel() + 1) * rows.element_size() + vals.nbytes  # header rows included
+    gathered = sum(t.numel() * t.element_size() for t in (all_rows, all_runs, all_vals))
+    own = (ids.numel() + 1 + runs.numel()) * 8 + vals.nbytes  # header rows included
     s = job.stats
     s.scheme = "rows"
     s.union = int(out_rows.numel())
     s.bytes_sent, s.bytes_received = int(gathered * (n - 1) / n), gathered - own
     return out_rows, out_vals
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _sent(g: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What this rank sends: (row of every value it sends, its runs, the values). Either its
+    summed distinct rows (runs ``[0]``: a value each), or, when fewer bytes, the gradient as
+    it came with each run of bit-identical value rows sent once (runs ``[m, len_1 .. len_m]``):
+    an ``EmbeddingBag``'s gradient repeats its bag's row for each id of the bag, so a batch of
+    B bags of L ids sends B rows of values, not up to B x L."""
+    plain = rows, torch.zeros(1, dtype=torch.int64), vals
+    v = g._values()
+    n = v.shape[0]
+    if g.is_coalesced() or n < 2:
+        return plain
+    bits = v.reshape(n, -1).view(_BITS[v.element_size()])
+    first = torch.cat([torch.ones(1, dtype=torch.bool), (bits[1:] != bits[:-1]).any(1)])
+    first = first.nonzero().squeeze(1)
+    m, row_bytes = first.numel(), v[0].nbytes
+    if m * row_bytes + (n + m) * 8 >= rows.numel() * (row_bytes + 8):
+        return plain
+    lens = torch.diff(first, append=torch.tensor([n]))
+    k = g.sparse_dim()
+    line = g._indices()[0] if k == 1 else _linear(g._indices(), g.shape[:k])
+    return line.contiguous(), torch.cat([torch.tensor([m]), lens]), v[first]
+
+
+def _uses(job: Job, starts: torch.Tensor, nrows_sent: int, runs: torch.Tensor, nvals: int
+          ) -> torch.Tensor | None:
+    """The value row of every gathered row (``_sent``'s runs undone), or None when every rank
+    sent a value per row. Each rank's part: a header row (its value row a zero row) then its
+    rows; its runs ``[0]`` or ``[m, lengths]`` with lengths summing to its rows."""
+    counts = torch.diff(starts, append=torch.tensor([nrows_sent])) - 1
+    out, at, base = [], 0, 0
+    for r, c in enumerate(counts.tolist()):
+        m = int(runs[at]) if at < runs.numel() else -1
+        lens = runs[at + 1:at + 1 + m]
+        if m < 0 or lens.numel() != m or (m and (int(lens.sum()) != c or bool((lens < 1).any()))):
+            raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: rank {r} sent malformed "
+                                 f"runs ({m} of them for {c} rows)")
+        mine = torch.arange(base + 1, base + 1 + c) if m == 0 else \
+            torch.repeat_interleave(torch.arange(base + 1, base + 1 + m), lens)
+        out += [torch.tensor([base]), mine]
+        at, base = at + 1 + m, base + 1 + (m or c)
+    if at != runs.numel() or base != nvals:
+        raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: the gathered runs and values "
+                             "do not match the rows")
+    return None if at == job.size else torch.cat(out)  # all [0]: a value row each
 
 
 def fuse(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
