@@ -77,9 +77,10 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_args(p, scale=0.25)
     p.add_argument("--steps", type=int, default=5, help="timed steps per method")
-    p.add_argument("--warmup", type=int, default=2,
+    p.add_argument("--warmup", type=int, default=4,
                    help="untimed steps first (DDP rebuilds its buckets after the first; "
-                        "PowerSGD compresses from this step on)")
+                        "PowerSGD compresses from this step on; ours: auto tries both ways "
+                        "for a sparse bucket in its first 4 calls)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     p.add_argument("--probe", default="auto", choices=("auto", "force", "off"),
                    help="hvd_sparse's network probe (auto: cached per network)")

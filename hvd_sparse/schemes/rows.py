@@ -7,7 +7,10 @@ ways, the same on every rank:
 
 - allgathered: every rank receives every other rank's rows and sums them in rank order
   (csrc/rows.cpp). One header row per rank carries a fingerprint of the tensor's shape and
-  dtype, so ranks that disagree raise instead of adding unrelated rows.
+  dtype, so ranks that disagree raise instead of adding unrelated rows. A rank whose gradient
+  repeats value rows (an ``EmbeddingBag``'s: each bag's row once per id) sends, when that is
+  fewer bytes, every id with each run of equal rows once instead of its summed rows
+  (``_sent``): B bags of L uniform ids are B rows of values, not about B x L.
 - aggregated: each row is a block of the aggregation protocol, streamed to the job's
   aggregators, which sum the rows the ranks share and send the union back once
   (csrc/omni/worker/: ``submit_rows``); ranks that disagree on the shape are refused by the
@@ -176,10 +179,16 @@ def _sent(g: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor
     if g.is_coalesced() or n < 2:
         return plain
     bits = v.reshape(n, -1).view(_BITS[v.element_size()])
+    row_bytes, plain_bytes = v[0].nbytes, rows.numel() * (v[0].nbytes + 8)
+    # rows that differ from the last in their first element start runs: at least that many
+    # runs, so an Embedding's gradient (no runs) costs one column's look, not every element's
+    fewest = 1 + int((bits[1:, 0] != bits[:-1, 0]).sum())
+    if fewest * row_bytes + (n + fewest) * 8 >= plain_bytes:
+        return plain
     first = torch.cat([torch.ones(1, dtype=torch.bool), (bits[1:] != bits[:-1]).any(1)])
     first = first.nonzero().squeeze(1)
-    m, row_bytes = first.numel(), v[0].nbytes
-    if m * row_bytes + (n + m) * 8 >= rows.numel() * (row_bytes + 8):
+    m = first.numel()
+    if m * row_bytes + (n + m) * 8 >= plain_bytes:
         return plain
     lens = torch.diff(first, append=torch.tensor([n]))
     k = g.sparse_dim()
