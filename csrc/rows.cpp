@@ -111,5 +111,6 @@ void register_rows(pybind11::module_& m) {
   m.def("sum_rows", &hvd_sparse::sum_rows,
         "distinct rows of a COO gradient and their summed values", pybind11::arg("rows"),
         pybind11::arg("values"), pybind11::arg("nrows"), pybind11::arg("scale") = 1.0,
-        pybind11::arg("uses") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("uses") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -176,7 +176,7 @@ def _sent(g: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor
     plain = rows, torch.zeros(1, dtype=torch.int64), vals
     v = g._values()
     n = v.shape[0]
-    if g.is_coalesced() or n < 2:
+    if g.is_coalesced() or n < 2 or v[0].numel() == 0:
         return plain
     bits = v.reshape(n, -1).view(_BITS[v.element_size()])
     row_bytes, plain_bytes = v[0].nbytes, rows.numel() * (v[0].nbytes + 8)
