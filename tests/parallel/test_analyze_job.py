@@ -79,8 +79,8 @@ def must_receive(scheme: str, mine: list[int], other: list[int], numel: int, dim
         return index_segment(len(other))
     if scheme == "omnireduce":
         return len(set(mine) | set(other)) * BS * W  # every union block's sum, once
-    if scheme == "rows":
-        return (len(other) + 1) * 8 + (len(other) + 1) * dim * W  # plus the header row
+    if scheme == "rows":  # plus the header row, and the runs entry ([0]: a value per row)
+        return (len(other) + 2) * 8 + (len(other) + 1) * dim * W
     if scheme == "rows+omnireduce":
         return len(set(mine) | set(other)) * dim * W  # every union row's sum, once
     raise AssertionError(scheme)
