@@ -22,7 +22,10 @@ LOSS = [  # (id, aggregator flags, worker kwargs, counters that must have moved)
     ("agg-drop-out-1%", ("--drop-rate-out", "0.01"), {}, ("injected_drops", "retransmits")),
     ("agg-drop-out-10%", ("--drop-rate-out", "0.1"), {}, ("injected_drops", "retransmits")),
     ("worker-drop-10%", (), {"drop_rate": 0.1}, ("w:injected_drops", "retransmits")),
-    ("agg-dup", ("--dup-rate", "0.2"), {}, ("injected_dups", "duplicates+retransmits")),
+    # a DATA twice at the aggregator after its round completed: a second RESULT, which the
+    # worker counts as a spurious resend (and backs its timer off for)
+    ("agg-dup", ("--dup-rate", "0.2"), {}, ("injected_dups", "duplicates+retransmits",
+                                            "w:spurious")),
     ("worker-dup", (), {"dup_rate": 0.2}, ("duplicates+retransmits",)),
     ("agg-reorder", ("--reorder-rate", "0.5"), {}, ("rounds",)),
     ("everything", ("--drop-rate", "0.1", "--drop-rate-out", "0.1", "--dup-rate", "0.1",

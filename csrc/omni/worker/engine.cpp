@@ -208,7 +208,8 @@ void Engine::pump(size_t k, double now) {
 }
 
 double Engine::rto_for(const AggregatorPath& a) const {
-  return a.srtt == 0 ? o_.rto : std::clamp(a.srtt + 4 * a.rttvar, o_.rto, kMaxRto);
+  const double base = a.srtt == 0 ? o_.rto : std::clamp(a.srtt + 4 * a.rttvar, o_.rto, kMaxRto);
+  return std::min(base * a.backoff, std::max(kMaxRto, o_.rto));
 }
 
 // The window's response to one answered round: RTT estimate, then AIMD growth.
@@ -218,6 +219,7 @@ void Engine::on_answer(AggregatorPath& a, SlotW& s, double now) {
   a.inflight--;
   a.answered_sent_at = std::max(a.answered_sent_at, s.sent_at);
   if (!s.resent) {  // Karn: a retransmitted round's time is ambiguous
+    a.backoff = 1;
     double sample = now - s.sent_at;
     if (a.srtt == 0) {
       a.srtt = sample;
@@ -228,6 +230,20 @@ void Engine::on_answer(AggregatorPath& a, SlotW& s, double now) {
     }
   }
   a.cwnd = std::min(kMaxWindow, a.cwnd + (a.cwnd < a.ssthresh ? 1.0 : 1.0 / a.cwnd));
+}
+
+// A second RESULT of an answered round: the aggregator had the round's DATA twice, so the
+// timer resent a round that was not lost, only slower than the timer (behind a queue on a slow
+// link: a 9 KB frame takes 7 ms at 10 Mbit/s). The path's later rounds start from a doubled
+// timer (once per timer period, however many duplicates come) until one is answered without
+// a retransmission: with Karn's rule alone a path whose rounds all outlast the timer never
+// gets a sample, and resends every round at the same short timer. A real loss brings one
+// RESULT, so it keeps the timer as it was (DSACK-based detection, RFC 3708, in TCP).
+void Engine::spurious(AggregatorPath& a, double now) {
+  c_.spurious++;
+  if (now - a.backed_off < rto_for(a)) return;
+  a.backoff = std::min(a.backoff * 2, 64.0);
+  a.backed_off = now;
 }
 
 // A retransmission timer fired for a round sent at `sent`. Only when a round sent later was
@@ -491,6 +507,7 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
   // A duplicate or a retransmitted result.
   if (s.done || h.round != s.round) {
     c_.stale++;
+    if (h.round < s.round) spurious(aggs_[s.agg], now);
     return;
   }
   on_result(t, s, h, p, now);
@@ -581,7 +598,7 @@ void Engine::check_timers(double now) {
         c_.retransmits++;
         on_timeout(aggs_[s.agg], s.sent_at, now);
         // Backoff, jittered so that slots lost together are not resent together.
-        s.rto = std::min(s.rto * (2 + 0.5 * unif_(rng_)), kMaxRto);
+        s.rto = std::min(s.rto * (2 + 0.5 * unif_(rng_)), std::max(kMaxRto, o_.rto));
         send_slot(*t, s, now);
       }
     }

@@ -7,9 +7,11 @@
 // each round's RESULT straight into the output and announces its next non-zero position, so a
 // slot advances past blocks that are zero on every worker without anyone sending them. Each
 // outstanding packet has a retransmission timer from the measured round times (srtt + 4
-// rttvar, doubling while unanswered); a slot that makes no progress for `timeout` seconds fails
-// its tensor with an error naming the aggregator. Tensors are keyed by an id every rank derives
-// from the name, so ranks may submit them in any order and any number may be in flight.
+// rttvar, doubling while unanswered, and for the path's next rounds too once a resend proves
+// spurious, until a round comes back without a retransmission); a slot that makes no progress
+// for `timeout` seconds fails its tensor with an error naming the aggregator. Tensors are keyed by an id
+// every rank derives from the name, so ranks may submit them in any order and any number may
+// be in flight.
 //
 // Congestion control, per aggregator: a window of DATA packets in flight, AIMD on loss (TCP Reno's
 // rule: +1 packet per window answered, halved at most once per round trip when a retransmission
@@ -59,6 +61,8 @@ struct AggregatorPath {
   double cwnd = 8, ssthresh = 4096;  // the initial window, and slow start up to the maximum
   int64_t inflight = 0;              // DATA packets sent and not yet answered
   double last_cut = 0;               // when the window was last halved
+  double backoff = 1;                // the timer's multiplier since the last clean sample
+  double backed_off = 0;             // when it last doubled
   double answered_sent_at = 0;       // latest send time of an answered round
   double next_send = 0;              // pacing: earliest time of the next send
   double last_send = 0;              // when its latest DATA went out (idle restart)
@@ -139,7 +143,8 @@ struct EngineOptions {
 
 // clang-format off
 #define HS_WORKER_COUNTERS(X) X(tx_packets) X(tx_bytes) X(rx_packets) X(rx_bytes) \
-  X(retransmits) X(malformed) X(stale) X(foreign) X(unauthenticated) X(bad_mac) X(replayed)
+  X(retransmits) X(spurious) X(malformed) X(stale) X(foreign) X(unauthenticated) X(bad_mac) \
+  X(replayed)
 // clang-format on
 
 class Engine {
@@ -199,6 +204,7 @@ class Engine {
   void pump(size_t k, double now);
   void on_answer(AggregatorPath& a, SlotW& s, double now);
   void on_timeout(AggregatorPath& a, double sent, double now);
+  void spurious(AggregatorPath& a, double now);
   void release_window(TensorW& t);
   void build_data(TensorW& t, SlotW& s);
   void send_slot(TensorW& t, SlotW& s, double now);
