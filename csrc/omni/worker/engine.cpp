@@ -208,8 +208,9 @@ void Engine::pump(size_t k, double now) {
 }
 
 double Engine::rto_for(const AggregatorPath& a) const {
-  const double base = a.srtt == 0 ? o_.rto : std::clamp(a.srtt + 4 * a.rttvar, o_.rto, kMaxRto);
-  return std::min(base * a.backoff, std::max(kMaxRto, o_.rto));
+  const double cap = std::max(kMaxRto, o_.rto);
+  const double base = a.srtt == 0 ? o_.rto : std::clamp(a.srtt + 4 * a.rttvar, o_.rto, cap);
+  return std::min(base * a.backoff, cap);
 }
 
 // The window's response to one answered round: RTT estimate, then AIMD growth.

@@ -9,9 +9,9 @@
 // outstanding packet has a retransmission timer from the measured round times (srtt + 4
 // rttvar, doubling while unanswered, and for the path's next rounds too once a resend proves
 // spurious, until a round comes back without a retransmission); a slot that makes no progress
-// for `timeout` seconds fails its tensor with an error naming the aggregator. Tensors are keyed by an id
-// every rank derives from the name, so ranks may submit them in any order and any number may
-// be in flight.
+// for `timeout` seconds fails its tensor with an error naming the aggregator. Tensors are
+// keyed by an id every rank derives from the name, so ranks may submit them in any order and
+// any number may be in flight.
 //
 // Congestion control, per aggregator: a window of DATA packets in flight, AIMD on loss (TCP Reno's
 // rule: +1 packet per window answered, halved at most once per round trip when a retransmission
