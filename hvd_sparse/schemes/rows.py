@@ -178,17 +178,20 @@ def _sent(g: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor
     n = v.shape[0]
     if g.is_coalesced() or n < 2 or v[0].numel() == 0:
         return plain
+    row_bytes = v[0].nbytes
+
+    def fewer(m: int) -> bool:  # m runs' values, every id and the lengths, against the sums
+        return m * row_bytes + (n + m) * 8 < rows.numel() * (row_bytes + 8)
+
     bits = v.reshape(n, -1).view(_BITS[v.element_size()])
-    row_bytes, plain_bytes = v[0].nbytes, rows.numel() * (v[0].nbytes + 8)
     # rows that differ from the last in their first element start runs: at least that many
     # runs, so an Embedding's gradient (no runs) costs one column's look, not every element's
-    fewest = 1 + int((bits[1:, 0] != bits[:-1, 0]).sum())
-    if fewest * row_bytes + (n + fewest) * 8 >= plain_bytes:
+    if not fewer(1 + int((bits[1:, 0] != bits[:-1, 0]).sum())):
         return plain
     first = torch.cat([torch.ones(1, dtype=torch.bool), (bits[1:] != bits[:-1]).any(1)])
     first = first.nonzero().squeeze(1)
     m = first.numel()
-    if m * row_bytes + (n + m) * 8 >= plain_bytes:
+    if not fewer(m):
         return plain
     lens = torch.diff(first, append=torch.tensor([n]))
     k = g.sparse_dim()
