@@ -207,10 +207,13 @@ void Engine::pump(size_t k, double now) {
   }
 }
 
+// The longest a timer waits: kMaxRto, or the floor where that is set above it.
+double Engine::rto_cap() const { return std::max(kMaxRto, o_.rto); }
+
 double Engine::rto_for(const AggregatorPath& a) const {
-  const double cap = std::max(kMaxRto, o_.rto);
-  const double base = a.srtt == 0 ? o_.rto : std::clamp(a.srtt + 4 * a.rttvar, o_.rto, cap);
-  return std::min(base * a.backoff, cap);
+  const double base =
+      a.srtt == 0 ? o_.rto : std::clamp(a.srtt + 4 * a.rttvar, o_.rto, rto_cap());
+  return std::min(base * a.backoff, rto_cap());
 }
 
 // The window's response to one answered round: RTT estimate, then AIMD growth.
@@ -599,7 +602,7 @@ void Engine::check_timers(double now) {
         c_.retransmits++;
         on_timeout(aggs_[s.agg], s.sent_at, now);
         // Backoff, jittered so that slots lost together are not resent together.
-        s.rto = std::min(s.rto * (2 + 0.5 * unif_(rng_)), std::max(kMaxRto, o_.rto));
+        s.rto = std::min(s.rto * (2 + 0.5 * unif_(rng_)), rto_cap());
         send_slot(*t, s, now);
       }
     }

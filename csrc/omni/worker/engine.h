@@ -195,6 +195,7 @@ class Engine {
   RegAck slot_geometry() const { return geometry_; }
   const std::vector<AggregatorPath>& aggregators() const { return aggs_; }
   double rto_for(const AggregatorPath& a) const;
+  double rto_cap() const;
   std::vector<std::pair<const char*, uint64_t>> counters() const;
 
  private:
