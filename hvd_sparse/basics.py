@@ -5,7 +5,7 @@ import itertools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import horovod.torch as hvd
 
@@ -44,14 +44,28 @@ _state: State | None = None
 def init(**kwargs: object) -> None:
     """Starts hvd_sparse after ``hvd.init()``; collective: every rank must call it.
 
-    Options (keyword or ``HVD_SPARSE_<NAME>`` environment variable): block_size, scheme,
-    timeout, small_bytes, probe ("auto", "force", "off"), cache_dir, log_level, threads;
-    for the omnireduce scheme: aggregators ("host:port,..."; when empty the job starts
-    local_aggregators of its own, laid out by aggregator_layout: "auto", "colocated" on every
-    host, "rank0"), aggregator_host, fallback ("error" or "dense"),
-    payload_bytes, slots, rto, fixed_point; for the switch scheme: switch ("ip:port");
-    metrics_file, metrics_records, link_rate (the run file for
-    ``hvd-sparse analyze``). See config.py.
+    Called again, it shuts the previous state down first (``shutdown``).
+
+    Args:
+        **kwargs: the options, each a field of ``hvd_sparse.config.Config`` (keyword arguments
+            win over ``HVD_SPARSE_<NAME>`` environment variables, which win over the defaults;
+            None: not given): block_size, scheme, timeout, small_bytes, probe ("auto",
+            "force", "off"), cache_dir, log_level, threads; for the omnireduce scheme:
+            aggregators ("host:port,..."; when empty the job starts local_aggregators of its
+            own, laid out by aggregator_layout: "auto", "colocated" on every host, "rank0"),
+            aggregator_host, fallback ("error" or "dense"), payload_bytes, slots, rto,
+            fixed_point; for the switch scheme: switch ("ip:port"); metrics_file,
+            metrics_records, link_rate (the run file for ``hvd-sparse analyze``).
+
+    Raises:
+        HvdSparseError: Horovod is not initialized, or the aggregators or the switch could
+            not be started or joined.
+        TypeError: an unknown option.
+        ValueError: an option's value is out of range.
+
+    Example:
+        >>> hvd.init()
+        >>> hvd_sparse.init(scheme="auto", timeout=60)
     """
     global _state
     if not hvd.is_initialized():
@@ -59,30 +73,9 @@ def init(**kwargs: object) -> None:
     if _state is not None:
         shutdown()
     cfg = _config.from_env_and_kwargs(**kwargs)
-    logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s")
-    log.setLevel(cfg.log_level.upper())
     comm = collectives.of(hvd.global_process_set)
     omni, switch, net = session.join_all(cfg, comm)
     _state = State(cfg, net, (hvd.rank(), hvd.size()), comm, omni, switch)
-    _start_run_file(cfg, comm, net, omni)
-
-
-def _start_run_file(cfg: _config.Config, comm: Collectives, net: costmodel.NetModel,
-                    omni: session.Session | None) -> None:
-    if not cfg.metrics_file:
-        runfile.stop()
-        return
-    runfile.start(cfg.metrics_file, comm.rank, cfg.metrics_records, {
-        "world_size": comm.size,
-        "hosts": comm.hosts(),
-        "aggregators": len(omni.addrs) if omni else 0,
-        "aggregators_local": bool(omni) and not cfg.aggregator_list(),  # the job's own
-        "aggregator_hosts": omni.link_hosts() if omni else None,
-        "aggregator_placement": omni.placement if omni else None,
-        "link_rate_bps": runfile.parse_rate(cfg.link_rate) if cfg.link_rate else None,
-        "net": asdict(net),
-        "config": asdict(cfg),
-    })
 
 
 def state() -> State:
@@ -105,12 +98,23 @@ def state() -> State:
 
 
 def is_initialized() -> bool:
+    """Whether ``init`` ran and ``shutdown`` has not run since.
+
+    Returns:
+        True between ``init`` and ``shutdown``; it does not check that Horovod still runs with
+        the same ranks (the next reduction does, and raises if not).
+    """
     return _state is not None
 
 
 def shutdown() -> None:
-    """Forgets the state (what ``init`` built and what it learnt since); reductions still in
-    flight fail, and their ``synchronize`` raises."""
+    """Forgets the state (what ``init`` built and what it learnt since) and leaves the
+    aggregators and the switch (the job's own aggregators stop).
+
+    Reductions still in flight fail, with a warning, and their ``synchronize`` raises
+    ``HvdSparseError``; this rank writes its run file, if it keeps one (``metrics_file``).
+    Safe to call when not initialized.
+    """
     global _state
     abandoned = engine.abandon("hvd_sparse was shut down while it was being reduced")
     if abandoned:

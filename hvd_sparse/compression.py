@@ -4,8 +4,8 @@ Horovod calls ``compress(grad)`` from its backward hook, allreduces what it retu
 optimizer's op and scaling, and calls ``decompress(result, ctx)`` at ``synchronize()``. Here
 ``compress`` starts the sparse reduction of the gradient (a plain sum) and hands Horovod a
 one-element placeholder of ones; its reduced value tells ``decompress`` the op's scaling (1 for
-Average with any predivide factor, size for Sum), which is applied to the sum. Tensors the codec
-does not take (integer, GPU) go back to Horovod unchanged, and sparse gradients with
+Average with any predivide factor, size for Sum), which is applied to the sum. Tensors of a dtype
+the codec does not take (integer) go back to Horovod unchanged, and sparse gradients with
 ``sparse_as_dense=False`` never reach ``compress`` (Horovod's COO allgather reduces them):
 ``decompress`` passes Horovod's result through.
 """
@@ -58,7 +58,22 @@ def _caller(frame: FrameType | None) -> tuple[Any, torch.Tensor | None]:
 
 
 class SparseCompressor:
-    """Compression object for ``hvd.DistributedOptimizer(compression=...)``."""
+    """Compression object for ``hvd.DistributedOptimizer(compression=...)``: each gradient is
+    reduced by hvd_sparse (named by its parameter) while Horovod reduces a placeholder.
+
+    Usually made by ``hvd_sparse.Compression.sparse(...)``.
+
+    Args:
+        scheme: the scheme (None: the configured one, default "auto").
+        block_size: the codec's block in elements (None: the configured one, 256);
+            element-wise sparsifiers (TopK, Threshold, DGC) want a small one.
+        sparsifier: sparsifies each gradient before its reduction, e.g.
+            ``hvd_sparse.TopK(0.01)``; a DGC takes the optimizer's momentum at the first
+            gradient.
+
+    Raises:
+        ValueError: an unknown scheme, or a sparsifier that is not an hvd_sparse one.
+    """
 
     def __init__(self, scheme: str | None = None, block_size: int | None = None,
                  sparsifier: Sparsifier | None = None) -> None:
@@ -71,6 +86,27 @@ class SparseCompressor:
         self._unnamed = itertools.count()
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Starts the gradient's reduction (a plain sum; sparsified first, with a sparsifier).
+
+        Horovod calls it from its backward hook. The name (``grad.<parameter name>``) and the
+        process set come from the calling optimizer; other callers' tensors are named by call
+        order, and reduced into a new tensor rather than in place.
+
+        Args:
+            tensor: a dense gradient.
+
+        Returns:
+            (a one-element placeholder of ones for Horovod to reduce, the context
+            ``decompress`` needs); for a tensor the codec does not take (integer):
+            (``tensor``, None), which Horovod reduces itself.
+
+        Raises:
+            HvdSparseError: ``tensor`` is sparse (Horovod's grouped path hands sparse
+                gradients over), the optimizer's op is ``hvd.Adasum``, hvd_sparse is not
+                initialized, or a reduction of the same name is in flight.
+            ValueError: the sparsifier refuses the tensor (not floating-point) or, for DGC,
+                the optimizer's momentum.
+        """
         opt, p = _caller(sys._getframe(1))
         pname = opt._parameter_names.get(p) if opt is not None else None
         name = "grad." + (pname or f"compress.{next(self._unnamed)}")
@@ -99,6 +135,22 @@ class SparseCompressor:
         return placeholder, (handle, name, process_set.size())
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Waits for the reduction ``compress`` started and scales it as Horovod's op asks.
+
+        Args:
+            tensor: Horovod's reduction of what ``compress`` returned.
+            ctx: what ``compress`` returned with it.
+
+        Returns:
+            The reduced gradient, in the tensor ``compress`` was given when Horovod's optimizer
+            called it: the sum scaled by the placeholder's reduced value over the process
+            set's size (the average for ``hvd.Average``, the sum for ``hvd.Sum``). With ctx
+            None, ``tensor`` as Horovod reduced it (a sparse one with a warning: Horovod's COO
+            allgather reduced it, not hvd_sparse).
+
+        Raises:
+            HvdSparseError: the reduction failed or timed out.
+        """
         if ctx is None:  # Horovod reduced it itself: a tensor handed back by compress, or a
             # sparse gradient (sparse_as_dense=False), which Horovod's optimizer sends to its own
             # sparse_allreduce_async (COO allgather) without calling compress
@@ -114,12 +166,45 @@ class SparseCompressor:
         return total.mul_(scale / size)
 
 
-class Compression:
-    """Sparse compression objects, in the style of ``hvd.Compression``."""
+class _SparseDefault(SparseCompressor):
+    """``Compression.sparse``: called, it makes a compressor with the arguments given; passed
+    uncalled, as Horovod's own are (``compression=hvd.Compression.fp16``), it is the
+    compressor with its defaults."""
 
-    @staticmethod
-    def sparse(scheme: str | None = None, block_size: int | None = None,
-               sparsifier: Sparsifier | None = None) -> SparseCompressor:
-        """``sparsifier`` (e.g. ``hvd_sparse.TopK(0.01)``) sparsifies each gradient before its
-        reduction; element-wise ones (TopK, Threshold, DGC) want a small ``block_size``."""
+    def __call__(self, scheme: str | None = None, block_size: int | None = None,
+                 sparsifier: Sparsifier | None = None) -> SparseCompressor:
+        """A sparse compressor for ``hvd.DistributedOptimizer(compression=...)``.
+
+        Args:
+            scheme: the scheme (None: the configured one, default "auto").
+            block_size: the codec's block in elements (None: the configured one, 256);
+                element-wise sparsifiers (TopK, Threshold, DGC) want a small one.
+            sparsifier: sparsifies each gradient before its reduction, e.g.
+                ``hvd_sparse.TopK(0.01)``.
+
+        Returns:
+            The compression object.
+
+        Raises:
+            ValueError: an unknown scheme, or a sparsifier that is not an hvd_sparse one.
+
+        Example:
+            >>> opt = hvd.DistributedOptimizer(
+            ...     opt, named_parameters=model.named_parameters(),
+            ...     compression=hvd_sparse.Compression.sparse(scheme="auto"))
+        """
         return SparseCompressor(scheme=scheme, block_size=block_size, sparsifier=sparsifier)
+
+
+class Compression:
+    """Sparse compression objects, in the style of ``hvd.Compression``: ``Compression.sparse``
+    (uncalled: its defaults) or ``Compression.sparse(scheme=..., block_size=...,
+    sparsifier=...)``.
+
+    Example:
+        >>> opt = hvd.DistributedOptimizer(
+        ...     opt, named_parameters=model.named_parameters(),
+        ...     compression=hvd_sparse.Compression.sparse)
+    """
+
+    sparse = _SparseDefault()

@@ -11,19 +11,21 @@ parameter a bucket of its own, and a table with few distinct rows costs an excha
 its bytes: so the sparse buckets whose results were small last time are held until the last of
 the sparse buckets that come one after another, and reduced together (their rows one after
 another, ``rows.fuse``) by one exchange; the others go at once. The result is the average over
-the ranks, as DDP expects of a hook. With a ``sparsifier`` each parameter's gradient in a dense
-bucket is sparsified first (error feedback per parameter, named by ``named_parameters``).
-Reductions go to the state's streams in turn, each a thread and a Gloo group of its own, one
-reduction after another on each: torch.distributed matches operations by the order they are
-issued in on a group, and DDP hands buckets to the hook in the same order on every rank, so
-every rank issues the same operations in the same order on each group, while backward goes on.
-Horovod is not needed.
+the ranks of the state's process group, as DDP expects of a hook. With a ``sparsifier`` each
+parameter's gradient in a dense bucket is sparsified first (error feedback per parameter, named
+by ``named_parameters``). Reductions go to the state's streams in turn, each a thread and a Gloo
+group of its own, one reduction after another on each: torch.distributed matches operations by
+the order they are issued in on a group, and DDP hands buckets to the hook in the same order on
+every rank, so every rank issues the same operations in the same order on each group, while
+backward goes on. Horovod is not needed.
+
+A bucket is known by its parameters, not by ``GradBucket.index()``: in DDP's first
+static-graph iteration every bucket says index 0 and none says it is the last.
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
-import logging
+import copy
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -31,17 +33,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import blocks, engine, schemes, session
 from . import config as _config
+from . import reduction, session
 from .comm.distributed import TorchCollectives
-from .engine import Handle
 from .errors import HvdSparseError
-from .job import Context, Job
-from .metrics import record as record_metrics
+from .job import Context, RowsPlan
 from .schemes import rows
 from .sparsifiers import Sparsifier
 
-log = logging.getLogger("hvd_sparse")
 __all__ = ["State", "hook"]
 Part = tuple[str, int, int]  # a parameter's gradient in a bucket: name, offset, elements
 Held = tuple[int, torch.Tensor, torch.futures.Future]  # a sparse bucket: index, gradient, result
@@ -50,49 +49,164 @@ Work = tuple[Callable[[TorchCollectives], list[torch.Tensor]], list[torch.future
 
 
 class State:
-    """What the hook needs across steps: the options (as ``hvd_sparse.init`` takes them, or
-    ``HVD_SPARSE_*``), the aggregators and switch joined, the network model, the reducing
-    thread, the sparsifier. Collective: every rank of the default process group constructs
-    it, in the same order as its other collectives. ``close()`` (or the end of the process)
-    releases it. ``streams``: buckets reduced at once (each stream a thread and a Gloo group);
-    ``fuse_mb``: sparse buckets whose last results together stay under this size are reduced
-    by one exchange."""
+    """What the hook needs across steps: the options, the process group it serves, its
+    streams, the aggregators and switch joined, the network model, the sparsifier, and what it
+    learnt of the buckets.
 
-    def __init__(self, *, sparsifier: Sparsifier | None = None,
+    Construction is collective over ``process_group``: every rank of it constructs the state,
+    in the same order as its other collectives. ``close()`` (or the end of the process)
+    releases it. A state pickles (``torch.save``) with its options, the sparsifier's memory and
+    what ``auto`` learnt, not its groups, threads and sockets; a loaded one serves the default
+    group (as PowerSGD's state does: set ``process_group`` before its first use to serve
+    another) and joins its ranks at the first bucket it reduces, every rank at once.
+
+    Args:
+        process_group: the ranks the DDP model is replicated over, as given to
+            ``DistributedDataParallel(process_group=...)``; None: the default group. The
+            hook's streams are Gloo subgroups of it, made by its ranks alone, and its
+            aggregators and switch job serve its ranks only.
+        sparsifier: sparsifies each parameter's gradient in a dense bucket before the
+            reduction (e.g. ``hvd_sparse.TopK(0.01)``), with error feedback per parameter.
+        named_parameters: ``model.named_parameters()``: names the sparsifier's memory
+            (needed with a sparsifier to resume from a checkpoint).
+        streams: buckets reduced at once, each stream a thread and a Gloo group.
+        fuse_mb: sparse buckets whose last results together stay under this size are reduced
+            by one exchange.
+        **options: ``hvd_sparse.init``'s options (``scheme``, ``timeout``, ``aggregators``,
+            ...: see the configuration reference), over ``HVD_SPARSE_*`` variables.
+
+    Raises:
+        HvdSparseError: torch.distributed is not initialized, or the aggregators or switch
+            could not be joined (naming them).
+        ValueError: ``streams`` < 1 or an option's value is invalid.
+        TypeError: an unknown option.
+
+    Example:
+        >>> state = hvd_sparse.ddp.State(scheme="auto")
+        >>> model.register_comm_hook(state, hvd_sparse.ddp.hook)
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *,
+                 sparsifier: Sparsifier | None = None,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] = (), streams: int = 2,
                  fuse_mb: float = 1.0, **options: Any) -> None:
         if not dist.is_initialized():
             raise HvdSparseError("hvd_sparse.ddp.State(): call "
                                  "torch.distributed.init_process_group() first")
-        cfg = _config.from_env_and_kwargs(**options)
-        self.config = cfg
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
-        # Groups of our own, one per stream: operations on the default one (DDP's, the
-        # user's) must not interleave with the hook's, which run on other threads. Reductions
-        # go to the streams in turn, in the order DDP hands out buckets (alike on every rank),
-        # each stream's one after another, so every group sees the same operations in the same
-        # order on every rank.
-        timeout = timedelta(seconds=cfg.timeout * 4)
-        self.streams = [TorchCollectives(dist.new_group(backend="gloo", timeout=timeout))
-                        for _ in range(streams)]
-        self.comm = self.streams[0]
-        self.omni, self.switch, self.net = session.join_all(cfg, self.comm)
-        self.context = Context(cfg, self.net, self.omni, self.switch)
+        self.config = _config.from_env_and_kwargs(**options)
+        self.process_group = process_group
         self.sparsifier = sparsifier
-        if sparsifier is not None:
-            sparsifier.join(self.comm.rank, self.comm.size)
         self.names = {p: n for n, p in named_parameters}
-        self._work: list[queue.Queue[Work | None]] = [queue.Queue() for _ in self.streams]
-        self._threads: list[threading.Thread | None] = [None] * streams
-        self._next = -1  # the stream of the last reduction
+        self._needs_names = False
+        self.stream_count = streams
         self.fuse_bytes = int(fuse_mb * 2**20)
+        self._forget()
+        # what "auto" learnt (union ratios, rows plans by bucket name): the context's own dicts
+        self._learnt: tuple[dict[str, float], dict[str, RowsPlan]] = ({}, {})
+        self._join()
+
+    def _forget(self) -> None:
+        """What a state holds only while it runs in this process (not pickled)."""
+        self.streams: list[TorchCollectives] = []
+        self.comm: TorchCollectives | None = None
+        self.omni = self.switch = None
+        self.context: Context | None = None
+        self._work: list[queue.Queue[Work | None]] = []
+        self._threads: list[threading.Thread | None] = []
+        self._next = -1  # the stream of the last reduction
         self._held: list[Held] = []  # sparse buckets
         self._seen: dict[int, int] = {}  # a sparse bucket's last result, bytes
-        self._sparse_last: set[int] = set()  # the sparse buckets of the last backward pass
-        self._sparse_now: set[int] = set()  # and of this one
+        self._buckets: dict[tuple[int, ...], int] = {}  # a bucket's parameters -> its number
+        self._pass: list[tuple[int, bool]] = []  # this backward pass: (bucket, sparse)
+        self._sparse_after: dict[int, bool] = {}  # last pass: whether a sparse bucket followed
 
-    def submit(self, name: str, t: torch.Tensor, parts: Sequence[Part] = ()
+    def _join(self) -> None:
+        """Collective over the process group: the streams' groups, the aggregators and switch
+        joined, the network model."""
+        cfg = self.config
+        pg = self.process_group
+        if pg is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gave a rank outside
+            raise HvdSparseError(f"hvd_sparse.ddp.State: rank {dist.get_rank()} is not in its "
+                                 "process group")
+        ranks = dist.get_process_group_ranks(pg) if pg is not None else \
+            list(range(dist.get_world_size()))
+        # Groups of our own, one per stream: operations on DDP's group (and the user's) must
+        # not interleave with the hook's, which run on other threads. Made by the group's ranks
+        # alone (local synchronization), so other jobs in the world need not take part.
+        # Reductions go to the streams in turn, in the order DDP hands out buckets (alike on
+        # every rank), each stream's one after another, so every group sees the same
+        # operations in the same order on every rank.
+        timeout = timedelta(seconds=cfg.timeout * 4)
+        self.streams = [TorchCollectives(dist.new_group(ranks, timeout=timeout, backend="gloo",
+                                                        use_local_synchronization=True),
+                                         job_size=len(ranks))
+                        for _ in range(self.stream_count)]
+        self.comm = self.streams[0]
+        self.omni, self.switch, self.net = session.join_all(cfg, self.comm)
+        self.context = Context(cfg, self.net, self.omni, self.switch, *self._learnt)
+        if self.sparsifier is not None:
+            self.sparsifier.join(self.comm.rank, self.comm.size)
+        self._work = [queue.Queue() for _ in self.streams]
+        self._threads = [None] * self.stream_count
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._held:
+            raise HvdSparseError("hvd_sparse.ddp.State: cannot be saved in the middle of a "
+                                 "backward pass (sparse buckets are held)")
+        return {"config": self.config, "sparsifier": self.sparsifier,
+                "named": bool(self.names), "stream_count": self.stream_count,
+                "fuse_bytes": self.fuse_bytes, "learnt": copy.deepcopy(self._learnt)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.config = state["config"]
+        self.sparsifier = state["sparsifier"]
+        self.stream_count = state["stream_count"]
+        self.fuse_bytes = state["fuse_bytes"]
+        self._learnt = state["learnt"]
+        self.names = {}
+        self._needs_names = state["named"] and self.sparsifier is not None
+        self.process_group = None  # the default group, unless set before the first use
+        self._forget()
+
+    def set_names(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Names the parameters again (a state loaded with ``torch.load``, whose sparsifier
+        keeps its memory per parameter name).
+
+        Args:
+            named_parameters: ``model.named_parameters()`` of the resumed model.
+        """
+        self.names = {p: n for n, p in named_parameters}
+        self._needs_names = False
+
+    def _ready(self) -> None:
+        """Joins the ranks when a loaded state reduces its first bucket (collective: DDP hands
+        the first bucket to every rank's hook)."""
+        if self.context is not None:
+            return
+        if self._needs_names:
+            raise HvdSparseError(
+                "hvd_sparse.ddp.State was loaded from a checkpoint with a sparsifier, whose "
+                "memory is kept per parameter name: call state.set_names("
+                "model.named_parameters()) before the first backward pass")
+        self._join()
+
+    def _bucket(self, bucket: dist.GradBucket, sparse: bool) -> int:
+        """The bucket's number: its parameters' first appearance in DDP's order, alike on every
+        rank. A bucket seen already in this pass starts the next one (DDP's first
+        static-graph iteration flags no bucket as the last)."""
+        self._ready()
+        key = tuple(id(p) for p in bucket.parameters())
+        number = self._buckets.setdefault(key, len(self._buckets))
+        if any(n == number for n, _ in self._pass):  # the last pass was not flagged, or failed
+            self._fail_held(HvdSparseError(
+                "hvd_sparse: held since a backward pass that did not reach its last bucket"))
+            self._end_pass()
+        self._pass.append((number, sparse))
+        return number
+
+    def _submit(self, name: str, t: torch.Tensor, parts: Sequence[Part] = ()
                ) -> torch.futures.Future:
         """The average of ``t`` over the ranks, reduced on the next stream's thread (its
         ``parts`` sparsified first, with a sparsifier)."""
@@ -101,17 +215,12 @@ class State:
         self._put(lambda comm: [self.reduce(name, t, parts, comm)], [fut])
         return fut
 
-    def hold(self, index: int, t: torch.Tensor) -> torch.futures.Future:
+    def _hold(self, index: int, t: torch.Tensor) -> torch.futures.Future:
         """Sparse bucket ``index``'s average: reduced now when its last result was large (or
-        it has none yet), else with the buckets held beside it at the next ``release``. The
+        it has none yet), else with the buckets held beside it at the next ``_release``. The
         last result is the union, alike on every rank, so every rank holds the same ones."""
-        if any(i == index for i, _, _ in self._held):  # a backward pass that never finished
-            self._fail_held(HvdSparseError(
-                f"hvd_sparse: ddp.bucket{index}: held since a backward pass that did not reach "
-                "its last bucket"))
         fut: torch.futures.Future = torch.futures.Future()
         item = (index, t, fut)
-        self._sparse_now.add(index)
         if self._seen.get(index, self.fuse_bytes + 1) > self.fuse_bytes:
             # a large table pays for its bytes, not for an exchange of its own: it goes while
             # backward computes the next one
@@ -120,18 +229,23 @@ class State:
             self._held.append(item)
         return fut
 
-    def last_sparse(self, index: int) -> bool:
-        """Whether the bucket after ``index`` was dense in the last backward pass: the held
-        buckets then go now, not when that one is ready (alike on every rank: DDP's buckets
-        are)."""
-        return index + 1 not in self._sparse_last
+    def _last_sparse(self, index: int) -> bool:
+        """Whether no sparse bucket followed ``index`` in the last backward pass: the held
+        buckets then go now, not when the next one is ready (alike on every rank: DDP's
+        buckets are)."""
+        return not self._sparse_after.get(index, False)
 
-    def backward_done(self) -> None:
+    def _backward_done(self) -> None:
         """After the last bucket of a backward pass."""
-        self.release()
-        self._sparse_last, self._sparse_now = self._sparse_now, set()
+        self._release()
+        self._end_pass()
 
-    def release(self) -> None:
+    def _end_pass(self) -> None:
+        now, self._pass = self._pass, []
+        self._sparse_after = {n: i + 1 < len(now) and now[i + 1][1]
+                              for i, (n, _) in enumerate(now)}
+
+    def _release(self) -> None:
         """Reduces the held sparse buckets, those of one row shape and dtype as one tensor
         (several, if their last results together exceed ``fuse_bytes``)."""
         held, self._held = self._held, []
@@ -202,21 +316,34 @@ class State:
 
     def reduce(self, name: str, t: torch.Tensor, parts: Sequence[Part] = (),
                comm: TorchCollectives | None = None) -> torch.Tensor:
-        """The average of ``t`` (dense or sparse COO) over the ranks, over ``comm`` (the first
-        stream's by default), on this thread."""
+        """The average of ``t`` over the state's ranks, on the calling thread (what the hook
+        does with a bucket; every rank must call it in the same order).
+
+        Args:
+            name: names the reduction (metrics, run file).
+            t: a dense tensor (written in place with the result) or a sparse COO one.
+            parts: the parameters' gradients in ``t`` (name, offset, elements), sparsified
+                one by one first when the state has a sparsifier.
+            comm: the stream's collectives to use; None: the first stream's.
+
+        Returns:
+            The average, ``t`` itself for a dense ``t``, a coalesced sparse tensor for a
+            sparse one.
+
+        Raises:
+            HvdSparseError: the reduction failed or timed out (naming the tensor and peer).
+        """
         comm = comm or self.comm
-        if t.device.type != "cpu":  # reduced through host memory
+        sparsify = self.sparsifier is not None and bool(parts)
+        if t.device.type != "cpu" and (t.is_sparse or sparsify):
+            # rows and the sparsifiers work in host memory: such a bucket crosses whole (a
+            # dense one alone is staged by its non-zero blocks, reduction.start)
             return self.reduce(name, t.cpu(), parts, comm).to(t.device)
         bs = self.config.block_size
         scheme = self.config.scheme
-        if t.is_sparse:
-            if rows.supported(t):
-                return self._run(name, t, t.shape, "rows", comm)
-            return self._run(name, t.to_dense().view(-1), t.shape, "dense", comm).view(t.shape)
+        if t.is_sparse:  # DDP wants a sparse result: rows, by allgather where "dense" is asked
+            return self._run(name, t, "allgather" if scheme == "dense" else scheme, comm)
         flat = t.contiguous().view(-1)
-        if not blocks.supported(flat) or flat.numel() == 0:
-            scheme = "dense"
-        sparsify = self.sparsifier is not None and bool(parts)
         whole: list[Part] = []
         if sparsify:
             for part, start, numel in parts:
@@ -233,8 +360,8 @@ class State:
             small = torch.cat([flat[s:s + n] for _, s, n in whole])
             for _, s, n in whole:
                 flat[s:s + n].zero_()
-            small = self._run(f"{name}.whole", small, small.shape, "dense", comm)
-        out = self._run(name, flat, t.shape, scheme, comm)
+            small = self._run(f"{name}.whole", small, "dense", comm)
+        out = self._run(name, flat, scheme, comm)
         at = 0
         for _, s, n in whole:
             out[s:s + n] = small[at:at + n]
@@ -244,24 +371,34 @@ class State:
                 self.sparsifier.observe(part, out[start:start + numel], bs)
         return out.view(t.shape)
 
-    def _run(self, name: str, flat: torch.Tensor, shape: torch.Size, scheme: str,
-             comm: TorchCollectives) -> torch.Tensor:
-        """The average of ``flat`` (in place unless by rows) by ``scheme``, on this thread."""
-        job = Job(name=name, tensor=flat, shape=shape, average=True, prescale=1.0,
-                  postscale=1.0, block_size=self.config.block_size,
-                  meta=blocks.meta_hash(shape, flat.dtype), scheme=scheme, ctx=self.context,
-                  comm=comm, inplace=scheme != "rows" and flat.numel() > 0,
-                  asked=self.config.scheme)
-        h = engine.submit(job, schemes.run(job), _record)
-        return engine.synchronize(h, self.config.timeout)
+    def _run(self, name: str, t: torch.Tensor, scheme: str, comm: TorchCollectives
+             ) -> torch.Tensor:
+        """The average of ``t`` (dense: in place) by ``scheme``, on this thread."""
+        assert self.context is not None
+        h = reduction.start(t, name, comm=comm, ctx=self.context, scheme=scheme, average=True,
+                            block_size=self.config.block_size, inplace=not t.is_sparse)
+        return reduction.finish(h)
 
     def state_dict(self) -> dict[str, Any]:
-        """What the hook learnt in training (the sparsifier's memory, auto's union ratios):
-        save it with the checkpoint and ``load_state_dict`` it into the resumed job's state."""
+        """What the hook learnt in training, to save with a checkpoint.
+
+        Returns:
+            The sparsifier's memory and what ``auto`` learnt of each bucket; pass it to
+            ``load_state_dict`` of the resumed job's state (or pickle the state itself).
+        """
+        union_ratio, plans = self._learnt
         return {"sparsifier": self.sparsifier.state_dict() if self.sparsifier else None,
-                "union_ratio": dict(self.context.union_ratio)}
+                "union_ratio": dict(union_ratio), "rows_plans": copy.deepcopy(plans)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what ``state_dict`` returned.
+
+        Args:
+            state: a ``state_dict()`` of a state with a sparsifier of the same kind (or none).
+
+        Raises:
+            ValueError: one of the two has a sparsifier and the other has none.
+        """
         if (state["sparsifier"] is None) != (self.sparsifier is None):
             raise ValueError("hvd_sparse.ddp.State.load_state_dict: the checkpoint was saved "
                              "with" + ("out" if state["sparsifier"] is None else "") +
@@ -269,10 +406,15 @@ class State:
                              (" none" if self.sparsifier is None else " one"))
         if self.sparsifier is not None:
             self.sparsifier.load_state_dict(state["sparsifier"])
-        self.context.union_ratio.clear()
-        self.context.union_ratio.update(state["union_ratio"])
+        union_ratio, plans = self._learnt
+        union_ratio.clear()
+        union_ratio.update(state["union_ratio"])
+        plans.clear()
+        plans.update(copy.deepcopy(state.get("rows_plans", {})))
 
     def close(self) -> None:
+        """Fails the buckets still held, stops the streams' threads and leaves the aggregators
+        and the switch (the job's own aggregators stop). Idempotent."""
         self._fail_held(HvdSparseError("hvd_sparse.ddp: the state was closed"))
         for k, thread in enumerate(self._threads):
             if thread is not None:
@@ -286,18 +428,38 @@ class State:
 
 
 def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the bucket's gradients averaged over the ranks by hvd_sparse."""
-    name, buffer = f"ddp.bucket{bucket.index()}", bucket.buffer()
-    if buffer.is_sparse and buffer.dtype in rows.FLOATS:
-        fut = state.hold(bucket.index(), buffer)
-        if state.last_sparse(bucket.index()):
-            state.release()
+    """DDP communication hook: the bucket's gradients averaged over the state's process group.
+
+    Register it with ``ddp_model.register_comm_hook(state, hook)``.
+
+    Args:
+        state: the ``State`` (its process group must be the DDP model's).
+        bucket: DDP's bucket of gradients.
+
+    Returns:
+        A future of the averaged bucket (sparse for a sparse bucket); a failure in it raises
+        from ``backward()`` with the hook's own message (naming bucket, tensor and peer).
+    """
+    buffer = bucket.buffer()
+    sparse = buffer.is_sparse and buffer.dtype in rows.FLOATS
+    number = state._bucket(bucket, sparse)
+    name = f"ddp.bucket{number}"
+    if sparse:
+        fut = state._hold(number, buffer)
+        if state._last_sparse(number):
+            state._release()
     else:
-        state.release()  # the sparse buckets before this one go first, in bucket order
-        fut = state.submit(name, buffer, _parts(state, bucket, name))
+        state._release()  # the sparse buckets before this one go first, in bucket order
+        fut = state._submit(name, buffer, _parts(state, bucket, name))
     if bucket.is_last():
-        state.backward_done()
-    return fut
+        state._backward_done()
+    # DDP reads a future's value as the bucket, an exception set on it included ("Unable to
+    # cast"): a future chained by ``then`` fails as itself, with the exception's message
+    return fut.then(_value)
+
+
+def _value(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.wait()
 
 
 def _parts(state: State, bucket: dist.GradBucket, name: str) -> list[Part]:
@@ -316,5 +478,3 @@ def _parts(state: State, bucket: dist.GradBucket, name: str) -> list[Part]:
     return parts
 
 
-def _record(h: Handle) -> None:
-    record_metrics(h.job.name, time.monotonic() - h.started, h.job.stats)

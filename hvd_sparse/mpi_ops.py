@@ -1,19 +1,15 @@
 """``allreduce``, ``allreduce_async``, ``synchronize``, ``poll``: the sparse-aware collectives."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import horovod.torch as hvd
 import torch
 
-from . import basics, blocks, engine, runfile, schemes, staging
+from . import basics, engine, reduction, schemes
 from .comm import horovod as collectives
 from .engine import Handle
 from .errors import HvdSparseError
-from .job import Job
-from .metrics import record as record_metrics
-from .schemes import rows
 
 
 def allreduce_async(
@@ -28,17 +24,40 @@ def allreduce_async(
     *,
     inplace: bool = False,
 ) -> Handle:
-    """Starts reducing ``tensor`` across ranks; returns a handle for ``synchronize``.
+    """Starts reducing ``tensor`` across ranks, shipping only its non-zero parts where that pays.
 
     Ranks match tensors by ``name`` and may submit them in any order; unnamed tensors are
-    matched by call order, as in Horovod. ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``.
-    A sparse COO tensor (an embedding's gradient) is reduced from its rows and the result is a
-    coalesced sparse tensor (``scheme="dense"``, or on a GPU: densified, reduced, returned dense).
-    A tensor on a GPU is reduced on the host, only its non-zero blocks crossing the bus both
-    ways (staging.py), and its result is on its device. Tensors the codec does not handle
-    (integer, empty) use Horovod's dense allreduce.
-    With ``process_set`` only its ranks take part (every Horovod collective runs in it); the
-    omnireduce scheme refuses one that is not the global set.
+    matched by call order, as in Horovod. A sparse COO tensor (an embedding's gradient) is
+    reduced from its rows and the result is a coalesced sparse tensor (with ``scheme="dense"``,
+    or on a GPU: densified, reduced, returned dense). A tensor on a GPU is reduced on the host,
+    only its non-zero blocks crossing the bus both ways, and its result is on its device.
+    Tensors the codec does not handle (integer, empty) use Horovod's dense allreduce.
+
+    Args:
+        tensor: the input; unchanged unless ``inplace``.
+        name: matches the tensor across ranks; None: the call order does.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        scheme: "auto", "dense", "allgather", "zen", "omnireduce" or "switch"; None: the
+            configured one (``HVD_SPARSE_SCHEME``, default "auto").
+        prescale_factor: multiplies the input before the sum.
+        postscale_factor: multiplies the sum.
+        block_size: the codec's block, in elements; None: the configured one (256).
+        process_set: only its ranks take part (every collective runs in it); the aggregated
+            schemes (omnireduce, switch) serve the global set only and reduce a tensor of
+            another set dense instead, with a warning.
+        inplace: ``synchronize`` writes the result into ``tensor``.
+
+    Returns:
+        A handle for ``synchronize`` or ``poll``.
+
+    Raises:
+        HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``,
+            or a reduction of the same name is in flight.
+        ValueError: ``op`` or ``scheme`` is not one of the above.
+
+    Example:
+        >>> h = hvd_sparse.allreduce_async(grad, name="emb.weight")
+        >>> avg = hvd_sparse.synchronize(h)
     """
     st = basics.state()
     op = hvd.Average if op is None else op
@@ -50,75 +69,38 @@ def allreduce_async(
     if not process_set.included():
         raise HvdSparseError(f"hvd_sparse: tensor {name!r}: rank {hvd.rank()} is not in "
                              f"process set {process_set.ranks}")
-    t = tensor.detach()
-    block_size = block_size or st.config.block_size
-    home = to_host = None  # a staged tensor: its flat self on the device, its way to the host
-    asked = scheme
-    if t.is_sparse and scheme != "dense" and rows.supported(t):
-        scheme, inplace, copied = "rows", False, False
-    else:
-        # A copy (of a sparse or non-contiguous input) is ours: the result is built in it, as in
-        # place, rather than in a second fresh tensor.
-        copied = t.is_sparse or not t.is_contiguous()
-        t = (_dense(t) if t.is_sparse else t.contiguous()).view(-1)
-        if t.numel() and staging.staged(t):
-            home, to_host, copied = t, staging.ToHost(t, block_size), True
-        elif not blocks.supported(t) or t.numel() == 0:
-            scheme = "dense"
-    job = Job(name=name, tensor=t, shape=tensor.shape, average=op == hvd.Average,
-              prescale=prescale_factor, postscale=postscale_factor, block_size=block_size,
-              meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme,
-              ctx=st.context, comm=collectives.of(process_set),
-              inplace=t.numel() > 0 and (inplace or copied),
-              output=tensor if inplace else None, home=home, asked=asked)
-    if to_host is None:
-        return engine.submit(job, schemes.run(job), _record)
-    job.stats.staged = str(home.device)
-    return engine.submit(job, _staged(job, to_host), _record)
-
-
-def _staged(job: Job, to_host: staging.ToHost) -> engine.Stage:
-    """A staged tensor's reduction: its non-zero blocks reach host memory, the scheme runs on
-    the host tensor built from them (``synchronize`` takes the result back to the device)."""
-    job.tensor = yield "to host", to_host
-    job.mask = to_host.mask()
-    return (yield from schemes.run(job))
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t.to_dense()`` (the same bits: values added into zeros) built in ``blocks.zeros``, so
-    that only the pages the values land in are touched (on a GPU: ``to_dense``, on it)."""
-    if t.device.type != "cpu":
-        return t.to_dense()
-    t = t.coalesce()
-    out = blocks.zeros(t.numel(), t.dtype).view(t.shape)
-    return out.index_put_(tuple(t.indices()), t.values(), accumulate=True)
-
-
-def _record(h: Handle) -> None:
-    seconds = time.monotonic() - h.started
-    record_metrics(h.job.name, seconds, h.job.stats)
-    runfile.record(h.job, h.started, seconds)
+    return reduction.start(tensor, name, comm=collectives.of(process_set), ctx=st.context,
+                           scheme=scheme, average=op == hvd.Average,
+                           block_size=block_size or st.config.block_size,
+                           prescale=prescale_factor, postscale=postscale_factor, inplace=inplace)
 
 
 def synchronize(handle: Handle) -> torch.Tensor:
-    """Waits for ``handle``; returns the result with the input's shape and dtype."""
-    job = handle.job
-    out = engine.synchronize(handle, job.ctx.config.timeout)
-    if job.home is not None:  # back to the tensor's device; in place when it is the caller's
-        target = job.home if job.output is not None else torch.empty_like(job.home)
-        out = staging.to_device(out, target, job.block_size)
-    if not out.is_sparse:
-        out = out.view(job.shape)
-    if job.output is not None:
-        if out.data_ptr() != job.output.data_ptr():
-            job.output.copy_(out)
-        return job.output
-    return out
+    """Waits for ``handle``, driving every reduction in flight meanwhile.
+
+    Args:
+        handle: what ``allreduce_async`` or ``allreduce_async_`` returned.
+
+    Returns:
+        The result with the input's shape, dtype and device (a coalesced sparse tensor for a
+        sparse input reduced by its rows); for an in-place reduction, the input itself.
+
+    Raises:
+        HvdSparseError: the reduction failed (naming the tensor and why) or one of its stages
+            (a collective, an aggregation) took longer than the ``timeout`` option.
+    """
+    return reduction.finish(handle)
 
 
 def poll(handle: Handle) -> bool:
-    """True when ``synchronize(handle)`` would return without waiting."""
+    """Moves the reductions in flight on and tells whether ``handle``'s has finished.
+
+    Args:
+        handle: what ``allreduce_async`` or ``allreduce_async_`` returned.
+
+    Returns:
+        True when ``synchronize(handle)`` would return (or raise) without waiting.
+    """
     return engine.poll(handle)
 
 
@@ -132,7 +114,34 @@ def allreduce(
     block_size: int | None = None,
     process_set: hvd.ProcessSet = hvd.global_process_set,
 ) -> torch.Tensor:
-    """Reduces ``tensor`` across ranks, shipping only its non-zero blocks where that pays."""
+    """Reduces ``tensor`` across ranks, shipping only its non-zero blocks where that pays.
+
+    ``synchronize(allreduce_async(...))``: see ``allreduce_async`` for what each form of
+    tensor becomes.
+
+    Args:
+        tensor: the input (dense or sparse COO, on the host or a GPU); unchanged.
+        name: matches the tensor across ranks; None: the call order does.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        scheme: "auto", "dense", "allgather", "zen", "omnireduce" or "switch"; None: the
+            configured one (default "auto").
+        prescale_factor: multiplies the input before the sum.
+        postscale_factor: multiplies the sum.
+        block_size: the codec's block, in elements; None: the configured one (256).
+        process_set: only its ranks take part (see ``allreduce_async``).
+
+    Returns:
+        The result: a new tensor with the input's shape, dtype and device (a coalesced sparse
+        tensor for a sparse input reduced by its rows).
+
+    Raises:
+        HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``, a
+            reduction of the same name is in flight, or the reduction failed or timed out.
+        ValueError: ``op`` or ``scheme`` is not one of the above.
+
+    Example:
+        >>> avg = hvd_sparse.allreduce(grad, name="emb.weight", op=hvd.Average)
+    """
     return synchronize(allreduce_async(tensor, name, op, scheme, prescale_factor,
                                        postscale_factor, block_size, process_set))
 
@@ -150,6 +159,32 @@ def allreduce_async_(
     """In-place ``allreduce_async``: ``synchronize`` writes the result into ``tensor``.
 
     Cheaper for large tensors: the sum is built in the tensor's own (already mapped) memory.
+    A sparse tensor reduced by its rows is not written in place: ``synchronize`` returns a new
+    one.
+
+    Args:
+        tensor: the input (dense or sparse COO, on the host or a GPU); holds the result
+            after ``synchronize``.
+        name: matches the tensor across ranks; None: the call order does.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        scheme: "auto", "dense", "allgather", "zen", "omnireduce" or "switch"; None: the
+            configured one (default "auto").
+        prescale_factor: multiplies the input before the sum.
+        postscale_factor: multiplies the sum.
+        block_size: the codec's block, in elements; None: the configured one (256).
+        process_set: only its ranks take part (see ``allreduce_async``).
+
+    Returns:
+        A handle for ``synchronize`` or ``poll``.
+
+    Raises:
+        HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``, or
+            a reduction of the same name is in flight.
+        ValueError: ``op`` or ``scheme`` is not one of the above.
+
+    Example:
+        >>> h = hvd_sparse.allreduce_async_(grad, name="fc.weight")
+        >>> hvd_sparse.synchronize(h)  # grad now holds the average
     """
     return allreduce_async(tensor, name, op, scheme, prescale_factor, postscale_factor,
                            block_size, process_set, inplace=True)
@@ -165,6 +200,30 @@ def allreduce_(
     block_size: int | None = None,
     process_set: hvd.ProcessSet = hvd.global_process_set,
 ) -> torch.Tensor:
-    """In-place ``allreduce``: returns ``tensor`` holding the result."""
+    """In-place ``allreduce``: the result is written into ``tensor``.
+
+    Args:
+        tensor: the input (dense or sparse COO, on the host or a GPU); holds the result.
+        name: matches the tensor across ranks; None: the call order does.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        scheme: "auto", "dense", "allgather", "zen", "omnireduce" or "switch"; None: the
+            configured one (default "auto").
+        prescale_factor: multiplies the input before the sum.
+        postscale_factor: multiplies the sum.
+        block_size: the codec's block, in elements; None: the configured one (256).
+        process_set: only its ranks take part (see ``allreduce_async``).
+
+    Returns:
+        ``tensor``, holding the result (for a sparse tensor reduced by its rows: a new
+        coalesced sparse tensor).
+
+    Raises:
+        HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``, a
+            reduction of the same name is in flight, or the reduction failed or timed out.
+        ValueError: ``op`` or ``scheme`` is not one of the above.
+
+    Example:
+        >>> hvd_sparse.allreduce_(grad, name="fc.weight", op=hvd.Sum)
+    """
     return synchronize(allreduce_async_(tensor, name, op, scheme, prescale_factor,
                                         postscale_factor, block_size, process_set))

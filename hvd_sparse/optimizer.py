@@ -1,8 +1,9 @@
 """``hvd_sparse.DistributedOptimizer``: Horovod's optimizer semantics, reductions by hvd_sparse.
 
 Same contract as ``hvd.DistributedOptimizer`` (op, gradient_predivide_factor, process_set,
-backward_passes_per_step, synchronize/skip_synchronize), without Horovod's placeholder
-allreduces: each gradient's reduction starts from a post-accumulate-grad hook during backward.
+backward_passes_per_step, sparse_as_dense, synchronize/skip_synchronize), without Horovod's
+placeholder allreduces: each gradient's reduction starts from a post-accumulate-grad hook
+during backward. Horovod's compression, num_groups and groups are refused by name.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
                  scheme: str | None, block_size: int | None, op: Any,
                  gradient_predivide_factor: float, backward_passes_per_step: int,
-                 sparsifier: Sparsifier | None, process_set: hvd.ProcessSet) -> None:
+                 sparsifier: Sparsifier | None, process_set: hvd.ProcessSet,
+                 sparse_as_dense: bool) -> None:
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._names = _names(named_parameters, all_params)
@@ -40,6 +42,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if isinstance(sparsifier, DGC):
             sparsifier.take_momentum(self.param_groups)
         self._predivide = gradient_predivide_factor
+        self._sparse_as_dense = sparse_as_dense
         self._passes_per_step = backward_passes_per_step
         self.process_set = process_set
         self._passes: dict[torch.Tensor, int] = {}
@@ -72,13 +75,16 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         pre, post = ((1.0 / self._predivide, self._predivide) if self._op == hvd.Average
                      else (1.0, 1.0))
         scheme = self._scheme
-        if self._sparsifier is not None and not p.grad.is_sparse:
-            self._sparsifier(self._names[id(p)], p.grad,
+        grad = p.grad
+        if self._sparse_as_dense and grad.is_sparse:
+            grad = grad.to_dense()  # reduced by blocks, handed back sparse (as Horovod does)
+        if self._sparsifier is not None and not grad.is_sparse:
+            self._sparsifier(self._names[id(p)], grad,
                              self._block_size or basics.state().config.block_size)
-            if self._sparsifier.too_small(p.grad.numel()):
+            if self._sparsifier.too_small(grad.numel()):
                 scheme = "dense"  # it went out whole: a ring allreduce ships it cheapest
-        start = allreduce_async if p.grad.is_sparse else allreduce_async_
-        self._handles[p] = start(p.grad, name=self._names[id(p)], op=self._op,
+        start = allreduce_async_ if grad is p.grad and not grad.is_sparse else allreduce_async
+        self._handles[p] = start(grad, name=self._names[id(p)], op=self._op,
                                  scheme=scheme, prescale_factor=pre, postscale_factor=post,
                                  block_size=self._block_size, process_set=self.process_set)
 
@@ -93,10 +99,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                     self._submit(p)
         for p, h in self._handles.items():
             out = synchronize(h)
-            if self._sparsifier is not None and not p.grad.is_sparse:
+            if self._sparsifier is not None and not out.is_sparse:
                 self._sparsifier.observe(self._names[id(p)], out, h.job.block_size)
-            if p.grad.is_sparse:  # reduced by rows, coalesced: sparse optimizers take it
-                p.grad = out
+            if p.grad.is_sparse:  # reduced by rows, coalesced (or sparse_as_dense's, made
+                p.grad = out if out.is_sparse else out.to_sparse()  # sparse again)
             # dense gradients were reduced in place
         self._handles.clear()
         self._passes.clear()
@@ -174,15 +180,64 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     backward_passes_per_step: int = 1,
     sparsifier: Sparsifier | None = None,
     process_set: hvd.ProcessSet = hvd.global_process_set,
+    *,
+    sparse_as_dense: bool = False,
+    compression: Any = None,
+    num_groups: int = 0,
+    groups: Any = None,
 ) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so ``step()`` applies gradients reduced across ranks by hvd_sparse.
 
-    ``sparsifier`` (e.g. ``hvd_sparse.ExDyna(density=0.01)``) sparsifies each dense gradient
-    before its reduction; element-wise ones (TopK, Threshold, DGC) want a small ``block_size``.
-    Tensors too small to sparsify (``Sparsifier.too_small``: by size and density) go out whole by
-    the dense scheme. With ``process_set`` gradients are reduced over its ranks only; other
-    ranks step on their own gradients, as with Horovod's optimizer.
+    Horovod's ``hvd.DistributedOptimizer`` contract (op, gradient_predivide_factor,
+    backward_passes_per_step, process_set, sparse_as_dense, synchronize/skip_synchronize),
+    without Horovod's placeholder allreduces: each gradient's reduction starts from its
+    post-accumulate-grad hook during backward. Sparse gradients (``nn.Embedding(sparse=True)``)
+    are reduced by rows and stay sparse. Tensors too small to sparsify
+    (``Sparsifier.too_small``: by size and density) go out whole by the dense scheme.
+
+    Args:
+        optimizer: the optimizer to wrap.
+        named_parameters: ``model.named_parameters()``: names match gradients across ranks
+            (default: the optimizer's parameter order).
+        scheme: "auto", "dense", "allgather", "zen", "omnireduce" or "switch"; None: the
+            configured one.
+        block_size: the codec's block in elements; element-wise sparsifiers (TopK,
+            Threshold, DGC) want a small one (1..32).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: with ``hvd.Average``, divide by this before the sum and
+            by size / factor after it, as Horovod does.
+        backward_passes_per_step: backward passes accumulated locally before a reduction.
+        sparsifier: sparsifies each dense gradient before its reduction, with error feedback
+            (e.g. ``hvd_sparse.ExDyna(density=0.01)``).
+        process_set: gradients are reduced over its ranks only; other ranks step on their
+            own gradients, as with Horovod's optimizer.
+        sparse_as_dense: densify sparse gradients and reduce them by blocks (Horovod's option).
+        compression: not supported (hvd_sparse compresses itself: ``scheme``, ``sparsifier``);
+            only ``None`` or ``hvd.Compression.none``.
+        num_groups: not supported (each gradient goes as soon as it is ready); only 0.
+        groups: not supported, as ``num_groups``; only None.
+
+    Returns:
+        An optimizer of the wrapped one's class with the contract above.
+
+    Raises:
+        ValueError: an unsupported ``op``, ``scheme``, ``sparsifier``, factor or pass count, or
+            one of the unsupported Horovod arguments above, named.
+
+    Example:
+        >>> opt = hvd_sparse.DistributedOptimizer(
+        ...     torch.optim.SGD(model.parameters(), lr=0.1),
+        ...     named_parameters=model.named_parameters(), scheme="auto")
     """
+    if compression is not None and compression is not hvd.Compression.none:
+        raise ValueError(
+            "hvd_sparse.DistributedOptimizer does not take compression=: it reduces gradients "
+            "itself (choose scheme= and sparsifier=); to keep a Horovod compressor, use "
+            "hvd.DistributedOptimizer(compression=hvd_sparse.Compression.sparse(...)) instead")
+    if num_groups != 0 or groups is not None:
+        raise ValueError(
+            "hvd_sparse.DistributedOptimizer does not take num_groups= or groups=: each "
+            "gradient's reduction starts as soon as it is ready, nothing waits for a group")
     op = hvd.Average if op is None else op
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError("hvd_sparse.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
@@ -200,4 +255,5 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     namespace["__module__"] = _HvdDistributedOptimizer.__module__
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, scheme, block_size, op,
-               gradient_predivide_factor, backward_passes_per_step, sparsifier, process_set)
+               gradient_predivide_factor, backward_passes_per_step, sparsifier, process_set,
+               sparse_as_dense)

@@ -20,10 +20,11 @@ import socket
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import asdict
 
 import torch
 
-from . import auth, costmodel, protocol, switch_control
+from . import auth, costmodel, logs, protocol, runfile, switch_control
 from ._C import AggregatorTimeout, OmniWorker, set_threads
 from .aggregator import LocalAggregators
 from .comm import Collectives
@@ -359,7 +360,9 @@ def join_all(cfg: Config, comm: Collectives
              ) -> tuple[Session | None, Session | None, costmodel.NetModel]:
     """What either front end does at start, collective over ``comm`` (all ranks of the job):
     the codec's threads (ranks sharing a host share its cores; more threads than that make
-    every loop crawl), the aggregators and the switch joined, and the network model."""
+    every loop crawl), the library logger's level and rank, the aggregators and the switch
+    joined, the network model, and the run file (``metrics_file``)."""
+    logs.configure(cfg.log_level, comm.ranks[comm.rank])
     set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // comm.local_size()))
     omni = start(cfg, comm)
     switch = join_switch(cfg, comm)
@@ -370,7 +373,26 @@ def join_all(cfg: Config, comm: Collectives
         switch_layout=switch.layout() if switch else (0, 0),
         switch_name=switch.describe() if switch else "")
     log.debug("hvd_sparse: network model (%s): %s", net.source, net)
+    _start_run_file(cfg, comm, net, omni)
     return omni, switch, net
+
+
+def _start_run_file(cfg: Config, comm: Collectives, net: costmodel.NetModel,
+                    omni: Session | None) -> None:
+    if not cfg.metrics_file:
+        runfile.stop()
+        return
+    runfile.start(cfg.metrics_file, comm.rank, cfg.metrics_records, {
+        "world_size": comm.size,
+        "hosts": comm.hosts(),
+        "aggregators": len(omni.addrs) if omni else 0,
+        "aggregators_local": bool(omni) and not cfg.aggregator_list(),  # the job's own
+        "aggregator_hosts": omni.link_hosts() if omni else None,
+        "aggregator_placement": omni.placement if omni else None,
+        "link_rate_bps": runfile.parse_rate(cfg.link_rate) if cfg.link_rate else None,
+        "net": asdict(net),
+        "config": asdict(cfg),
+    })
 
 
 def _whereabouts() -> tuple[str, int, list[str]]:

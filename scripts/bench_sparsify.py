@@ -51,7 +51,8 @@ def bench_one(numel: int, density: float, block: int, reps: int, seed: int) -> d
     assert k <= _C.select_abs_ge(x, kth).numel() <= k + 16, "Threshold count differs from k"
     del ref, ours
     dgc = DGC(density, error_feedback=False, rank=0, size=1)
-    ex4 = ExDyna(density, error_feedback=False, block_size=block, rank=0, size=4)
+    # density is per rank: the union of 4 ranks at ``density``, as before
+    ex4 = ExDyna(density / 4, error_feedback=False, block_size=block, rank=0, size=4)
     ex1 = ExDyna(density, error_feedback=False, block_size=block, rank=0, size=1)
     s = median_times({
         "torch.topk": lambda: torch.topk(x.abs(), k),

@@ -113,7 +113,7 @@ def main() -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--density", type=float, default=DENSITY,
-                    help="the sparsifiers' (ExDyna: the union's; exdyna4: 4x)")
+                    help="the sparsifiers' per rank (exdyna: the union's, per rank / ranks)")
     ap.add_argument("--epochs-x", type=int, default=1,
                     help="train every task this many times its epochs (same warm-up)")
     ap.add_argument("--np", type=int, default=4)

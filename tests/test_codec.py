@@ -364,7 +364,7 @@ def test_decode_into_fresh_zeros_writes_only_the_union(dtype):
 def test_sparse_inputs_densify_like_to_dense(dtype, numel):
     """allreduce of a COO tensor densifies it in fresh zeros: the bits of ``to_dense()``
     (duplicates summed, -0 values added to +0), plain and hybrid (nn.Embedding's gradients)."""
-    from hvd_sparse.mpi_ops import _dense
+    from hvd_sparse.reduction import _dense
 
     g = torch.Generator().manual_seed(numel)
     rows, k = numel // 8, numel // 50

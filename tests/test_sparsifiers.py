@@ -160,7 +160,7 @@ def test_exdyna_is_exclusive_rotating_and_tracks_density(per_element):
     het = torch.ones(n)
     het[: n // 8] = 5.0  # a hot region: its partitions must shrink
     het[3 * n // 4:] = 0.2
-    sp, dens, counts = simulate(n, 4, 120, 0.01, bs, het, per_element)
+    sp, dens, counts = simulate(n, 4, 120, 0.0025, bs, het, per_element)  # a 1% union
     after = float(np.mean(dens[40:]))
     assert abs(after - 0.01) <= 0.001, after
     b = sp[0].states["w"].bounds.tolist()
@@ -234,7 +234,7 @@ def test_exdyna_per_element_false_selects_whole_blocks_of_the_codec_size():
 def test_exdyna_selects_elements_in_its_partition_and_takes_the_largest():
     # The default, as the paper: blocks (of the codec's size) draw the partitions only.
     n, bs, size = 20_000, 256, 4
-    sp = ExDyna(0.01, rank=2, size=size, error_feedback=False)
+    sp = ExDyna(0.0025, rank=2, size=size, error_feedback=False)  # a 1% union
     g = torch.randn(n)
     out = sp("w", g.clone(), bs)
     b0, b1 = sp.states["w"].bounds.tolist()[2:4]

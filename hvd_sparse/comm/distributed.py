@@ -59,14 +59,19 @@ def _one(work: dist.Work, then: Callable[[], Any]) -> Pending:
 
 
 class TorchCollectives(Collectives):
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    """Collectives over ``group`` (the default group when None), a job of ``job_size`` ranks
+    (the world's by default; a DDP job over a subgroup: that subgroup's)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None,
+                 job_size: int | None = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.job_size = dist.get_world_size() if job_size is None else job_size
 
     @property
     def is_global(self) -> bool:
-        return self.size == dist.get_world_size()
+        return self.size == self.job_size
 
     @property
     def kind(self) -> str:

@@ -12,7 +12,9 @@ momentum 0.9, 1%, 8 epochs of a teacher task: 86.8% per element (dense 86.4%), 8
 ~10 times; an element goes out as soon as it crosses the bar. So give the optimizer a small
 ``block_size`` (1..32), as for TopK, or the codec ships a whole block around each element.
 
-The threshold is global: each step it is the (1 - density) quantile of a random sample of |x|
+``density`` is per rank, as for every sparsifier: the union the ranks send together is
+``density x size``, the density the paper speaks of. The threshold is global: each step it is
+the (1 - union density) quantile of a random sample of |x|
 (of block scores with ``per_element=False``) over the whole tensor, times an online factor. A
 rank selects only in the partition it drained longest ago, so the bare quantile lets through
 too many (about 1.5x at 4 ranks); the factor corrects that. After each reduction every rank
@@ -50,14 +52,35 @@ class _State:
     step: int = 0
     threshold: float | None = None
     scale: float = 1.0  # online factor on the sampled quantile
-    density: float = 1.0  # the density the last selection aimed at (warm-up aware)
+    density: float = 1.0  # the union's density the last selection aimed at (warm-up aware)
     local: tuple[int, float] | None = None  # this step's (count, best score) not yet observed
 
 
 class ExDyna(Sparsifier):
-    """``ExDyna(density)``: ``density`` is the union's (all ranks together), as in the paper.
-    ``block_size`` (partition granularity) defaults to the codec's block size of the call;
-    ``per_element=False`` selects whole blocks (see the module's docstring for its cost)."""
+    """ExDyna's exclusive, rebalanced partitions with an online threshold.
+
+    ``density`` means what it means for every sparsifier: the fraction of its gradient each
+    rank sends per step. The ranks' selections never overlap, so their union is
+    ``density x ranks`` of the tensor (capped at 1); the paper's density is that union, so
+    pass the paper's figure divided by the ranks.
+
+    Args:
+        density: the fraction of the tensor's elements (blocks, with ``per_element=False``)
+            each rank sends per step, in (0, 1].
+        error_feedback: keep what was not sent for the next step.
+        block_size: the partitions' granularity in elements; None: the codec's block size
+            of the call.
+        per_element: select elements (the paper); False selects whole blocks (see the
+            module's docstring for its cost in accuracy).
+        **kw: ``Sparsifier``'s options (``warmup``, ``min_selected``, ``min_numel``,
+            ``rank``, ``size``).
+
+    Raises:
+        ValueError: ``density`` outside (0, 1] or ``block_size`` < 1.
+
+    Example:
+        >>> sp = hvd_sparse.ExDyna(density=0.01)  # 1% per rank: a 4% union at 4 ranks
+    """
 
     def __init__(self, density: float, error_feedback: bool = True,
                  block_size: int | None = None, *, per_element: bool = True,
@@ -71,11 +94,20 @@ class ExDyna(Sparsifier):
         self.states: dict[str, _State] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        # plain dicts, not _State: torch.load reads only tensors and plain values by default
+        """``Sparsifier.state_dict`` and each tensor's partitions, threshold and factor.
+
+        Returns:
+            Tensors and plain values (plain dicts: ``torch.load`` reads only those by default).
+        """
         return {**super().state_dict(),
                 "states": {n: dataclasses.asdict(st) for n, st in self.states.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what ``state_dict`` returned.
+
+        Args:
+            state: a ``state_dict()`` of an ExDyna.
+        """
         super().load_state_dict(state)
         self.states = {n: _State(**{**d, "bounds": d["bounds"].clone(),
                                     "local": None if d["local"] is None else tuple(d["local"])})
@@ -91,12 +123,29 @@ class ExDyna(Sparsifier):
         return st
 
     def partition(self, name: str) -> tuple[int, int]:
-        """Block range [b0, b1) this rank selects in at its next step."""
+        """The partition this rank selects in at its next step.
+
+        Args:
+            name: the tensor's name (it must have been selected once).
+
+        Returns:
+            Its block range [b0, b1).
+        """
         st = self.states[name]
         p = (st.step + self.rank) % self.size
         return int(st.bounds[p]), int(st.bounds[p + 1])
 
     def select(self, name: str, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+        """Selects in this rank's partition every unit at or above the global threshold.
+
+        Args:
+            name: the tensor's name.
+            x: the gradient plus its memory, flat.
+            block_size: the codec's block size of the call.
+
+        Returns:
+            (indices of the selected units, elements per unit).
+        """
         st = self._state(name, x.numel(), block_size)
         units = self._units(st, x.numel())
         if st.local is not None:  # last step was never observed: steer by this rank alone
@@ -112,7 +161,7 @@ class ExDyna(Sparsifier):
             return torch.empty(0, dtype=torch.int64, device=x.device), unit
         # Global threshold: the (1 - density) quantile of a sample of the whole tensor (|x| or
         # block scores), times the online factor that the observed counts steer.
-        st.density = self.density_now(name)
+        st.density = self.union_density(name)
         m = min(units, max(SAMPLE_MIN, round(SAMPLE_HITS / st.density)))
         seed = st.step * 7919 + self.rank
         if unit > 1:
@@ -134,13 +183,38 @@ class ExDyna(Sparsifier):
         """Selection units of the tensor: elements, or blocks with ``per_element=False``."""
         return numel if self.per_element else int(st.bounds[-1])
 
+    def union_density(self, name: str) -> float:
+        """The union's density this step: the per-rank density (warm-up aware) times the
+        ranks, at most 1; the selections are exclusive, so it is what the threshold aims at.
+
+        Args:
+            name: the tensor's name.
+
+        Returns:
+            A fraction in (0, 1].
+        """
+        return min(1.0, self.density_now(name) * self.size)
+
     def skip(self, name: str) -> None:
+        """Called instead of ``select`` on a step that went out dense: the partitions rotate.
+
+        Args:
+            name: the tensor's name.
+        """
         st = self.states.get(name)
         if st is not None:
             st.step += 1
             st.local = None
 
     def observe(self, name: str, reduced: torch.Tensor, block_size: int = 1) -> None:
+        """Steers the threshold and rebalances the partitions from the reduced gradient's
+        counts per partition (alike on every rank, so every rank moves the same bounds).
+
+        Args:
+            name: the tensor's name.
+            reduced: the reduced gradient.
+            block_size: the codec's block size of the call.
+        """
         st = self.states.get(name)
         if st is None:
             return super().observe(name, reduced, block_size)

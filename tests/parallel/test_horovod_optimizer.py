@@ -330,11 +330,11 @@ BOTH = {
     "state-options": lambda make, scheme, sets: state_options(make),
     "no-grad-param": lambda make, scheme, sets: no_grad_param(make),
     "sparse-embedding": lambda make, scheme, sets: sparse_embedding(make),
+    "sparse-as-dense": lambda make, scheme, sets: sparse_embedding(make, sparse_as_dense=True),
     "process-set": lambda make, scheme, sets: process_set(make, scheme, sets[0]),
 }
 # What only Horovod's optimizer takes, or only a compressor does
 COMPRESSION_ONLY = {
-    "sparse-as-dense": lambda make, scheme, sets: sparse_embedding(make, sparse_as_dense=True),
     "groups-2": lambda make, scheme, sets: train(make, groups=2),
     "groups-sparse-error": lambda make, scheme, sets: groups_sparse(make),
     "groups-list": lambda make, scheme, sets: train(
@@ -368,6 +368,28 @@ def test_allreduce_rows_process_set(sets):
 
 def test_auto_avoids_omnireduce_on_a_process_set(sets):
     assert auto_avoids_omnireduce(sets[1]) == ""
+
+
+def test_compression_sparse_uncalled(sets):
+    """``compression=hvd_sparse.Compression.sparse`` passed uncalled, as Horovod's own
+    compressors are: its defaults, and the same training as Horovod's optimizer."""
+    make = lambda opt, named, **kw: hvd.DistributedOptimizer(  # noqa: E731
+        opt, named_parameters=named, compression=hvd_sparse.Compression.sparse, **kw)
+    assert train(make) == ""
+
+
+@pytest.mark.parametrize("kw", [{"compression": hvd.Compression.fp16}, {"groups": 2},
+                                {"num_groups": 2},
+                                {"compression": hvd_sparse.Compression.sparse(scheme="zen")}],
+                         ids=["compression", "groups", "num-groups", "our-compression"])
+def test_optimizer_refuses_what_it_does_not_support(kw, sets):
+    """Horovod's optimizer arguments hvd_sparse.DistributedOptimizer does not support are
+    refused by name (compression= Compression.none is accepted)."""
+    m = Net()
+    hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                    compression=hvd.Compression.none)
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), **kw)
 
 
 def test_reinit(sets):

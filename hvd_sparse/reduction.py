@@ -1,0 +1,119 @@
+"""One tensor's reduction set up and finished, for either front end (``mpi_ops`` under Horovod,
+``ddp`` under torch.distributed): which scheme its form allows, a device tensor staged to the
+host by its non-zero blocks, the ``Job`` the schemes run, its metrics and run-file record, and
+the result taken back to the caller's form."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import blocks, engine, runfile, schemes, staging
+from .comm import Collectives
+from .engine import Handle
+from .job import Context, Job
+from .metrics import record as record_metrics
+from .schemes import rows
+
+
+def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, scheme: str,
+          average: bool, block_size: int, prescale: float = 1.0, postscale: float = 1.0,
+          inplace: bool = False) -> Handle:
+    """Starts reducing ``tensor`` over ``comm``'s ranks by ``scheme`` (checked by the caller).
+
+    A sparse COO tensor goes by rows where ``rows.supported`` (else densified); a dense one by
+    ``scheme``, or by Horovod's or Gloo's dense allreduce where the codec does not take it
+    (integer, empty); on an accelerator only its non-zero blocks cross to the host (staging.py).
+
+    Args:
+        tensor: the input, any shape; left unchanged unless ``inplace``.
+        name: the reduction's name (metrics, run file; Horovod matches ranks by it).
+        comm: the ranks taking part and their collectives.
+        ctx: the process's aggregators, switch, network model and what ``auto`` learnt.
+        scheme: the scheme asked for ("auto", "dense", ...).
+        average: divide the sum by the ranks.
+        block_size: the codec's block, in elements.
+        prescale: factor applied before the sum.
+        postscale: factor applied after it.
+        inplace: ``finish`` writes the result into ``tensor`` (dense tensors).
+
+    Returns:
+        The handle to pass to ``finish``.
+
+    Raises:
+        HvdSparseError: a reduction of the same name is in flight.
+    """
+    t = tensor.detach()
+    home = to_host = None  # a staged tensor: its flat self on the device, its way to the host
+    asked = scheme
+    if t.is_sparse and scheme != "dense" and rows.supported(t):
+        scheme, inplace, copied = "rows", False, False
+    else:
+        # A copy (of a sparse or non-contiguous input) is ours: the result is built in it, as in
+        # place, rather than in a second fresh tensor.
+        copied = t.is_sparse or not t.is_contiguous()
+        t = (_dense(t) if t.is_sparse else t.contiguous()).view(-1)
+        if t.numel() and staging.staged(t):
+            home, to_host, copied = t, staging.ToHost(t, block_size), True
+        elif not blocks.supported(t) or t.numel() == 0:
+            scheme = "dense"
+    job = Job(name=name, tensor=t, shape=tensor.shape, average=average, prescale=prescale,
+              postscale=postscale, block_size=block_size,
+              meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme, ctx=ctx,
+              comm=comm, inplace=t.numel() > 0 and (inplace or copied),
+              output=tensor if inplace else None, home=home, asked=asked)
+    if to_host is None:
+        return engine.submit(job, schemes.run(job), _record)
+    job.stats.staged = str(home.device)
+    return engine.submit(job, _staged(job, to_host), _record)
+
+
+def finish(handle: Handle) -> torch.Tensor:
+    """Waits for ``handle`` (at most the configured timeout).
+
+    Args:
+        handle: what ``start`` returned.
+
+    Returns:
+        The result with the input's shape, dtype and device (sparse for a sparse input reduced
+        by rows); the input itself when started ``inplace``.
+
+    Raises:
+        HvdSparseError: the reduction failed or timed out (naming the tensor and the peer).
+    """
+    job = handle.job
+    out = engine.synchronize(handle, job.ctx.config.timeout)
+    if job.home is not None:  # back to the tensor's device; in place when it is the caller's
+        target = job.home if job.output is not None else torch.empty_like(job.home)
+        out = staging.to_device(out, target, job.block_size)
+    if not out.is_sparse:
+        out = out.view(job.shape)
+    if job.output is not None:
+        if out.data_ptr() != job.output.data_ptr():
+            job.output.copy_(out)
+        return job.output
+    return out
+
+
+def _staged(job: Job, to_host: staging.ToHost) -> engine.Stage:
+    """A staged tensor's reduction: its non-zero blocks reach host memory, the scheme runs on
+    the host tensor built from them (``finish`` takes the result back to the device)."""
+    job.tensor = yield "to host", to_host
+    job.mask = to_host.mask()
+    return (yield from schemes.run(job))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t.to_dense()`` (the same bits: values added into zeros) built in ``blocks.zeros``, so
+    that only the pages the values land in are touched (on a GPU: ``to_dense``, on it)."""
+    if t.device.type != "cpu":
+        return t.to_dense()
+    t = t.coalesce()
+    out = blocks.zeros(t.numel(), t.dtype).view(t.shape)
+    return out.index_put_(tuple(t.indices()), t.values(), accumulate=True)
+
+
+def _record(h: Handle) -> None:
+    seconds = time.monotonic() - h.started
+    record_metrics(h.job.name, seconds, h.job.stats)
+    runfile.record(h.job, h.started, seconds)
