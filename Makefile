@@ -11,7 +11,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 .PHONY: setup build install test test-fast test-compose demo lint bench clean cuda-check \
-	sanitize sanitize-ext
+	sanitize sanitize-ext docs
 
 setup:
 	@bash scripts/setup.sh
@@ -163,6 +163,18 @@ ifeq ($(DEMO_ON),compose)
 else
 	@$(PY) scripts/demo.py
 endif
+
+# The documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a page
+# missing from the nav or an API reference that does not resolve fails. Its tools (pinned in
+# scripts/versions.env) go into .venv when missing; no build of the package is needed, since
+# mkdocstrings reads the sources without importing them.
+DOCS_DEPS = $(shell source scripts/versions.env && echo $$PY_DOCS_DEPS)
+docs:
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c 'import sys, importlib.metadata as m; sys.exit(any(m.version(n) != v for n, v in \
+	  (d.split("==") for d in sys.argv[1:])))' $(DOCS_DEPS) 2>/dev/null \
+	  || $(PY) -m pip install -q --disable-pip-version-check $(DOCS_DEPS)
+	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
 
 bench: build
 	@$(PY) scripts/bench_codec.py

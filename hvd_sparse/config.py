@@ -14,58 +14,97 @@ LAYOUTS = ("auto", "colocated", "rank0")
 
 @dataclass
 class Config:
+    """The options of both front ends (``hvd_sparse.init(**kwargs)``,
+    ``hvd_sparse.ddp.State(**kwargs)``); each is also read from ``HVD_SPARSE_<NAME>`` (the
+    name upper-cased), see ``from_env_and_kwargs``.
+
+    Attributes:
+        block_size: the codec's block, in elements: the unit shipped. Element-wise
+            sparsifiers want a small one (1..32).
+        scheme: "dense", "allgather", "zen", "omnireduce", "switch" or "auto".
+        timeout: seconds any wait may take before ``HvdSparseError``.
+        small_bytes: "auto" and "omnireduce" send tensors smaller than this dense.
+        probe: the network probe at init: "auto" (cached), "force", "off".
+        cache_dir: where the probed network model is cached.
+        log_level: the level of the library's logger (``logging.getLogger("hvd_sparse")``).
+        threads: codec threads per rank; 0: cores / ranks on this host.
+        aggregators: omnireduce: "host:port,..." (or a list) of running aggregators; empty:
+            the job starts its own (``aggregator_layout``).
+        aggregator_layout: where the job's own aggregators run: "colocated", on every host of
+            the job (its lowest rank starts them, slots spread over all: every host link
+            carries about the same bytes); "rank0", all on rank 0's host; "auto": colocated
+            when the ranks span several hosts.
+        local_aggregators: how many each host that runs them starts; -1: one per 4 of the
+            ranks they serve (the host's own when colocated, the job's on rank 0's host), at
+            least 1; 0: none.
+        aggregator_host: the address workers reach the job's own aggregators at (each host's
+            own: its environment's value when colocated); "": automatic.
+        fallback: when aggregation fails: "error" raises, "dense" redoes it dense.
+        auth: omnireduce: authenticate every packet to and from the aggregators
+            (docs/PROTOCOL.md "Authentication"); turn off only on a fabric no one else can
+            reach.
+        secret_file: the deployment's secret the configured aggregators were started with
+            (their ``--secret-file``); read by rank 0 only. Local aggregators get a fresh one
+            per job.
+        fixed_point: omnireduce: send values as int32 fixed point with one agreed exponent per
+            tensor (what a switch sums; docs/PROTOCOL.md "Fixed point"); tensors holding
+            NaN/Inf go dense.
+        switch: scheme "switch": the in-network aggregator ("ip:port"; set by ``hvd-sparse
+            testbed run`` when the testbed's switch is the emulator); "": none.
+        switch_control: the switch's control socket: rank 0 installs the job there with every
+            worker's address, so that the switch takes the job's packets from those hosts only
+            (set by ``hvd-sparse testbed run``); "": the switch must install jobs at their
+            first REGISTER.
+        switch_fixed_float64: scheme "switch" with float64 tensors: off, they go to the
+            aggregators (or dense), exact; on, through the switch in fixed point (relative
+            error up to about nworkers^2 x 2^-31).
+        payload_bytes: block values per datagram (block fusion); the default holds 63 float32
+            blocks.
+        slots: slots per aggregator per tensor: packets in flight per tensor.
+        rto: least retransmission timeout, seconds; above it srtt + 4 rttvar of measured
+            round times.
+        metrics_file: run file for ``hvd-sparse analyze`` (runfile.py): every call recorded,
+            rank 0 writes it at shutdown and exit ("{rank}" in the path: every rank); "": none.
+        metrics_records: the latest calls the run file keeps (about 500 bytes each).
+        link_rate: the hosts' link rate ("10gbit", or bit/s): the base of utilization.
+    """
+
     block_size: int = 256
     scheme: str = "auto"
-    timeout: float = 30.0  # seconds any wait may take before HvdSparseError
-    small_bytes: int = 64 * 1024  # "auto" and "omnireduce" send tensors smaller than this dense
-    probe: str = "auto"  # network probe at init: "auto" (cached), "force", "off"
+    timeout: float = 30.0
+    small_bytes: int = 64 * 1024
+    probe: str = "auto"
     cache_dir: str = str(Path.home() / ".cache" / "hvd_sparse")
     log_level: str = "WARNING"
-    threads: int = 0  # codec threads per rank; 0: cores / ranks on this host
-    # omnireduce: "host:port,..." (or a list) of running aggregators; empty: the job starts
-    # its own (aggregator_layout)
+    threads: int = 0
     aggregators: str | list = ""
-    # where the job's own aggregators run: "colocated", on every host of the job (its lowest
-    # rank starts them, slots spread over all: every host link carries about the same bytes);
-    # "rank0", all on rank 0's host; "auto": colocated when the ranks span several hosts
     aggregator_layout: str = "auto"
-    # how many each host that runs them starts; -1: one per 4 of the ranks they serve (the
-    # host's own when colocated, the job's on rank 0's host), at least 1; 0: none
     local_aggregators: int = -1
-    # address workers reach the job's own aggregators at (each host's own: its environment's
-    # value when colocated); "": automatic
     aggregator_host: str = ""
-    fallback: str = "error"  # when aggregation fails: "error" raises, "dense" redoes it dense
-    # omnireduce: authenticate every packet to and from the aggregators (docs/PROTOCOL.md
-    # "Authentication"); turn off only on a fabric no one else can reach
+    fallback: str = "error"
     auth: bool = True
-    # the deployment's secret the configured aggregators were started with (their
-    # --secret-file); read by rank 0 only. Local aggregators get a fresh one per job.
     secret_file: str = ""
-    # omnireduce: send values as int32 fixed point with one agreed exponent per tensor (what a
-    # switch sums; docs/PROTOCOL.md "Fixed point"); tensors holding NaN/Inf go dense
     fixed_point: bool = False
-    # scheme "switch": the in-network aggregator ("ip:port"; set by ``hvd-sparse testbed run``
-    # when the testbed's switch is the emulator); "": none
     switch: str = ""
-    # the switch's control socket: rank 0 installs the job there with every worker's address,
-    # so that the switch takes the job's packets from those hosts only (set by ``hvd-sparse
-    # testbed run``); "": the switch must install jobs at their first REGISTER
     switch_control: str = ""
-    # scheme "switch" with float64 tensors: off, they go to the aggregators (or dense), exact;
-    # on, through the switch in fixed point (relative error up to about nworkers^2 x 2^-31)
     switch_fixed_float64: bool = False
-    payload_bytes: int = 64512  # block values per datagram (block fusion): 63 float32 blocks
-    slots: int = 64  # slots per aggregator per tensor: packets in flight per tensor
-    # least retransmission timeout, seconds; above it srtt + 4 rttvar of measured round times
+    payload_bytes: int = 64512
+    slots: int = 64
     rto: float = 0.05
-    # run file for `hvd-sparse analyze` (runfile.py): every call recorded, rank 0 writes it at
-    # shutdown and exit ("{rank}" in the path: every rank); the latest metrics_records calls kept
     metrics_file: str = ""
-    metrics_records: int = 50_000  # about 500 bytes each
-    link_rate: str | float = ""  # hosts' link rate ("10gbit", bit/s): base of utilization
+    metrics_records: int = 50_000
+    link_rate: str | float = ""
 
     def validate(self) -> Config:
+        """Checks every option's value.
+
+        Returns:
+            The config itself.
+
+        Raises:
+            ValueError: an option out of range, naming it (an unknown scheme, layout, probe or
+                fallback, a malformed ``link_rate``, ``switch`` address, ...).
+        """
         if self.block_size < 1 or self.block_size > 1 << 24:
             raise ValueError(f"block_size must be in [1, 2**24], got {self.block_size}")
         if self.scheme not in SCHEMES:
@@ -89,7 +128,14 @@ class Config:
         return self
 
     def aggregator_list(self) -> list[tuple[str, int]]:
-        """``aggregators`` parsed: [(host, port), ...]."""
+        """``aggregators`` parsed.
+
+        Returns:
+            [(host, port), ...]; empty when none is configured.
+
+        Raises:
+            ValueError: an entry is not ``host:port``.
+        """
         items = self.aggregators
         if isinstance(items, str):
             items = items.split(",")
@@ -104,7 +150,14 @@ class Config:
         return out
 
     def switch_address(self) -> tuple[str, int] | None:
-        """``switch`` parsed: (ip, port), or None when no switch is configured."""
+        """``switch`` parsed.
+
+        Returns:
+            (ip, port), or None when no switch is configured.
+
+        Raises:
+            ValueError: it is not ``ip:port``.
+        """
         return _address("switch", self.switch.strip()) if self.switch.strip() else None
 
 
@@ -126,7 +179,25 @@ def _parse(env: str, kind: type) -> object:
 
 
 def from_env_and_kwargs(**kwargs: object) -> Config:
-    """Keyword arguments win over HVD_SPARSE_<NAME> variables, which win over defaults."""
+    """The options: keyword arguments win over ``HVD_SPARSE_<NAME>`` variables, which win over
+    the defaults.
+
+    A variable is parsed as its field's default's type (booleans: 1/0, true/false, yes/no,
+    on/off).
+
+    Args:
+        **kwargs: ``Config`` fields; None: not given (the variable or default holds).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        TypeError: an unknown option.
+        ValueError: a variable that does not parse, or an option out of range.
+
+    Example:
+        >>> cfg = from_env_and_kwargs(scheme="allgather", timeout=60)
+    """
     values: dict[str, object] = {}
     for f in dataclasses.fields(Config):
         env = os.environ.get(f"HVD_SPARSE_{f.name.upper()}")

@@ -30,27 +30,40 @@ def record_sparsify(name: str, **fields: Any) -> None:
 
 
 def metrics() -> dict[str, dict[str, Any]]:
-    """name -> {scheme, calls, bytes_sent, block_density, seconds, ...} of each tensor's last call.
+    """What each tensor's last reduction on this rank did, by tensor name.
 
-    ``scheme`` is what ran (for "auto", what it chose); ``bytes_sent`` is what this rank put on
-    the wire, modelling Horovod's ring collectives, ``bytes_received`` what it received (the
-    other ranks' segments; dense: the ring model); ``block_density`` is the mean fraction of
-    non-zero blocks over ranks (absent for dense, which never looks); ``staged`` is the device
-    of a GPU tensor, reduced through host memory; ``reason`` says why a tensor went another way
-    than its scheme ("small", "non-finite", "switch: ..."). The other fields of
-    ``hvd_sparse.job.Stats`` appear where the scheme knows them: ``nnz_local``, ``nnz`` (every
-    rank's non-zero blocks), ``union``, ``predicted_ms`` (auto), ``retransmits`` and
-    ``rounds`` (aggregation), ``rows_local`` (sparse rows).
+    Each record holds ``calls`` (all of them) and, of the last call:
 
-    With a sparsifier, also: ``sparsifier``, ``requested_density``, ``achieved_density`` (this
-    rank's selected elements / numel), ``selected``, ``selection_ms``, ``nonfinite`` (elements
-    that made the step go out dense), and after the reduction ``union`` (non-zero elements of
-    the reduced gradient, i.e. the union of all ranks' selections) and ``union_density``.
+    - ``scheme``: what ran (for "auto", what it chose); ``seconds``: its wall time;
+    - ``bytes_sent``: what this rank put on the wire, modelling Horovod's ring collectives;
+      ``bytes_received``: what it received (the other ranks' segments; dense: the ring model);
+    - ``block_density``: the mean fraction of non-zero blocks over ranks (absent for dense,
+      which never looks);
+    - ``staged``: the device of a GPU tensor, reduced through host memory;
+    - ``reason``: why a tensor went another way than its scheme ("small", "non-finite",
+      "switch: ...");
+    - where the scheme knows them, the other fields of ``hvd_sparse.job.Stats``: ``nnz_local``,
+      ``nnz`` (every rank's non-zero blocks), ``union``, ``predicted_ms`` (auto),
+      ``retransmits`` and ``rounds`` (aggregation), ``rows_local`` (sparse rows);
+    - with a sparsifier: ``sparsifier``, ``requested_density``, ``achieved_density`` (this
+      rank's selected elements / numel), ``selected``, ``selection_ms``, ``nonfinite``
+      (elements that made the step go out dense), and after the reduction ``union`` (non-zero
+      elements of the reduced gradient, i.e. the union of all ranks' selections) and
+      ``union_density``.
+
+    Returns:
+        A copy of the records, tensor name -> field -> value.
+
+    Example:
+        >>> out = hvd_sparse.allreduce(grad, name="emb.weight")
+        >>> m = hvd_sparse.metrics()["emb.weight"]
+        >>> m["scheme"], m["bytes_sent"], m["seconds"]
     """
     with _lock:
         return copy.deepcopy(_records)
 
 
 def reset_metrics() -> None:
+    """Forgets every tensor's record (``metrics()`` is then empty), e.g. after warm-up steps."""
     with _lock:
         _records.clear()

@@ -48,12 +48,22 @@ def check_density(density: float) -> float:
 
 
 class Sparsifier:
-    """Base class. ``error_feedback`` (default on) keeps what is not sent for the next step;
-    ``warmup`` steps (default 0) start at density 0.25 and decay exponentially to the requested
-    density (DGC's warm-up training); tensors where the requested density selects fewer than
-    ``min_selected`` elements (default 16) and tensors under ``min_numel`` elements (default
-    16,384) go out whole (both 0: sparsify every tensor);
-    ``rank``/``size`` default to Horovod's, read at first use.
+    """Base class: input checks, error feedback, the in-place step, metrics; a subclass
+    implements ``select`` (and sets ``density``).
+
+    Args:
+        error_feedback: keep what is not sent for the next step (default on).
+        warmup: steps that start at density 0.25 and decay exponentially to the requested
+            density (DGC's warm-up training); default 0.
+        min_selected: tensors where the requested density selects fewer elements than this
+            (default 16) go out whole.
+        min_numel: tensors under this many elements (default 16,384) go out whole; both 0:
+            sparsify every tensor.
+        rank: this rank; None: Horovod's (or the DDP state's), read at first use.
+        size: the number of ranks; None: as ``rank``.
+
+    Raises:
+        ValueError: ``warmup``, ``min_selected`` or ``min_numel`` is not an int >= 0.
     """
 
     density: float | None = None  # requested fraction of elements; None when not fixed
@@ -75,7 +85,14 @@ class Sparsifier:
         self._rank, self._size = rank, size
 
     def density_now(self, name: str) -> float:
-        """The density this step of ``name``: the requested one, or its warm-up value."""
+        """The density this step of tensor ``name``.
+
+        Args:
+            name: the tensor's name.
+
+        Returns:
+            The requested density, or its warm-up value.
+        """
         assert self.density is not None
         t, start = self._steps.get(name, 0), max(WARMUP_START, self.density)
         if t >= self.warmup:
@@ -83,16 +100,36 @@ class Sparsifier:
         return start * (self.density / start) ** (t / self.warmup)
 
     def default_memory(self) -> NoMemory:
+        """The error-feedback memory used when ``error_feedback`` is on.
+
+        Returns:
+            A fresh ``ResidualMemory`` (DGC: a ``MomentumMemory``).
+        """
         return ResidualMemory()
 
     def state_dict(self) -> dict[str, Any]:
-        """What training changed (the error-feedback memory, step counts, adaptive thresholds),
-        as tensors and plain values: save it with the checkpoint, ``load_state_dict`` it on
-        resume, or the residuals not yet sent are lost."""
+        """What training changed: save it with the checkpoint, ``load_state_dict`` it on
+        resume, or the residuals not yet sent are lost.
+
+        Returns:
+            The error-feedback memory, step counts and adaptive thresholds, as tensors and
+            plain values (what ``torch.load`` reads by default), with the class's name.
+
+        Example:
+            >>> torch.save({"model": model.state_dict(), "sparsifier": sp.state_dict()}, path)
+        """
         return {"type": type(self).__name__, "memory": self.memory.state_dict(),
                 **{k: copy.deepcopy(getattr(self, k)) for k in self.STATE}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what ``state_dict`` returned.
+
+        Args:
+            state: a ``state_dict()`` of a sparsifier of the same class.
+
+        Raises:
+            ValueError: ``state`` is of another class of sparsifier.
+        """
         if state.get("type") != type(self).__name__:
             raise ValueError(f"{type(self).__name__}.load_state_dict: the state is of a "
                              f"{state.get('type')}")
@@ -101,12 +138,18 @@ class Sparsifier:
             setattr(self, k, copy.deepcopy(state[k]))
 
     def join(self, rank: int, size: int) -> None:
-        """The ranks, from a front end that knows them (DDP); set ones are kept."""
+        """The ranks, from a front end that knows them (DDP); ones already set are kept.
+
+        Args:
+            rank: this rank.
+            size: the number of ranks.
+        """
         self._rank = rank if self._rank is None else self._rank
         self._size = size if self._size is None else self._size
 
     @property
     def rank(self) -> int:
+        """This rank: as given or joined, else Horovod's (read at first use)."""
         if self._rank is None:
             import horovod.torch as hvd
             self._rank = hvd.rank()
@@ -114,26 +157,77 @@ class Sparsifier:
 
     @property
     def size(self) -> int:
+        """The number of ranks: as given or joined, else Horovod's (read at first use)."""
         if self._size is None:
             import horovod.torch as hvd
             self._size = hvd.size()
         return self._size
 
     def select(self, name: str, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
-        """(ascending int64 indices of the selected units, elements per unit) of flat ``x``."""
+        """What to send of ``x``: the one method a subclass implements.
+
+        Args:
+            name: the tensor's name (state per tensor).
+            x: the flat tensor to select from (the gradient plus the memory), float32 or
+                float64.
+            block_size: the codec's block of this call, in elements.
+
+        Returns:
+            (ascending int64 indices of the selected units, elements per unit): units of 1
+            for element-wise selection.
+
+        Raises:
+            NotImplementedError: in the base class.
+        """
         raise NotImplementedError
 
     def skip(self, name: str) -> None:
-        """Called instead of ``select`` on a step that went out dense (non-finite values)."""
+        """Called instead of ``select`` on a step that went out dense (non-finite values).
+
+        Args:
+            name: the tensor's name.
+        """
 
     def too_small(self, numel: int) -> bool:
-        """Whether a tensor of ``numel`` elements goes out whole (by its size and the requested
-        density, so a tensor's treatment does not change during warm-up)."""
+        """Whether a tensor of ``numel`` elements goes out whole.
+
+        By its size and the requested density, so a tensor's treatment does not change during
+        warm-up.
+
+        Args:
+            numel: the tensor's elements.
+
+        Returns:
+            True when under ``min_numel`` elements, or when the density selects fewer than
+            ``min_selected``.
+        """
         return numel < self.min_numel or (self.density is not None
                                           and self.density * numel < self.min_selected)
 
     def __call__(self, name: str, grad: torch.Tensor, block_size: int = 1) -> torch.Tensor:
-        """Sparsifies ``grad`` in place (zeros outside the selection) and returns it."""
+        """Sparsifies ``grad`` in place: zeros outside the selection.
+
+        Adds the error-feedback memory first; a tensor that is too small (``too_small``) or
+        holds NaN/Inf goes out whole (the latter clears its memory). Records the step in
+        ``hvd_sparse.metrics()``.
+
+        Args:
+            name: the tensor's name: its memory and metrics are kept under it.
+            grad: the gradient, floating-point; float16/bfloat16 are selected in float32.
+            block_size: the codec's block of the reduction, in elements.
+
+        Returns:
+            ``grad``, sparsified.
+
+        Raises:
+            ValueError: ``grad`` is not floating-point.
+
+        Example:
+            >>> sp = hvd_sparse.TopK(0.01, min_numel=0)
+            >>> g = sp("fc.weight", torch.randn(1000, 100))
+            >>> int((g != 0).sum())
+            1000
+        """
         if not grad.is_floating_point():
             raise ValueError(f"{type(self).__name__}: tensor {name!r} is {grad.dtype}; "
                              "sparsifiers take floating-point gradients")
@@ -171,7 +265,13 @@ class Sparsifier:
         return grad
 
     def observe(self, name: str, reduced: torch.Tensor, block_size: int = 1) -> None:
-        """Sees the reduced gradient: records the union of the ranks' selections."""
+        """Sees the reduced gradient: records the union of the ranks' selections.
+
+        Args:
+            name: the tensor's name.
+            reduced: the reduced gradient.
+            block_size: the codec's block of the reduction, in elements.
+        """
         flat = reduced.detach().reshape(-1)
         if flat.dtype not in _FLOATS:
             flat = flat.float()
@@ -181,6 +281,13 @@ class Sparsifier:
 
     @staticmethod
     def record_union(name: str, union: int, numel: int) -> None:
+        """Records the union in ``hvd_sparse.metrics()`` (``union``, ``union_density``).
+
+        Args:
+            name: the tensor's name.
+            union: non-zero elements of the reduced gradient.
+            numel: the tensor's elements.
+        """
         record_sparsify(name, union=union, union_density=union / max(1, numel))
 
 

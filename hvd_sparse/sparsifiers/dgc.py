@@ -20,6 +20,25 @@ class DGC(Sparsifier):
     the optimizer must have none of its own. ``hvd_sparse.DistributedOptimizer`` moves an
     optimizer's momentum here with a warning (``optimizer_momentum="move"``, the default) or
     refuses it (``"error"``).
+
+    Args:
+        density: the fraction of each tensor's elements sent per step, in (0, 1].
+        momentum: the momentum corrected here, in [0, 1) (with error feedback).
+        sample: the fraction of elements sampled for the threshold, in (0, 1].
+        error_feedback: momentum correction and factor masking (``MomentumMemory``); off:
+            what is not sent is dropped, and there is no momentum here.
+        optimizer_momentum: "move" (the optimizer's momentum moves here, with a warning) or
+            "error" (an optimizer with momentum is refused).
+        **kw: ``Sparsifier``'s keyword arguments (warmup, min_selected, min_numel, rank,
+            size).
+
+    Raises:
+        ValueError: an argument out of its range above.
+
+    Example:
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: DGC has it
+        >>> opt = hvd_sparse.DistributedOptimizer(opt, model.named_parameters(), block_size=1,
+        ...                                       sparsifier=DGC(0.001, momentum=0.9, warmup=5))
     """
 
     STATE = Sparsifier.STATE + ("_calls",)
@@ -39,9 +58,25 @@ class DGC(Sparsifier):
         self._calls = 0
 
     def default_memory(self) -> NoMemory:
+        """DGC's error feedback.
+
+        Returns:
+            A ``MomentumMemory`` with this sparsifier's momentum.
+        """
         return MomentumMemory(self.momentum)
 
     def select(self, name: str, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+        """The threshold from a sample of |x|, then exact top-k among what it lets through when
+        that is more than 1.3 k (k = density * numel, at least 1).
+
+        Args:
+            name: the tensor's name (its warm-up density).
+            x: the flat tensor to select from.
+            block_size: unused: the selection is per element.
+
+        Returns:
+            (the ascending indices selected, 1).
+        """
         self._calls += 1
         n = x.numel()
         density = self.density_now(name)
@@ -55,9 +90,20 @@ class DGC(Sparsifier):
         return idx, 1
 
     def take_momentum(self, groups: list[dict]) -> None:
-        """Called with the wrapped optimizer's param groups: their momentum, if any, must live
-        here instead (momentum correction happens before sparsification; the optimizer's
-        would apply it a second time, to the sparse update)."""
+        """Takes the wrapped optimizer's momentum, if any: it must live here instead (momentum
+        correction happens before sparsification; the optimizer's would apply it a second
+        time, to the sparse update).
+
+        With ``optimizer_momentum="move"`` the groups' one momentum becomes this sparsifier's
+        and theirs is set to 0, with a warning. Without error feedback nothing is taken.
+
+        Args:
+            groups: the optimizer's ``param_groups`` (changed in place).
+
+        Raises:
+            ValueError: the optimizer has momentum and ``optimizer_momentum="error"``, or its
+                groups' momenta differ or use Nesterov (they cannot move into one momentum).
+        """
         moms = {float(g.get("momentum", 0.0) or 0.0) for g in groups}
         if moms <= {0.0} or not isinstance(self.memory, MomentumMemory):
             return

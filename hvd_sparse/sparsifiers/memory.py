@@ -17,28 +17,63 @@ class NoMemory:
     STATE: tuple[str, ...] = ()  # the per-tensor buffers: what state_dict saves
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The per-tensor buffers, copied.
+
+        Returns:
+            Buffer kind (``STATE``: "residuals", "velocities") -> tensor name -> tensor.
+        """
         return {k: {n: t.clone() for n, t in getattr(self, k).items()} for k in self.STATE}
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Restores (copies of) what ``state_dict`` returned.
+
+        Args:
+            state: a ``state_dict()`` of a memory of the same class.
+        """
         for k in self.STATE:
             setattr(self, k, {n: t.clone() for n, t in state[k].items()})
 
     def compensate(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(tensor to select from, number of non-finite elements in it)."""
+        """Adds the memory of ``name`` to the step's gradient (here: none).
+
+        Args:
+            name: the tensor's name.
+            grad: the flat gradient of this step.
+
+        Returns:
+            (the tensor to select from, the number of non-finite elements in it).
+        """
         return grad, ops.count_nonfinite(grad)
 
     def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
                unit: int) -> None:
-        """Leaves only the selected units (``idx``, ascending, of ``unit`` elements) in ``out``."""
+        """Leaves only the selected units in ``out`` (here: what is not selected is dropped).
+
+        Args:
+            name: the tensor's name.
+            x: what ``compensate`` returned.
+            out: the outgoing gradient.
+            idx: the selected units, ascending.
+            unit: elements per unit.
+        """
         ops.extract_(out, out, idx, unit, False)
 
     def flush(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Sends all of ``x`` (the compensated tensor) in ``out``: nothing is kept back."""
+        """Sends all of ``x`` in ``out``: nothing is kept back.
+
+        Args:
+            x: what ``compensate`` returned.
+            out: the outgoing gradient.
+        """
         if out.data_ptr() != x.data_ptr():
             out.copy_(x)
 
     def reset(self, name: str) -> None:
-        pass
+        """Forgets the memory of ``name`` (after a step with NaN/Inf went out dense).
+
+        Args:
+            name: the tensor's name.
+        """
 
 
 class ResidualMemory(NoMemory):
@@ -50,6 +85,15 @@ class ResidualMemory(NoMemory):
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compensate(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """e = e + g, in the residual of ``name`` (a new zero one for a new name or shape).
+
+        Args:
+            name: the tensor's name.
+            grad: the flat gradient of this step.
+
+        Returns:
+            (the residual, the number of non-finite elements in it).
+        """
         e = self.residuals.get(name)
         if e is None or e.shape != grad.shape or e.dtype != grad.dtype:
             e = self.residuals[name] = torch.zeros_like(grad)
@@ -57,15 +101,36 @@ class ResidualMemory(NoMemory):
 
     def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
                unit: int) -> None:
+        """Moves the selected units of the residual into ``out`` (zeros elsewhere); the
+        residual keeps the rest.
+
+        Args:
+            name: the tensor's name.
+            x: the residual, as ``compensate`` returned it.
+            out: the outgoing gradient.
+            idx: the selected units, ascending.
+            unit: elements per unit.
+        """
         ops.extract_(x, out, idx, unit, True)
 
     def flush(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Sends the whole residual in ``out`` and zeroes it.
+
+        Args:
+            x: the residual, as ``compensate`` returned it.
+            out: the outgoing gradient.
+        """
         # The residual goes out now. MomentumMemory keeps its velocity (no masking): a tensor
         # sent whole every step gets momentum SGD, the optimizer's momentum having moved here.
         super().flush(x, out)
         x.zero_()
 
     def reset(self, name: str) -> None:
+        """Drops the residual of ``name``.
+
+        Args:
+            name: the tensor's name.
+        """
         # A non-finite value went out dense; keeping it would poison every later step.
         self.residuals.pop(name, None)
 
@@ -75,6 +140,12 @@ class MomentumMemory(ResidualMemory):
     of v; zero u and v where sent (so stale momentum does not push those coordinates again).
 
     Use it with an optimizer without momentum: the momentum lives here, before sparsification.
+
+    Args:
+        momentum: m, in [0, 1).
+
+    Raises:
+        ValueError: ``momentum`` is not in [0, 1).
     """
 
     STATE = ("residuals", "velocities")
@@ -87,6 +158,16 @@ class MomentumMemory(ResidualMemory):
         self.velocities: dict[str, torch.Tensor] = {}
 
     def compensate(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """u = m u + g, v = v + u, in the buffers of ``name`` (new zero ones for a new name or
+        shape).
+
+        Args:
+            name: the tensor's name.
+            grad: the flat gradient of this step.
+
+        Returns:
+            (v, the number of non-finite elements in it).
+        """
         v = self.residuals.get(name)
         if v is None or v.shape != grad.shape or v.dtype != grad.dtype:
             v = self.residuals[name] = torch.zeros_like(grad)
@@ -95,9 +176,24 @@ class MomentumMemory(ResidualMemory):
 
     def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
                unit: int) -> None:
+        """Moves the selected units of v into ``out`` and zeroes u there too (factor
+        masking).
+
+        Args:
+            name: the tensor's name.
+            x: v, as ``compensate`` returned it.
+            out: the outgoing gradient.
+            idx: the selected units, ascending.
+            unit: elements per unit.
+        """
         ops.extract_(x, out, idx, unit, True)
         ops.zero_units_(self.velocities[name], idx, unit)
 
     def reset(self, name: str) -> None:
+        """Drops both buffers of ``name``.
+
+        Args:
+            name: the tensor's name.
+        """
         super().reset(name)
         self.velocities.pop(name, None)
