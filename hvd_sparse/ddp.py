@@ -26,6 +26,7 @@ static-graph iteration every bucket says index 0 and none says it is the last.
 import copy
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -119,6 +120,8 @@ class State:
         self._held: list[Held] = []  # sparse buckets
         self._seen: dict[int, int] = {}  # a sparse bucket's last result, bytes
         self._buckets: dict[tuple[int, ...], int] = {}  # a bucket's parameters -> its number
+        self._numbered = 0  # buckets numbered so far
+        self._watched: set[int] = set()  # parameters whose end forgets their buckets
         self._pass: list[tuple[int, bool]] = []  # this backward pass: (bucket, sparse)
         self._sparse_after: dict[int, bool] = {}  # last pass: whether a sparse bucket followed
 
@@ -197,14 +200,29 @@ class State:
         rank. A bucket seen already in this pass starts the next one (DDP's first
         static-graph iteration flags no bucket as the last)."""
         self._ready()
-        key = tuple(id(p) for p in bucket.parameters())
-        number = self._buckets.setdefault(key, len(self._buckets))
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        number = self._buckets.get(key)
+        if number is None:
+            number = self._buckets[key] = self._numbered
+            self._numbered += 1
+            # An id is reused once its object is freed, at a moment that differs between
+            # ranks: a dead model's buckets are forgotten when its parameters go, never matched
+            # by a new model's.
+            for p in params:
+                if id(p) not in self._watched:
+                    self._watched.add(id(p))
+                    weakref.finalize(p, self._forget_parameter, id(p))
         if any(n == number for n, _ in self._pass):  # the last pass was not flagged, or failed
             self._fail_held(HvdSparseError(
                 "hvd_sparse: held since a backward pass that did not reach its last bucket"))
             self._end_pass()
         self._pass.append((number, sparse))
         return number
+
+    def _forget_parameter(self, pid: int) -> None:
+        self._watched.discard(pid)
+        self._buckets = {k: n for k, n in self._buckets.items() if pid not in k}
 
     def _submit(self, name: str, t: torch.Tensor, parts: Sequence[Part] = ()
                ) -> torch.futures.Future:
