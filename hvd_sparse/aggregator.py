@@ -31,7 +31,7 @@ def binary() -> Path:
         return Path(other)
     if not BINARY.exists():
         raise HvdSparseError(f"hvd_sparse: aggregator binary missing at {BINARY}: build the "
-                             "package (make build, or pip install .)")
+                             "package (make build, or pip install --no-build-isolation .)")
     return BINARY
 
 
@@ -46,7 +46,8 @@ class LocalAggregators:
     error: then only the secret goes, and a warning names the directory with their logs."""
 
     def __init__(self, count: int, workers: int, bind: str, log_dir: str | None = None,
-                 secret: bool | bytes = False, args: Sequence[str] = ()) -> None:
+                 secret: bool | bytes = False, args: Sequence[str] = (),
+                 ports: tuple[int, int] = (0, 0)) -> None:
         self.dir = Path(log_dir or tempfile.mkdtemp(prefix="hvd_sparse_agg_"))
         self._own_dir = log_dir is None
         self.procs: list[subprocess.Popen] = []
@@ -60,6 +61,8 @@ class LocalAggregators:
                 self.secret = write_secret_file(
                     path, secret if isinstance(secret, bytes) else None)
                 extra = ["--secret-file", str(path)]
+            if ports[0]:  # each takes the first free port of the job's range
+                extra += ["--port-range", f"{ports[0]}-{ports[1]}"]
             for i in range(count):
                 port_file = self.dir / f"agg{i}.port"
                 port_file.unlink(missing_ok=True)

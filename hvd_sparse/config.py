@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,9 @@ class Config:
             rank 0 writes it at shutdown and exit ("{rank}" in the path: every rank); "": none.
         metrics_records: the latest calls the run file keeps (about 500 bytes each).
         link_rate: the hosts' link rate ("10gbit", or bit/s): the base of utilization.
+        ports: "LO-HI": every UDP socket the job opens for aggregation (the job's own
+            aggregators, each rank's worker socket toward aggregators or a switch) binds a port
+            in this range, the one a firewall opens; "": any free port.
     """
 
     block_size: int = 256
@@ -94,6 +98,7 @@ class Config:
     metrics_file: str = ""
     metrics_records: int = 50_000
     link_rate: str | float = ""
+    ports: str = ""
 
     def validate(self) -> Config:
         """Checks every option's value.
@@ -125,7 +130,26 @@ class Config:
         if self.link_rate:
             parse_rate(self.link_rate)
         self.switch_address()
+        self.port_range()
         return self
+
+    def port_range(self) -> tuple[int, int]:
+        """``ports`` parsed.
+
+        Returns:
+            (LO, HI), both included; (0, 0) when any port will do.
+
+        Raises:
+            ValueError: ``ports`` is not "LO-HI" with 1 <= LO <= HI <= 65535.
+        """
+        if not self.ports:
+            return 0, 0
+        m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(self.ports))
+        lo, hi = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError(f"ports must be 'LO-HI' with 1 <= LO <= HI <= 65535 "
+                             f"(HVD_SPARSE_PORTS), got {self.ports!r}")
+        return lo, hi
 
     def aggregator_list(self) -> list[tuple[str, int]]:
         """``aggregators`` parsed.

@@ -21,6 +21,7 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -65,7 +66,8 @@ class Session:
         self.size = comm.size
         self.worker = OmniWorker(addrs, token, comm.rank, comm.size, payload_bytes=payload,
                                  slots_per_aggregator=cfg.slots, rto=cfg.rto,
-                                 timeout=cfg.timeout * 0.9, seed=comm.rank, key=key)
+                                 timeout=cfg.timeout * 0.9, seed=comm.rank, key=key,
+                                 ports=cfg.port_range())
         self._calls: dict[str, int] = defaultdict(int)
         # Aggregation is down after an aggregator timed out (``down`` says how), until the
         # aggregators answer keep-alives again: see omnireduce.run.
@@ -197,7 +199,7 @@ def join_switch(cfg: Config, comm: Collectives) -> Session | None:
         log.warning("hvd_sparse: the switch at %s:%d cannot aggregate this job (%s); scheme "
                     "'switch' falls back", *addr, control)
         return None
-    session = Session(cfg, comm, [addr], token, None, int(mtu), switch=True, control=control)
+    session = _open(cfg, comm, [addr], token, None, int(mtu), switch=True, control=control)
     why = ""
     try:
         session.worker.register(cfg.timeout)
@@ -260,7 +262,12 @@ def start(cfg: Config, comm: Collectives) -> Session | None:
     # Every rank must lay tensors out alike: the smallest path MTU of any rank decides.
     mtu = comm.allreduce(torch.tensor([min(_max_datagram(h, p) for h, p in addrs)]),
                          "hvd_sparse.omni.mtu", "min").value()
-    session = Session(cfg, comm, addrs, token, local, int(mtu), key=key, placement=placement)
+    try:
+        session = _open(cfg, comm, addrs, token, local, int(mtu), key=key, placement=placement)
+    except HvdSparseError:
+        if local is not None:
+            local.stop()
+        raise
     try:
         session.worker.register(cfg.timeout)
     except RuntimeError as e:
@@ -273,6 +280,24 @@ def start(cfg: Config, comm: Collectives) -> Session | None:
                 "off: the aggregators must run without --secret-file") + ")")
         raise HvdSparseError(f"hvd_sparse: {e}{hint}") from e
     log.debug("hvd_sparse: omnireduce aggregators (%s) %s", placement, addrs)
+    return session
+
+
+def _open(cfg: Config, comm: Collectives, *args: Any, **kw: Any) -> Session:
+    """``Session(cfg, comm, *args, **kw)`` on every rank, or HvdSparseError on every rank when
+    a worker's socket did not open on some (collective: one rank's lone failure would leave the
+    others waiting for it at the aggregators)."""
+    session, why = None, ""
+    try:
+        session = Session(cfg, comm, *args, **kw)
+    except RuntimeError as e:
+        why = f"rank {comm.rank}: {e}"
+    whys = [w for w in comm.allgather_object(why, "hvd_sparse.omni.opened") if w]
+    if whys:
+        if session is not None:
+            session.worker.close()
+        raise HvdSparseError("hvd_sparse: a worker's socket did not open: " + "; ".join(whys))
+    assert session is not None
     return session
 
 
@@ -311,7 +336,7 @@ def _local(cfg: Config, comm: Collectives, token: int
             others = [w[2] for r, w in enumerate(where) if r not in mine]
             host = cfg.aggregator_host or ("127.0.0.1" if together else _address_toward(others))
             local = LocalAggregators(count, comm.size, "127.0.0.1" if together else "0.0.0.0",
-                                     secret=secret or cfg.auth)
+                                     secret=secret or cfg.auth, ports=cfg.port_range())
             reply = [(host, p) for p in local.ports]
         except (HvdSparseError, OSError) as e:  # every rank must hear of it, not wait
             reply = f"rank {comm.rank}: {e}"

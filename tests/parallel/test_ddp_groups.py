@@ -1,7 +1,8 @@
 """The DDP hook over a process group that is not the world (``State(process_group=pg)``), under
 torchrun at 4 ranks: two 2-rank DDP jobs side by side, each equal to DDP's own allreduce over
 its group, bit-identical inside it and apart from the other (different data: no cross-talk);
-and a 2-rank job while the other two ranks run unrelated collectives of their own."""
+and a 2-rank job while the other two ranks run unrelated collectives of their own. Both jobs
+bind their aggregation sockets in one shared port range."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
 from hvd_sparse import HvdSparseError, ddp, metrics, reset_metrics
 
-LAUNCHES = [Launch("torchrun", np=4, timeout=420)]
+# both jobs kept to one UDP port range (HVD_SPARSE_PORTS): their own aggregators and worker
+# sockets share it without sharing a port
+LAUNCHES = [Launch("torchrun", np=4, timeout=420, env={"HVD_SPARSE_PORTS": "29650-29661"})]
 SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
 ROWS, DIM = 2000, 16
 _groups: dict[str, object] = {}
@@ -74,6 +77,9 @@ def run_job(scheme: str, sparse: bool, pg: dist.ProcessGroup, steps: int = 3) ->
     ours = DDP(copy.deepcopy(model), process_group=pg, bucket_cap_mb=0.05)
     state = ddp.State(pg, scheme=scheme, probe="off")
     ours.register_comm_hook(state, ddp.hook)
+    lo, hi = state.config.port_range()
+    used = [state.omni.worker.local_port(), *(state.omni.local.ports if state.omni.local else [])]
+    assert lo and all(lo <= p <= hi for p in used), (lo, hi, used)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, ours)]
     out = []
     try:

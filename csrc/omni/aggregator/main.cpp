@@ -39,6 +39,7 @@ namespace {
 struct Options {
   std::string host = "127.0.0.1";
   int port = 0;
+  int port_lo = 0, port_hi = 0;  // --port-range: with port 0, the first free port in it
   std::string transport = "udp";
   std::string dpdk_args;
   int threads = 1;
@@ -64,8 +65,12 @@ std::vector<std::unique_ptr<Transport>> open_transports(const Options& o) {
   at.port = htons(uint16_t(o.port));
   std::vector<std::unique_ptr<Transport>> ts;
   if (o.transport == "udp") {
-    // One socket per thread on one port (SO_REUSEPORT); the first picks the port when 0.
-    for (int i = 0; i < o.threads; ++i) {
+    // One socket per thread on one port (SO_REUSEPORT); the first picks the port when 0. In
+    // a range, one thread's socket is exclusive: two aggregators started at one instant (two
+    // jobs sharing a range) cannot both pass the probe and then share the port.
+    if (at.port == 0 && o.port_lo > 0)
+      ts.push_back(UdpTransport::in_range(at.ip, o.port_lo, o.port_hi, o.threads > 1));
+    for (int i = int(ts.size()); i < o.threads; ++i) {
       ts.push_back(std::make_unique<UdpTransport>(at, true));
       at = ts[0]->local();
     }
@@ -126,7 +131,7 @@ void usage() {
       "usage: hvd-sparse-aggregator --bind ADDR:PORT [--workers N] [--threads T]\n"
       "         [--transport udp|dpdk] [--dpdk \"EAL ARGS\"]\n"
       "         [--secret-file PATH] [--stats SECONDS] [--idle SECONDS] [--parent-pid PID]\n"
-      "         [--port-file PATH] [--max-job-bytes B] [--max-tensors N]\n"
+      "         [--port-file PATH] [--port-range LO-HI] [--max-job-bytes B] [--max-tensors N]\n"
       "         [--drop-rate P] [--drop-rate-out P] [--dup-rate P] [--reorder-rate P] [--seed S]\n"
       "Sums the non-zero blocks hvd-sparse workers stream to it (docs/PROTOCOL.md).\n"
       "--secret-file: the deployment's secret (a file only its owner reads, >= 16 bytes):\n"
@@ -138,6 +143,10 @@ void usage() {
       "--transport dpdk runs on a DPDK port (the first of the EAL's devices, e.g.\n"
       "  --dpdk \"--no-huge --no-pci -m 256 --vdev=net_af_packet0,iface=eth0\"), answering ARP\n"
       "  for ADDR itself; --threads is then its number of queues.\n"
+      "--port-range LO-HI: with --bind ADDR:0, bind the first free port in LO..HI (a job kept\n"
+      "  to the ports a firewall opens, HVD_SPARSE_PORTS); an error when all are taken. With\n"
+      "  --threads > 1 two aggregators started at the same instant may share a port: start\n"
+      "  them one after another.\n"
       "Counters print every --stats seconds, on SIGUSR1 and at exit.\n");
 }
 
@@ -180,6 +189,14 @@ Options parse(int argc, char** argv) {
       o.core.max_tensors = std::strtoull(val().c_str(), nullptr, 10);
     else if (a == "--parent-pid") o.parent = std::atoi(val().c_str());
     else if (a == "--port-file") o.port_file = val();
+    else if (a == "--port-range") {
+      std::string v = val();
+      if (std::sscanf(v.c_str(), "%d-%d", &o.port_lo, &o.port_hi) != 2 || o.port_lo < 1 ||
+          o.port_hi > 65535 || o.port_lo > o.port_hi) {
+        std::fprintf(stderr, "bad --port-range %s (LO-HI, 1 <= LO <= HI <= 65535)\n", v.c_str());
+        std::exit(2);
+      }
+    }
     else if (a == "--drop-rate") o.loss.drop_in = std::atof(val().c_str());
     else if (a == "--drop-rate-out") o.loss.drop_out = std::atof(val().c_str());
     else if (a == "--dup-rate") o.loss.dup_in = std::atof(val().c_str());

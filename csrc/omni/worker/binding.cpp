@@ -47,7 +47,8 @@ class PyWorker {
  public:
   PyWorker(const std::vector<std::pair<std::string, int>>& aggs, uint64_t token, int worker,
            int nworkers, int payload_bytes, int slots_per_agg, double rto, double timeout,
-           double drop_rate, double dup_rate, uint64_t seed, const std::string& key) {
+           double drop_rate, double dup_rate, uint64_t seed, const std::string& key,
+           std::pair<int, int> ports) {
     TORCH_CHECK(nworkers >= 1 && nworkers <= kMaxWorkers && worker >= 0 && worker < nworkers,
                 "omnireduce: bad worker id ", worker, " of ", nworkers);
     WorkerOptions o;
@@ -62,6 +63,8 @@ class PyWorker {
     o.drop_rate = drop_rate;
     o.dup_rate = dup_rate;
     o.key = key;
+    o.port_lo = ports.first;
+    o.port_hi = ports.second;
     w_ = std::make_unique<Worker>(aggs, o);
   }
 
@@ -209,11 +212,16 @@ void register_omni(py::module_& m) {
   py::register_exception<AggregatorTimeout>(m, "AggregatorTimeout", PyExc_RuntimeError);
   py::class_<PyWorker>(m, "OmniWorker")
       .def(py::init<const std::vector<std::pair<std::string, int>>&, uint64_t, int, int, int, int,
-                    double, double, double, double, uint64_t, const std::string&>(),
+                    double, double, double, double, uint64_t, const std::string&,
+                    std::pair<int, int>>(),
            py::arg("aggregators"), py::arg("token"), py::arg("worker"), py::arg("nworkers"),
            py::arg("payload_bytes") = d.payload, py::arg("slots_per_aggregator") = d.slots_per_agg,
            py::arg("rto") = d.rto, py::arg("timeout") = d.timeout, py::arg("drop_rate") = 0.0,
-           py::arg("dup_rate") = 0.0, py::arg("seed") = 0, py::arg("key") = py::bytes())
+           py::arg("dup_rate") = 0.0, py::arg("seed") = 0, py::arg("key") = py::bytes(),
+           py::arg("ports") = std::pair<int, int>(0, 0))
+      .def(
+          "local_port", [](PyWorker& w) { return w.worker().local_port(); },
+          "The UDP port the worker's socket is bound to.")
       .def(
           "register", [](PyWorker& w, double timeout) { w.worker().register_all(timeout); },
           py::arg("timeout"), nogil())

@@ -36,7 +36,10 @@ Worker::Worker(const std::vector<std::pair<std::string, int>>& aggs, const Worke
   std::vector<AggregatorPath> paths;
   for (auto& [host, port] : aggs) paths.push_back(resolve(host, port));
   try {
-    io_ = std::make_unique<UdpTransport>(Endpoint{}, false);
+    if (o.port_lo > 0)
+      io_ = UdpTransport::in_range(0, o.port_lo, o.port_hi, false);
+    else
+      io_ = std::make_unique<UdpTransport>(Endpoint{}, false);
   } catch (const std::exception& e) {
     throw std::runtime_error(std::string("omnireduce: ") + e.what());
   }

@@ -18,6 +18,7 @@ namespace hvd_sparse::omni {
 
 struct WorkerOptions : EngineOptions {
   double drop_rate = 0, dup_rate = 0;  // test hooks: lose received datagrams, send some twice
+  int port_lo = 0, port_hi = 0;        // the socket's port range (HVD_SPARSE_PORTS); 0: any
 };
 
 class Worker {
@@ -52,6 +53,8 @@ class Worker {
   int64_t payload();
   RegAck slot_geometry();
   uint64_t slots_per_agg();
+  // The UDP port of the worker's socket (host order).
+  int local_port() const { return ntohs(io_->local().port); }
   // BYE to the aggregators; fails what is in flight; joins the thread. Idempotent.
   void close();
 

@@ -36,6 +36,22 @@ UdpTransport::UdpTransport(const Endpoint& at, bool reuse_port, size_t batch)
   }
 }
 
+std::unique_ptr<UdpTransport> UdpTransport::in_range(uint32_t ip, int lo, int hi,
+                                                     bool reuse_port) {
+  std::string why = "empty range";
+  for (int p = lo; p <= hi; ++p) {
+    const Endpoint at{ip, htons(uint16_t(p))};
+    try {
+      if (reuse_port) UdpTransport probe(at, false, 1);  // free for an exclusive socket?
+      return std::make_unique<UdpTransport>(at, reuse_port);
+    } catch (const std::runtime_error& e) {
+      why = e.what();
+    }
+  }
+  throw std::runtime_error("no free UDP port in " + std::to_string(lo) + "-" +
+                           std::to_string(hi) + " (HVD_SPARSE_PORTS): the last said: " + why);
+}
+
 UdpTransport::~UdpTransport() { ::close(fd_); }
 
 size_t UdpTransport::recv(std::vector<Datagram>& in, size_t max) {

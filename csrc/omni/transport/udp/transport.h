@@ -16,6 +16,12 @@ class UdpTransport : public Transport {
   // Binds to `at` (ip 0: every address, port 0: any free port). Throws std::runtime_error
   // naming the address when that fails.
   UdpTransport(const Endpoint& at, bool reuse_port, size_t batch = 64);
+  // Bound to the first free port of [lo, hi] (host order) at `ip`: a job kept to a port range
+  // (HVD_SPARSE_PORTS). With `reuse_port` a port some other socket holds, shared or not, is
+  // skipped, so a socket never joins another process's port group (but two processes probing
+  // one port at the same instant may: prefer an exclusive socket). Throws naming the range
+  // when every port is taken.
+  static std::unique_ptr<UdpTransport> in_range(uint32_t ip, int lo, int hi, bool reuse_port);
   ~UdpTransport() override;
   UdpTransport(const UdpTransport&) = delete;
   UdpTransport& operator=(const UdpTransport&) = delete;
