@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup build install test test-fast test-compose demo lint bench clean cuda-check \
+.PHONY: setup build install test test-extended test-fast test-compose demo lint bench clean cuda-check \
 	sanitize sanitize-ext docs
 
 setup:
@@ -41,8 +41,13 @@ lint: build
 
 # tests/test_compose.py is `make test-compose` (a CI step of its own): a cold image build
 # alone takes about as long as the rest of the tests.
+# The default tier; `make test-extended` has the 4-rank reruns of the same paths and the long
+# trainings (marker "extended"): CI runs both.
 test: build lint $(if $(NVCC),cuda-check)
-	@$(PY) -m pytest -q -rs tests --ignore=tests/test_compose.py
+	@$(PY) -m pytest -q -rs --durations=25 -m "not extended" tests --ignore=tests/test_compose.py
+
+test-extended: build
+	@$(PY) -m pytest -q -rs --durations=25 -m extended tests --ignore=tests/test_compose.py
 
 # The compose cluster for real (tests/test_compose.py): a Docker engine started where none
 # runs (docker.io from apt) and stopped after, both images built (docker's layer cache keeps

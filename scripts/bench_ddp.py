@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _dlrm import Batch, RecModel, add_args, workload
+from _dlrm import Batch, RecModel, add_args, bag_label, workload
 from _report import print_table, save_png, write_json
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -241,7 +241,7 @@ def main() -> None:
     rate = os.environ.get("HVD_SPARSE_LINK_RATE")
     caption = (f"{size} ranks ({where}{f', {int(rate) / 1e9:g} Gbit/s' if rate else ''}), "
                f"{len(rows)} tables ({min(rows):,}-{max(rows):,} rows x {args.dim}), batch "
-               f"{args.batch}/rank x {args.bag} ids, {args.ids} ids; median of {args.steps} "
+               f"{args.batch}/rank x {bag_label(args)} ids, {args.ids} ids; median of {args.steps} "
                "steps, slowest rank")
     cols = ["method", "step_ms", "fwd+bwd_ms", "update_ms", "exposed sync_ms", "MB sent/step",
             "ours exchange_ms", "ours MB sent", "schemes", "max |Δ| vs ddp dense", "lossless",

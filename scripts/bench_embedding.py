@@ -14,8 +14,9 @@ Per method: median step time (forward + backward + reduction + update), split in
 backward (reductions start from its hooks), sync (what ``optimizer.synchronize()`` still waits
 for after backward) and the optimizer's update, each the slowest rank's; bytes each rank
 sent for the tables; and how far the final tables' hot rows are from hvd dense's (they must
-agree to float rounding). Ids are Zipf-distributed (a few hot rows, a long tail; ``--zipf 0`` for
-uniform). Table, JSON and PNG go to --out-dir.
+agree to float rounding). Ids by ``--ids`` (scripts/_dlrm.py): Zipf by default (a few hot
+rows, a long tail), uniform, or Gaussian around each table's middle. Table, JSON and PNG go to
+--out-dir.
 
     .venv/bin/horovodrun -np 4 -H localhost:4 --gloo .venv/bin/python scripts/bench_embedding.py
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import horovod.torch as hvd
 import torch
-from _dlrm import ROWS, RecModel, batches
+from _dlrm import DISTRIBUTIONS, ROWS, RecModel, batches
 from _report import print_table, save_png, write_json
 from torch import nn
 
@@ -39,6 +40,13 @@ METHODS = ("hvd dense", "hvd sparse", "ours compression", "ours rows")
 HOT = 2000  # rows of each table compared across methods
 
 
+def hot(n: int, dist: str) -> slice:
+    """The HOT rows of an ``n``-row table that every rank touches most under ``dist``."""
+    if dist == "gaussian":
+        return slice(max(0, n // 2 - HOT // 2), n // 2 - HOT // 2 + HOT)
+    return slice(0, HOT)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default=",".join(map(str, ROWS)),
@@ -46,7 +54,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=2048, help="per rank")
     p.add_argument("--bag", type=int, default=4, help="ids per bag")
-    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids; 0: uniform")
+    p.add_argument("--ids", choices=DISTRIBUTIONS, default="zipf",
+                   help="the ids' law (scripts/_dlrm.py): uniform, zipf, gaussian")
+    p.add_argument("--zipf", type=float, default=1.05,
+                   help="Zipf exponent with --ids zipf; 0: uniform (as --ids uniform)")
+    p.add_argument("--spread", type=float, default=2000.0,
+                   help="standard deviation in rows with --ids gaussian")
+    p.add_argument("--bag-max", type=int, default=0,
+                   help="bags of 1 to this many ids, drawn per bag (0: --bag each)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--methods", default=",".join(METHODS))
@@ -118,16 +133,19 @@ def main() -> None:
     methods = args.methods.split(",")
     torch.manual_seed(0)
     start = RecModel(rows, args.dim)
-    data = batches(hvd.rank(), rows, args.warmup + args.steps, args.batch, args.bag,
-                   args.zipf)
+    dist = "uniform" if args.ids == "zipf" and args.zipf == 0 else args.ids
+    data = batches(hvd.rank(), rows, args.warmup + args.steps, args.batch, args.bag, dist,
+                   args.zipf, args.spread, args.bag_max)
     results, finals = [], {}
     for k, method in enumerate(methods):
         if hvd.rank() == 0:
             print(f"[{k + 1}/{len(methods)}] {method} ...", flush=True)
         model = copy.deepcopy(start)
         res = run(method, model, data, args.warmup)
-        # The hot rows (Zipf: low ids, touched by every rank): whole copies would not fit.
-        finals[method] = torch.cat([t.weight.detach()[:HOT].reshape(-1) for t in model.tables])
+        # The hot rows (touched by every rank: Zipf's low ids, Gaussian's middle): whole
+        # copies would not fit.
+        finals[method] = torch.cat([t.weight.detach()[hot(t.num_embeddings, dist)].reshape(-1)
+                                    for t in model.tables])
         results.append({"method": method, **res})
         del model
     ref = finals.get("hvd dense")

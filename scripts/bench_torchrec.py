@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _dlrm import Batch, RecModel, add_args, workload
+from _dlrm import Batch, Ids, RecModel, add_args, bag_label, workload
 from _report import print_table, save_png, write_json
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward
@@ -111,11 +111,21 @@ class TorchRecModel(nn.Module):
         return self.top(torch.cat(feats, 1)).squeeze(1)
 
 
-def to_kjt(ids: list[torch.Tensor]) -> KeyedJaggedTensor:
-    batch, bag = ids[0].shape
+def to_kjt(ids: list[Ids]) -> KeyedJaggedTensor:
+    """The tables' ids (fixed bags [batch, bag], or (ids, offsets)) as TorchRec's input."""
+    values, lengths = [], []
+    for i in ids:
+        if isinstance(i, tuple):
+            flat, offsets = i
+            ends = torch.cat([offsets[1:], torch.tensor([flat.numel()])])
+            values.append(flat)
+            lengths.append((ends - offsets).to(torch.int32))
+        else:
+            values.append(i.reshape(-1))
+            lengths.append(torch.full((i.shape[0],), i.shape[1], dtype=torch.int32))
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=[f"f{i}" for i in range(len(ids))], values=torch.cat([i.reshape(-1) for i in ids]),
-        lengths=torch.full((len(ids) * batch,), bag, dtype=torch.int32))
+        keys=[f"f{i}" for i in range(len(ids))], values=torch.cat(values),
+        lengths=torch.cat(lengths))
 
 
 class HookedWrapper(DefaultDataParallelWrapper):
@@ -219,7 +229,7 @@ def main() -> None:
     link = f", {int(rate) / 1e9:g} Gbit/s" if rate else ""
     caption = (f"{size} ranks ({where}{link}), {len(rows)} tables "
                f"({min(rows):,}-{max(rows):,} rows x {args.dim}), batch {args.batch}/rank x "
-               f"{args.bag} ids, {args.ids} ids; median of {args.steps} steps, slowest rank")
+               f"{bag_label(args)} ids, {args.ids} ids; median of {args.steps} steps, slowest rank")
     cols = ["method", "step_ms", "MB sent/rank/step", "max |Δloss| vs ddp sparse",
             "x vs ddp sparse", "sharding"]
     print_table(results, "Data-parallel sparse sync against TorchRec's model-parallel tables",

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/model_check.py bench_results/testbed.json [MORE.json ...]
         [--fit-workers 4] [--save-points tests/data/model_points.json] [--extrapolate]
+    python scripts/model_check.py --points tests/data/model_points.json --extrapolate
 
 Reads what scripts/bench_testbed.py wrote (each row carries the inputs the model needs: every
 rank's non-zero blocks, the union, the workers, the link rate, the model the job probed) and
@@ -13,7 +14,7 @@ efficiencies on the points of N workers alone (a grid, least geometric-mean erro
 the error of the other points, held out of that fit. Writes model_check.json and a plot
 (predicted against measured) to --out-dir; --save-points keeps the points themselves (what
 tests/test_costmodel.py checks the model against). --extrapolate: the same model, from the
-smallest run's probe, for 8-1,024 workers on 10-400 Gbit/s links (the what-if's grid), one
+smallest run's probe, for 16-1,024 workers on 10, 25, 100 and 400 Gbit/s links, one
 tensor of the runs' size at each density, blocks placed independently (the union
 1 - (1 - d)^n of the blocks), aggregation colocated (a shard on every worker host).
 """
@@ -84,14 +85,16 @@ def fit(ps: list[dict]) -> tuple[float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", type=Path, help="bench_testbed JSON files")
+    ap.add_argument("runs", nargs="*", type=Path, help="bench_testbed JSON files")
+    ap.add_argument("--points", type=Path,
+                    help="points saved by --save-points (tests/data/model_points.json) instead")
     ap.add_argument("--fit-workers", type=int, help="fit the efficiencies on these points")
     ap.add_argument("--save-points", type=Path, help="write the points here")
     ap.add_argument("--extrapolate", action="store_true",
-                    help="predict 8-1,024 workers on 10-400 Gbit/s links too")
+                    help="predict 16-1,024 workers on 10-400 Gbit/s links too")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
     args = ap.parse_args()
-    ps = points(args.runs)
+    ps = json.loads(args.points.read_text()) if args.points else points(args.runs)
     if not ps:
         console.print("[red]no point with model inputs in these files (bench_testbed.py "
                       "records them)[/]")
@@ -143,8 +146,8 @@ def extrapolate(ps: list[dict]) -> list[dict]:
     nblocks = src["numel"] // 256
     rows = []
     for d in sorted({p["density"] for p in ps}, reverse=True):
-        for rate in (10e9, 100e9, 400e9):
-            for n in (8, 64, 256, 1024):
+        for rate in (10e9, 25e9, 100e9, 400e9):
+            for n in (16, 64, 256, 1024):
                 net = costmodel.NetModel.for_link(rate, n, base, 0, base_n=src["workers"])
                 nnz = [round(d * nblocks)] * n
                 t = costmodel.predict(net, src["numel"], 4, 256, nnz, None).seconds

@@ -129,6 +129,7 @@ def test_ddp_hook_sums_in_the_switch(testbed: topology.Testbed, tmp_path: Path) 
     assert now["recirculations"] == was["recirculations"] and now["overflow"] == 0, now
 
 
+@pytest.mark.extended
 def test_scheme_switch_under_loss(testbed: topology.Testbed, tmp_path: Path) -> None:
     """1% of the frames lost on every port of the switch: scheme "switch" still gives sums
     within the fixed-point bound, bit-identical on every rank (the switch answers a

@@ -44,6 +44,8 @@ class LaunchItem(pytest.Item):
         super().__init__(**kw)
         self.launch = launch
         self.add_marker("parallel")
+        if launch.extended:
+            self.add_marker("extended")
         self.add_marker(pytest.mark.timeout(launch.timeout + 60))
 
     def runtest(self) -> None:

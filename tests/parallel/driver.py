@@ -42,7 +42,8 @@ class Launch:
     """How one module is run: launcher ("horovodrun", Gloo; "mpirun", MPI operations; or
     "torchrun", torch.distributed without Horovod: the DDP front end), ranks,
     extra environment ("{out}" stands for the launch's output folder), extra pytest arguments
-    (e.g. ("-k", "not rank0")), the whole job's timeout, and whether it needs a GPU."""
+    (e.g. ("-k", "not rank0")), the whole job's timeout, whether it needs a GPU, and whether it
+    belongs to the extended tier (marker "extended")."""
 
     launcher: str = "horovodrun"
     np: int = 2
@@ -51,6 +52,7 @@ class Launch:
     args: tuple[str, ...] = ()
     timeout: float = 300
     gpu: bool = False
+    extended: bool = False  # a rerun or a long run: `make test-extended`, not `make test`
 
     @property
     def name(self) -> str:

@@ -26,7 +26,7 @@ from hvd_sparse import aggregator, basics
 from hvd_sparse.session import RETRY_EVERY
 
 LAUNCHES = [Launch(np=4, id="kill-aggregator", env={"HVD_SPARSE_TIMEOUT": "4"},
-                   args=("-k", "not rank0_dies"), timeout=300)]
+                   args=("-k", "not rank0_dies"), timeout=300, extended=True)]
 NUMEL = 1 << 22
 
 

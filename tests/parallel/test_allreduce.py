@@ -25,7 +25,7 @@ from hvd_sparse import device
 # 4 with two dtypes) float32 alone (=float32): the 16-bit dtypes go the same way at 2 ranks.
 LAUNCHES = [
     Launch(np=2, timeout=480),
-    Launch(np=4, env={"HVD_SPARSE_TEST_QUICK": "float32"}, timeout=480),
+    Launch(np=4, env={"HVD_SPARSE_TEST_QUICK": "float32"}, timeout=480, extended=True),
     Launch("mpirun", np=2, env={"HVD_SPARSE_TEST_QUICK": "1"}, timeout=480),
     Launch(np=2, id="staged-gloo-np2", timeout=480,
            env={"HVD_SPARSE_TEST_QUICK": "1", "HVD_SPARSE_CPU_AS_DEVICE": "1"}),

@@ -17,7 +17,7 @@ from ranktools import start
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from _accuracy import train  # noqa: E402
 
-LAUNCHES = [Launch(np=4, timeout=900)]
+LAUNCHES = [Launch(np=4, timeout=900, extended=True)]
 
 SEED = 1
 SPARSE = ("topk", "dgc", "exdyna")

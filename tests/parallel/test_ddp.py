@@ -17,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
 from hvd_sparse import ExDyna, HvdSparseError, TopK, ddp, metrics, reset_metrics
 
-LAUNCHES = [Launch("torchrun", np=2, timeout=300), Launch("torchrun", np=4, timeout=400),
+LAUNCHES = [Launch("torchrun", np=2, timeout=300),
+            Launch("torchrun", np=4, timeout=400, extended=True),
             # dense buckets staged by their non-zero blocks, as a GPU's are (staging.py)
             Launch("torchrun", np=2, timeout=300, id="torch-np2-staged",
                    env={"HVD_SPARSE_CPU_AS_DEVICE": "1"})]

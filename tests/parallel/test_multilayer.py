@@ -21,7 +21,7 @@ from torch import nn
 
 import hvd_sparse
 
-LAUNCHES = [Launch(np=4, timeout=400)]
+LAUNCHES = [Launch(np=4, timeout=400, extended=True)]
 
 IN, HIDDEN, CLASSES = 64, 256, 10
 STEPS = int(os.environ.get("HVD_SPARSE_MLP_STEPS", "240"))  # ~3 "epochs" of 80 steps

@@ -23,7 +23,7 @@ from torch import nn
 import hvd_sparse
 from hvd_sparse import device
 
-LAUNCHES = [Launch(np=4, timeout=300),
+LAUNCHES = [Launch(np=2, timeout=300), Launch(np=4, timeout=300, extended=True),
             Launch(np=2, id="staged-np2", env={"HVD_SPARSE_CPU_AS_DEVICE": "1"}, timeout=300),
             Launch(np=4, id="cuda-np4", env={"HVD_SPARSE_TEST_DEVICE": "cuda"}, gpu=True,
                    timeout=600)]

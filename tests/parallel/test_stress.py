@@ -21,7 +21,7 @@ from ranktools import close_to, start
 
 import hvd_sparse
 
-LAUNCHES = [Launch(np=4, env={"HVD_SPARSE_TIMEOUT": "20"}, timeout=420)]
+LAUNCHES = [Launch(np=4, env={"HVD_SPARSE_TIMEOUT": "20"}, timeout=420, extended=True)]
 
 SIZES = [33_000, 61_000, 97_000, 150_000, 211_000, 300_000, 404_000, 500_000]
 BLOCK = 256

@@ -21,7 +21,7 @@ from torch import nn
 import hvd_sparse
 from hvd_sparse.tools.workload import CTRModel, Shard, make_shard, vocab_sizes
 
-LAUNCHES = [Launch(np=4, timeout=480),
+LAUNCHES = [Launch(np=4, timeout=480, extended=True),
             Launch(np=4, id="cuda-np4", env={"HVD_SPARSE_TEST_DEVICE": "cuda"}, gpu=True,
                    timeout=600)]
 SIZES, DIM, BATCH, MAX_PASSES = vocab_sizes(0.4), 32, 64, 2
