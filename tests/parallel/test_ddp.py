@@ -378,22 +378,42 @@ def test_sparsifier_per_parameter(make) -> None:
         st.close()
 
 
+def two_steps_with_topk(first: int) -> tuple[Net, ddp.State, DDP, torch.optim.Optimizer]:
+    """A model trained two SGD steps (batches ``first``, ``first + 1``) under the hook with
+    TopK(0.05): (the model, its state, its DDP, its optimizer)."""
+    torch.manual_seed(0)
+    model = Net()
+    state = ddp.State(sparsifier=TopK(density=0.05), named_parameters=model.named_parameters(),
+                      scheme="allgather", probe="off")
+    run = DDP(model, bucket_cap_mb=0.1)
+    run.register_comm_hook(state, ddp.hook)
+    opt = torch.optim.SGD(run.parameters(), lr=0.05)
+    for step in range(2):
+        opt.zero_grad()
+        nn.functional.mse_loss(run(batch(first + step)[0]), batch(first + step)[1]).backward()
+        opt.step()
+    return model, state, run, opt
+
+
+def assert_same_step(run: DDP, resumed: DDP, sparsifier, at: int) -> None:
+    """Batch ``at`` through both: the resumed run's gradients equal the uninterrupted one's."""
+    for m in (run, resumed):
+        nn.functional.mse_loss(m(batch(at)[0]), batch(at)[1]).backward()
+    for (n, p), q in zip(run.module.named_parameters(), resumed.module.parameters(),
+                         strict=True):
+        if sparsifier.too_small(p.numel()):
+            # sent whole by a ring allreduce, whose order of sums follows the place in the
+            # bucket, and DDP rebuilds its buckets after the first step: float rounding
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=n)
+        else:  # sparsified: blocks summed in rank order, wherever they lie
+            assert torch.equal(p.grad, q.grad), n
+
+
 def test_checkpoint_resumes_the_sparsifier(tmp_path_factory) -> None:
     """Two steps, then a checkpoint (model, optimizer, hook state) loaded into a new model and
     a new State: the third step's sparsified gradients equal the uninterrupted run's to the
     bit."""
-    torch.manual_seed(0)
-    model = Net()
-    opts = {"scheme": "allgather", "probe": "off"}
-    a = ddp.State(sparsifier=TopK(density=0.05), named_parameters=model.named_parameters(),
-                  **opts)
-    run = DDP(model, bucket_cap_mb=0.1)
-    run.register_comm_hook(a, ddp.hook)
-    opt = torch.optim.SGD(run.parameters(), lr=0.05)
-    for step in range(2):
-        opt.zero_grad()
-        nn.functional.mse_loss(run(batch(50 + step)[0]), batch(50 + step)[1]).backward()
-        opt.step()
+    model, a, run, opt = two_steps_with_topk(50)
     path = tmp_path_factory.mktemp(f"ckpt{dist.get_rank()}") / "ckpt.pt"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": a.state_dict()},
                path)
@@ -401,21 +421,13 @@ def test_checkpoint_resumes_the_sparsifier(tmp_path_factory) -> None:
     twin = Net()
     twin.load_state_dict(ckpt["model"])
     b = ddp.State(sparsifier=TopK(density=0.05), named_parameters=twin.named_parameters(),
-                  **opts)
+                  scheme="allgather", probe="off")
     b.load_state_dict(ckpt["hook"])
     resumed = DDP(twin, bucket_cap_mb=0.1)
     resumed.register_comm_hook(b, ddp.hook)
     try:
         opt.zero_grad()
-        for m in (run, resumed):
-            nn.functional.mse_loss(m(batch(52)[0]), batch(52)[1]).backward()
-        for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
-            if b.sparsifier.too_small(p.numel()):
-                # sent whole by a ring allreduce, whose order of sums follows the place in the
-                # bucket, and DDP rebuilds its buckets after the first step: float rounding
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=n)
-            else:  # sparsified: blocks summed in rank order, wherever they lie
-                assert torch.equal(p.grad, q.grad), n
+        assert_same_step(run, resumed, b.sparsifier, 52)
     finally:
         a.close()
         b.close()
@@ -426,17 +438,7 @@ def test_state_pickles_and_resumes(tmp_path_factory) -> None:
     holds no group or thread, keeps the sparsifier's memory and what auto learnt, asks for the
     parameters' names before its first bucket, then joins the ranks there and resumes: the
     third step's sparsified gradients equal the uninterrupted run's to the bit."""
-    torch.manual_seed(0)
-    model = Net()
-    a = ddp.State(sparsifier=TopK(density=0.05), named_parameters=model.named_parameters(),
-                  scheme="allgather", probe="off")
-    run = DDP(model, bucket_cap_mb=0.1)
-    run.register_comm_hook(a, ddp.hook)
-    opt = torch.optim.SGD(run.parameters(), lr=0.05)
-    for step in range(2):
-        opt.zero_grad()
-        nn.functional.mse_loss(run(batch(80 + step)[0]), batch(80 + step)[1]).backward()
-        opt.step()
+    model, a, run, opt = two_steps_with_topk(80)
     a.context.union_ratio["probe.entry"] = 0.25  # stands for what auto learns
     path = tmp_path_factory.mktemp(f"pickled{dist.get_rank()}") / "ckpt.pt"
     torch.save({"model": model.state_dict(), "hook": a}, path)
@@ -453,14 +455,8 @@ def test_state_pickles_and_resumes(tmp_path_factory) -> None:
     resumed.register_comm_hook(b, ddp.hook)
     try:
         opt.zero_grad()
-        for m in (run, resumed):
-            nn.functional.mse_loss(m(batch(82)[0]), batch(82)[1]).backward()
+        assert_same_step(run, resumed, b.sparsifier, 82)
         assert b.context.union_ratio["probe.entry"] == 0.25
-        for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
-            if b.sparsifier.too_small(p.numel()):  # ring allreduce, buckets rebuilt: rounding
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=n)
-            else:
-                assert torch.equal(p.grad, q.grad), n
     finally:
         a.close()
         b.close()
