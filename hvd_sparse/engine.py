@@ -46,16 +46,24 @@ class Handle:
         return self.result is not None or self.error is not None
 
     def _step(self, value: Any) -> None:
+        now = time.monotonic()
+        times = self.job.stats.stages_ms  # where the time goes, by stage (Stats.stages_ms)
+        if self.pending is not None:
+            times[self.stage] = times.get(self.stage, 0.0) + (now - self.stage_started) * 1e3
+        host = "host end"
         try:
             self.stage, self.pending = self._gen.send(value)
-            self.stage_started = time.monotonic()
+            host = "host " + self.stage
         except StopIteration as stop:
             self.pending, self.result = None, stop.value
-            self._on_done(self)
         except HvdSparseError as e:
             self._fail(e)
         except Exception as e:  # noqa: BLE001 - any failure must surface as the tensor's error
             self._fail(HvdSparseError(f"hvd_sparse: tensor {self.job.name!r}: {e}"))
+        self.stage_started = time.monotonic()
+        times[host] = times.get(host, 0.0) + (self.stage_started - now) * 1e3
+        if self.result is not None:
+            self._on_done(self)
 
     def _fail(self, e: HvdSparseError) -> None:
         self.pending, self.error = None, e

@@ -26,6 +26,8 @@ class RowsPlan:
     aggregate: bool = False  # the choice the ranks agreed on at the last trial
     decided: dict[str, float] = field(default_factory=dict)  # that trial's slowest-rank times
     trying: bool = False  # this call is one of a trial's
+    gathered: int = 0  # bytes every rank sent, together, in the last allgathered call
+    skipped: bool = False  # this trial's aggregated calls were skipped: they could not win
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,12 @@ class Stats:
     predicted_ms: dict[str, float] | None = None  # "auto": the cost model's prediction
     retransmits: int | None = None  # aggregation: datagrams sent again
     rounds: int | None = None  # aggregation: rounds of the busiest slot
+    # where the time went, ms: "host <stage>" the scheme's own work before it yielded <stage>
+    # ("host end": after the last), "<stage>" the wait for that stage's operation
+    stages_ms: dict[str, float] = field(default_factory=dict)
 
     def reported(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and v != {}}
 
 
 STATS_FIELDS = tuple(Stats.__dataclass_fields__)

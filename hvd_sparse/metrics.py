@@ -45,6 +45,9 @@ def metrics() -> dict[str, dict[str, Any]]:
     - where the scheme knows them, the other fields of ``hvd_sparse.job.Stats``: ``nnz_local``,
       ``nnz`` (every rank's non-zero blocks), ``union``, ``predicted_ms`` (auto),
       ``retransmits`` and ``rounds`` (aggregation), ``rows_local`` (sparse rows);
+    - ``stages_ms``: where the time went, by stage: ``"host <stage>"`` the scheme's own work
+      before it started ``<stage>`` (``"host end"``: after the last), ``"<stage>"`` the wait
+      for that stage's collective or aggregation;
     - with a sparsifier: ``sparsifier``, ``requested_density``, ``achieved_density`` (this
       rank's selected elements / numel), ``selected``, ``selection_ms``, ``nonfinite``
       (elements that made the step go out dense), and after the reduction ``union`` (non-zero

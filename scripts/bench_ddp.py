@@ -15,6 +15,8 @@ another in one run:
 - ours rows: tables ``sparse=True``, ``hvd_sparse.ddp.hook`` with scheme "auto" (sparse
   buckets go by rows)
 - ours rows agg: the same with scheme "omnireduce" (the rows summed at the aggregators)
+- ours rows allgather: the same with scheme "allgather" (no trial of aggregation: against
+  "ours rows" over the first steps, with --warmup 0, what auto's trial costs)
 - ours blocks: dense tables, ``hvd_sparse.ddp.hook`` with scheme "auto" (blocks of the bucket)
 - local dense / local sparse: no DDP, no communication: the step's compute alone, which tells
   how much of each method's step is exposed communication
@@ -22,9 +24,11 @@ another in one run:
 Per method: the median over --steps of the slowest rank's step (forward + backward, which
 waits for DDP's reductions, + the optimizer's step); "exposed sync": the step minus the local
 step of the same table kind; MB each rank sent per step (measured on $GLOO_SOCKET_IFNAME when
-it is set, as on the testbed; ours: also hvd_sparse.metrics()); for ours, the time
-hvd_sparse spent in the buckets' reductions and the schemes it ran; and the largest difference
-of the final parameters from ddp dense's (lossless methods must agree to float rounding).
+it is set, as on the testbed; ours: also hvd_sparse.metrics()) and "exposed / wire", the
+exposed sync over those bytes' time at $HVD_SPARSE_LINK_RATE; "steps_s", the timed steps
+together; for ours, the schemes it ran and, in the JSON and on stderr, the last step's
+buckets by stage (``stages_ms``); and the largest difference of the final parameters from ddp
+dense's (lossless methods must agree to float rounding).
 Table to stdout, progress to stderr, JSON and PNG to --out-dir.
 
     .venv/bin/torchrun --standalone --nproc-per-node=4 scripts/bench_ddp.py [--ids hot]
@@ -63,12 +67,13 @@ METHODS: dict[str, tuple[bool, str]] = {
     "powersgd r4": (False, "powersgd4"),
     "ours rows": (True, "ours:auto"),
     "ours rows agg": (True, "ours:omnireduce"),
+    "ours rows allgather": (True, "ours:allgather"),
     "ours blocks": (False, "ours:auto"),
     "local dense": (False, "local"),
     "local sparse": (True, "local"),
 }
 REFERENCE = "ddp dense"
-LOSSLESS = ("ddp sparse", "ours rows", "ours rows agg", "ours blocks")
+LOSSLESS = ("ddp sparse", "ours rows", "ours rows agg", "ours rows allgather", "ours blocks")
 TOLERANCE = 1e-5  # float rounding of sums in another order over a few steps
 NAN = float("nan")
 
@@ -183,7 +188,8 @@ def run(method: str, model: nn.Module, data: list[Batch], args: argparse.Namespa
     dist.all_reduce(slow, dist.ReduceOp.MAX)
     ms = lambda col: statistics.median(slow[:, col].tolist()) * 1e3  # noqa: E731
     res: dict[str, object] = {"step_ms": ms(0), "fwd+bwd_ms": ms(1), "update_ms": ms(2),
-                              "MB sent/step": sent / 1e6}
+                              "MB sent/step": sent / 1e6,
+                              "steps_s": float(slow[:, 0].sum())}  # all timed steps
     res.update({"ours exchange_ms": NAN, "ours MB sent": NAN, "schemes": "-"})
     if comm.startswith("ours"):
         buckets = {k: v for k, v in hvd_sparse.metrics().items() if k.startswith("ddp.")}
@@ -194,6 +200,12 @@ def run(method: str, model: nn.Module, data: list[Batch], args: argparse.Namespa
         res["buckets"] = {k: {f: v.get(f) for f in ("scheme", "seconds", "bytes_sent",
                                                    "rows_local", "union", "block_density")}
                           for k, v in sorted(buckets.items())}  # the JSON's, not the table's
+        stages: dict[str, float] = {}  # the last step's time by stage, over its buckets
+        for v in buckets.values():
+            for stage, t in v.get("stages_ms", {}).items():
+                stages[stage] = stages.get(stage, 0.0) + t
+        res["stages_ms"] = {k: round(t, 1) for k, t in sorted(stages.items())}
+        progress(f"  {method}: last step's buckets by stage, ms: {res['stages_ms']}")
     progress(f"  {method}: {args.steps} timed step(s), median {res['step_ms']:,.0f} ms "
              "(slowest rank)")
     return res
@@ -227,25 +239,28 @@ def main() -> None:
     local = {sparse: next((r["step_ms"] for r in results
                            if METHODS[r["method"]] == (sparse, "local")), NAN)
              for sparse in (False, True)}
+    rate = os.environ.get("HVD_SPARSE_LINK_RATE")
     for r in results:
         sparse, comm = METHODS[r["method"]]
         d = max_diff(finals[r["method"]], ref) if ref is not None and comm != "local" else NAN
         r["max |Δ| vs ddp dense"] = d
         r["lossless"] = (d <= TOLERANCE) if r["method"] in LOSSLESS and ref is not None else "-"
         r["exposed sync_ms"] = r["step_ms"] - local[sparse] if comm != "local" else NAN
+        # the wire time of what the rank sent, at the link's rate (known on the testbed)
+        wire_ms = r["MB sent/step"] * 8e9 / float(rate) if rate else NAN
+        r["exposed / wire"] = r["exposed sync_ms"] / wire_ms if wire_ms else NAN
         r["x vs ddp sparse"] = native / r["step_ms"]
     if rank != 0:
         dist.destroy_process_group()
         return
     where = os.environ.get("GLOO_SOCKET_IFNAME", "loopback")
-    rate = os.environ.get("HVD_SPARSE_LINK_RATE")
     caption = (f"{size} ranks ({where}{f', {int(rate) / 1e9:g} Gbit/s' if rate else ''}), "
                f"{len(rows)} tables ({min(rows):,}-{max(rows):,} rows x {args.dim}), batch "
                f"{args.batch}/rank x {bag_label(args)} ids, {args.ids} ids; median of {args.steps} "
                "steps, slowest rank")
     cols = ["method", "step_ms", "fwd+bwd_ms", "update_ms", "exposed sync_ms", "MB sent/step",
-            "ours exchange_ms", "ours MB sent", "schemes", "max |Δ| vs ddp dense", "lossless",
-            "x vs ddp sparse"]
+            "exposed / wire", "steps_s", "ours MB sent", "schemes", "max |Δ| vs ddp dense",
+            "lossless", "x vs ddp sparse"]
     print_table(results, "Embedding-heavy training step under DDP", cols, caption=caption)
     import matplotlib.pyplot as plt
 

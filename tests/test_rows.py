@@ -1,14 +1,12 @@
 """The row-sum kernel behind the "rows" scheme (csrc/rows.cpp) against a float64 reference."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvd_sparse import _C, HvdSparseError
+from hvd_sparse import _C
 from hvd_sparse.schemes import rows
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -98,17 +96,89 @@ def test_uses_out_of_range_or_short_raise(uses):
         _C.sum_rows(torch.tensor([1, 3]), torch.zeros(2, 3), 7, 1.0, uses)
 
 
-@pytest.mark.parametrize("runs", [[2, 1, 1], [1, 4, 0], [0, 0], [0], [1, 3, 0, 2]])
-def test_malformed_runs_raise_naming_the_tensor(runs):
-    """What rows._uses takes from the ranks (two ranks of 3 and 2 rows, headers at 0 and 4):
-    runs that do not add up to a rank's rows, or more or fewer than the ranks sent, raise."""
-    job = SimpleNamespace(size=2, name="emb.t")
-    with pytest.raises(HvdSparseError, match="emb.t"):
-        rows._uses(job, torch.tensor([0, 4]), 7, torch.tensor(runs), 5)
+H = -7  # the header row the ranks' parts start with
+GATHERED = torch.tensor([H, 5, 6, 7, H, 8, 9])  # two ranks: 3 rows, then 2
+
+
+@pytest.mark.parametrize("runs", [[2, 1, 1], [1, 4, 0], [0, 0], [0], [1, 3, 0, 2], [-1, 0]])
+def test_malformed_runs_raise_naming_the_rank(runs):
+    """What the ranks send (their runs) must add up to their rows, one list per rank."""
+    with pytest.raises(RuntimeError, match="rank [01] sent malformed runs|do not match"):
+        _C.gathered_uses(GATHERED, H, torch.tensor(runs), 5, 2)
+
+
+@pytest.mark.parametrize("rows_", [[H, 5, 6, 7, -8, 8, 9], [H, 5, 6, 7, 4, 8, 9],
+                                   [H, 5, H, 7, H, 8, 9], [5, H, 6, 7, H, 8, 9]])
+def test_headers_that_differ_or_miscount_are_a_mismatch(rows_):
+    with pytest.raises(RuntimeError, match="mismatch across ranks"):
+        _C.gathered_uses(torch.tensor(rows_), H, torch.tensor([0, 0]), 7, 2)
 
 
 def test_runs_expand_to_each_ranks_value_rows():
     # rank 0: 3 rows from 2 value rows (runs 2, 1); rank 1: 2 rows, a value each
-    job = SimpleNamespace(size=2, name="emb.t")
-    uses = rows._uses(job, torch.tensor([0, 4]), 7, torch.tensor([2, 2, 1, 0]), 6)
+    uses = _C.gathered_uses(GATHERED, H, torch.tensor([2, 2, 1, 0]), 6, 2)
     assert uses.tolist() == [0, 1, 1, 2, 3, 4, 5]
+    assert _C.gathered_uses(GATHERED, H, torch.tensor([0, 0]), 7, 2) is None  # a value each
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 3000), bits=st.integers(1, 40), seed=st.integers(0, 2**31))
+def test_sorts_rows_of_any_table_size(n, bits, seed):
+    """Rows are sorted 11 bits a pass: tables of up to 2^40 rows (several passes, each of which
+    must keep equal rows in input order) against torch.unique and float64 index_add."""
+    g = torch.Generator().manual_seed(seed)
+    nrows = 2**bits
+    rows = torch.randint(0, nrows, (n,), generator=g)
+    rows[n // 2:] = rows[:n - n // 2].clone()  # rows repeated, far apart
+    vals = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    out_rows, out_vals = _C.sum_rows(rows, vals, nrows)
+    want, where = torch.unique(rows, return_inverse=True)
+    ref = torch.zeros(len(want), 3, dtype=torch.float64).index_add_(0, where, vals)
+    assert torch.equal(out_rows, want)
+    assert torch.allclose(out_vals, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_equal_rows_stay_in_input_order_across_passes():
+    # a row past 2^22 takes three passes; each keeps 1e8, 1, -1e8 in the order given
+    big, one = torch.tensor([[1e8]]), torch.tensor([[1.0]])
+    row = 2**35 + 2**17 + 5
+    for order, want in (([big, one, -big], 0.0), ([big, -big, one], 1.0)):
+        _, out = _C.sum_rows(torch.tensor([row, 7, row, row]),
+                             torch.cat([order[0], one, *order[1:]]), 2**36)
+        assert out[1].item() == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 200), width=st.integers(1, 5), distinct=st.integers(1, 4),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31))
+def test_row_runs_start_where_a_row_differs_from_the_last(n, width, distinct, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(distinct, width, generator=g).to(dtype)
+    vals = pool[torch.randint(0, distinct, (n,), generator=g)]
+    want = [i for i in range(n) if i == 0 or not torch.equal(vals[i], vals[i - 1])]
+    assert _C.row_runs(vals).tolist() == want
+
+
+def test_row_runs_compare_bits():
+    # -0.0 == 0.0 and NaN != NaN as floats; as rows sent once per run, their bits decide
+    vals = torch.tensor([[0.0], [-0.0], [float("nan")], [float("nan")], [1.0]])
+    assert _C.row_runs(vals).tolist() == [0, 1, 2, 4]
+
+
+def test_aggregation_tried_only_where_its_bytes_could_win():
+    """auto's gate on the aggregated trial (rows.may_win), on a 1 Gbit/s link model of 4
+    ranks: with colocated aggregators, ranks holding the same rows move half the allgather's
+    bytes through the busiest link (worth a try); disjoint rows, or one aggregator host that
+    carries every rank's union, cannot win."""
+    from hvd_sparse.costmodel import NetModel
+
+    base = NetModel((1e-4, 1e-9), (1e-4, 1e-9), (1e-4, 1e-9), 2e9, 4e9, source="probed",
+                    omnireduce=(1e-4, 1e-6, 1e-9))
+    colocated = NetModel.for_link(1e9, 4, base, aggregators=0)
+    one_host = NetModel.for_link(1e9, 4, base, aggregators=1)
+    d, row = 10_000, 256
+    shared, disjoint = 4 * d * row, 4 * d * row  # bytes gathered: each rank's d rows
+    assert rows.may_win(colocated, 4, d, shared, row)
+    assert not rows.may_win(colocated, 4, 4 * d, disjoint, row)
+    assert not rows.may_win(one_host, 4, d, shared, row)
+    assert rows.may_win(NetModel.default((1024, 8)), 4, 4 * d, disjoint, row)  # no model

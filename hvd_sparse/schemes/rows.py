@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from .. import protocol
-from .._C import sum_rows
+from .. import costmodel, protocol
+from .._C import count_rows, gathered_uses, row_runs, sum_rows
+from ..costmodel import NetModel
 from ..engine import Stage
-from ..errors import HvdSparseError
 from ..job import Job, RowsPlan
 from ..session import Session
 from . import omnireduce
@@ -57,16 +57,18 @@ def supported(t: torch.Tensor) -> bool:
 def run(job: Job) -> Stage:
     g = job.tensor
     k = g.sparse_dim()
-    rows, vals, nrows = _summed(g)
+    nrows = math.prod(g.shape[:k])
     s = job.stats
-    s.nnz_local, s.rows_local = int(g._nnz()), int(rows.numel())
+    s.nnz_local = int(g._nnz())
     session = job.ctx.omni
     plan = job.ctx.rows_plans.setdefault(job.name, RowsPlan())
-    way = yield from _way(job, plan, vals)
+    way = yield from _way(job, plan, g._values())
     t0 = time.perf_counter()
     out = None
     if way == "omnireduce":
         assert session is not None
+        rows, vals = _summed(g)
+        s.rows_local = int(rows.numel())
         width = math.prod(vals.shape[1:])
         flat = vals.reshape(rows.numel(), width)
 
@@ -84,7 +86,7 @@ def run(job: Job) -> Stage:
             s.scheme = "rows+omnireduce"
     if out is None:
         way = "allgather"
-        out = yield from _allgathered(job, g, rows, vals, nrows)
+        *out, plan.gathered = yield from _allgathered(job, g, nrows)
     seconds = time.perf_counter() - t0
     plan.seconds[way] = min(seconds, plan.seconds.get(way, math.inf)) if plan.trying else seconds
     plan.union = int(out[0].numel())
@@ -98,10 +100,13 @@ def _way(job: Job, plan: RowsPlan, vals: torch.Tensor) -> Generator[Any, Any, st
     """How the rows travel this time, "allgather" or "omnireduce", alike on every rank. Under
     "auto", measured rather than modelled: every RELEARN calls of the tensor, two calls each
     way (the faster counts), then the ranks agree (one tiny max-allreduce) on the way that was
-    faster on the slowest rank, aggregation by at least 1 - MARGIN, until the next trial."""
+    faster on the slowest rank, aggregation by at least 1 - MARGIN, until the next trial. The
+    aggregated calls are skipped where the first call's union and bytes say they cannot win
+    (``may_win``): each can cost many allgathers' time."""
     session, asked = job.ctx.omni, job.asked
+    row_bytes = math.prod(vals.shape[1:]) * vals.element_size()
     if (session is None or not job.comm.is_global or asked not in ("omnireduce", "auto")
-            or math.prod(vals.shape[1:]) * vals.element_size() > session.payload):
+            or row_bytes > session.payload):
         return "allgather"
     if asked == "omnireduce":
         return "omnireduce"
@@ -109,6 +114,13 @@ def _way(job: Job, plan: RowsPlan, vals: torch.Tensor) -> Generator[Any, Any, st
     trial = plan.calls % RELEARN
     if trial == 1:
         plan.seconds.clear()
+        plan.skipped = False
+    elif trial == 2 and not may_win(job.ctx.net, job.size, plan.union, plan.gathered,
+                                    row_bytes):
+        plan.skipped, plan.aggregate, plan.decided = True, False, {}
+    if plan.skipped:
+        plan.trying = False
+        return "allgather"
     plan.trying = trial in (1, 2, 3, 4)
     if plan.trying:  # each way twice, the faster counts: a first call pays for setting up
         return ("allgather", "omnireduce")[(trial - 1) % 2]
@@ -119,6 +131,21 @@ def _way(job: Job, plan: RowsPlan, vals: torch.Tensor) -> Generator[Any, Any, st
         plan.decided = {"allgather": float(slowest[0]), "omnireduce": float(slowest[1])}
         plan.aggregate = bool(slowest[1] < MARGIN * slowest[0])
     return "omnireduce" if plan.aggregate else "allgather"
+
+
+def may_win(m: NetModel, n: int, union: int, gathered: int, row_bytes: int) -> bool:
+    """Whether aggregating a tensor's rows could beat allgathering them, by the network model
+    ``m``: aggregation's per-byte term alone (a lower bound of its time: the ``union`` rows
+    through the busiest aggregator link, the ``n`` ranks' rows spread evenly) against the
+    allgather of the ``gathered`` bytes (every rank's, together) that a call moved. Alike on
+    every rank when its arguments are. True where ``m`` is the untimed default, or nothing
+    was gathered yet: nothing to go by."""
+    if m.omnireduce is None or m.source == "default" or not gathered:
+        return True
+    through = (costmodel.aggregation_link_blocks([union / n] * n, union, m.aggregator_hosts)
+               if m.link_bps else (n + 1) * union)  # all ranks' rows in, the union out to each
+    return m.omnireduce[2] * through * row_bytes < MARGIN * (m.allgather[0]
+                                                             + m.allgather[1] * gathered)
 
 
 def _slots(plan: RowsPlan, session: Session, nrows: int, width: int, esize: int) -> int:
@@ -132,24 +159,18 @@ def _slots(plan: RowsPlan, session: Session, nrows: int, width: int, esize: int)
     return max(len(session.addrs), math.ceil(plan.union / (ROUNDS * lanes)))
 
 
-def _allgathered(job: Job, g: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, nrows: int
-                 ) -> Stage:
-    header = torch.tensor([-1 - job.meta])  # negative: never a row; sum_rows skips it
-    ids, runs, vals = _sent(g, rows, vals)
-    vals = torch.cat([vals.new_zeros((1, *vals.shape[1:])), vals])
+def _allgathered(job: Job, g: torch.Tensor, nrows: int) -> Stage:
+    header = -1 - job.meta  # negative: never a row; sum_rows skips it
+    ids, runs, vals = _sent(job, g, nrows)
     # The allgather only moves values: bfloat16 (which Horovod 0.28 lacks) travels as its bits.
     bf16 = vals.dtype == torch.bfloat16
     all_rows, all_runs, all_vals = yield "rows", job.comm.allgather_many(
-        [torch.cat([header, ids]), runs, vals.view(torch.int16) if bf16 else vals],
+        [torch.cat([torch.tensor([header]), ids]), runs, vals.view(torch.int16) if bf16 else vals],
         job.op_name("rows"))
     if bf16:
         all_vals = all_vals.view(torch.bfloat16)
-    starts = (all_rows < 0).nonzero().squeeze(1)
-    if starts.numel() != job.size or bool((all_rows[starts] != header).any()):
-        raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: tensor mismatch across ranks: "
-                             "the ranks' sparse gradients differ in shape or dtype")
-    uses = _uses(job, starts, all_rows.numel(), all_runs, all_vals.shape[0])
-    try:
+    try:  # the ranks' headers and runs checked, and undone
+        uses = gathered_uses(all_rows, header, all_runs, all_vals.shape[0], job.size)
         out_rows, out_vals = sum_rows(all_rows, all_vals, nrows, job.scale, uses)
     except RuntimeError as e:
         raise error(job, e) from e
@@ -160,66 +181,38 @@ def _allgathered(job: Job, g: torch.Tensor, rows: torch.Tensor, vals: torch.Tens
     s.scheme = "rows"
     s.union = int(out_rows.numel())
     s.bytes_sent, s.bytes_received = int(gathered * (n - 1) / n), gathered - own
-    return out_rows, out_vals
+    return out_rows, out_vals, gathered
 
 
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _sent(g: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor
+def _sent(job: Job, g: torch.Tensor, nrows: int
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What this rank sends: (row of every value it sends, its runs, the values). Either its
-    summed distinct rows (runs ``[0]``: a value each), or, when fewer bytes, the gradient as
-    it came with each run of bit-identical value rows sent once (runs ``[m, len_1 .. len_m]``):
-    an ``EmbeddingBag``'s gradient repeats its bag's row for each id of the bag, so a batch of
-    B bags of L ids sends B rows of values, not up to B x L."""
-    plain = rows, torch.zeros(1, dtype=torch.int64), vals
-    v = g._values()
+    """What this rank sends: (row of every value row it sends, its runs, a zero row then the
+    value rows). Either its summed distinct rows (runs ``[0]``: a value each), or, when fewer
+    bytes, the gradient as it came with each run of bit-identical value rows sent once (runs
+    ``[m, len_1 .. len_m]``): an ``EmbeddingBag``'s gradient repeats its bag's row for each
+    id of the bag, so a batch of B bags of L ids sends B rows of values, not up to B x L."""
+    v = g._values().contiguous()
     n = v.shape[0]
-    if g.is_coalesced() or n < 2 or v[0].numel() == 0:
-        return plain
-    row_bytes = v[0].nbytes
-
-    def fewer(m: int) -> bool:  # m runs' values, every id and the lengths, against the sums
-        return m * row_bytes + (n + m) * 8 < rows.numel() * (row_bytes + 8)
-
-    bits = v.reshape(n, -1).view(_BITS[v.element_size()])
-    # rows that differ from the last in their first element start runs: at least that many
-    # runs, so an Embedding's gradient (no runs) costs one column's look, not every element's
-    if not fewer(1 + int((bits[1:, 0] != bits[:-1, 0]).sum())):
-        return plain
-    first = torch.cat([torch.ones(1, dtype=torch.bool), (bits[1:] != bits[:-1]).any(1)])
-    first = first.nonzero().squeeze(1)
-    m = first.numel()
-    if not fewer(m):
-        return plain
-    lens = torch.diff(first, append=torch.tensor([n]))
-    k = g.sparse_dim()
-    line = g._indices()[0] if k == 1 else _linear(g._indices(), g.shape[:k])
-    return line.contiguous(), torch.cat([torch.tensor([m]), lens]), v[first]
-
-
-def _uses(job: Job, starts: torch.Tensor, nrows_sent: int, runs: torch.Tensor, nvals: int
-          ) -> torch.Tensor | None:
-    """The value row of every gathered row (``_sent``'s runs undone), or None when every rank
-    sent a value per row. Each rank's part: a header row (its value row a zero row) then its
-    rows; its runs ``[0]`` or ``[m, lengths]`` with lengths summing to its rows."""
-    counts = torch.diff(starts, append=torch.tensor([nrows_sent])) - 1
-    out, at, base = [], 0, 0
-    for r, c in enumerate(counts.tolist()):
-        m = int(runs[at]) if at < runs.numel() else -1
-        lens = runs[at + 1:at + 1 + m]
-        if m < 0 or lens.numel() != m or (m and (int(lens.sum()) != c or bool((lens < 1).any()))):
-            raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: rank {r} sent malformed "
-                                 f"runs ({m} of them for {c} rows)")
-        mine = torch.arange(base + 1, base + 1 + c) if m == 0 else \
-            torch.repeat_interleave(torch.arange(base + 1, base + 1 + m), lens)
-        out += [torch.tensor([base]), mine]
-        at, base = at + 1 + m, base + 1 + (m or c)
-    if at != runs.numel() or base != nvals:
-        raise HvdSparseError(f"hvd_sparse: tensor {job.name!r}: the gathered runs and values "
-                             "do not match the rows")
-    return None if at == job.size else torch.cat(out)  # all [0]: a value row each
+    if not g.is_coalesced() and n >= 2 and v[0].numel():
+        row_bytes = v[0].nbytes
+        first = row_runs(v)
+        m = first.numel()
+        cost = m * row_bytes + (n + m) * 8  # the runs' values, every id, their lengths
+        line = _line(g)
+        # against the summed rows, a value and an id each: first their bound, n, then their
+        # count, which costs a sort
+        if cost < n * (row_bytes + 8) and cost < (distinct := count_rows(line, nrows)) * (
+                row_bytes + 8):
+            job.stats.rows_local = distinct
+            out = v.new_empty((m + 1, *v.shape[1:]))
+            out[0] = 0
+            torch.index_select(v, 0, first, out=out[1:])
+            lens = torch.diff(first, append=torch.tensor([n]))
+            return line, torch.cat([torch.tensor([m]), lens]), out
+    rows, vals = _summed(g)
+    job.stats.rows_local = int(rows.numel())
+    zero = vals.new_zeros((1, *vals.shape[1:]))
+    return rows, torch.zeros(1, dtype=torch.int64), torch.cat([zero, vals])
 
 
 def fuse(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -229,10 +222,10 @@ def fuse(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     an embedding's gradient holds a row per lookup, its sum only the distinct ones."""
     offsets, lines, vals = [0], [], []
     for g in grads:
-        line, v, nrows = _summed(g)
+        line, v = _summed(g)
         lines.append(line + offsets[-1])
         vals.append(v)
-        offsets.append(offsets[-1] + nrows)
+        offsets.append(offsets[-1] + math.prod(g.shape[:g.sparse_dim()]))
     rows_shape = grads[0].shape[grads[0].sparse_dim():]
     fused = torch.sparse_coo_tensor(torch.cat(lines).unsqueeze(0), torch.cat(vals),
                                     (offsets[-1], *rows_shape), check_invariants=False)
@@ -254,15 +247,18 @@ def split(fused: torch.Tensor, shapes: Sequence[torch.Size], offsets: list[int]
     return out
 
 
-def _summed(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A COO tensor's distinct rows (linearized over its sparse dimensions, sorted), their
-    sums, and how many rows it has."""
-    k = g.sparse_dim()
-    nrows = math.prod(g.shape[:k])
-    idx = g._indices()
-    line = idx[0] if k == 1 else _linear(idx, g.shape[:k])
-    rows, vals = sum_rows(line.contiguous(), g._values().contiguous(), nrows)
-    return rows, vals, nrows
+def _summed(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A COO tensor's distinct rows (linearized over its sparse dimensions, sorted) and their
+    sums (a coalesced tensor's own)."""
+    if g.is_coalesced():
+        return _line(g), g._values()
+    return sum_rows(_line(g), g._values().contiguous(), math.prod(g.shape[:g.sparse_dim()]))
+
+
+def _line(g: torch.Tensor) -> torch.Tensor:
+    """A COO tensor's row of every value row, linearized over its sparse dimensions."""
+    k, idx = g.sparse_dim(), g._indices()
+    return (idx[0] if k == 1 else _linear(idx, g.shape[:k])).contiguous()
 
 
 def _linear(idx: torch.Tensor, dims: torch.Size) -> torch.Tensor:

@@ -5,6 +5,7 @@ nn.EmbeddingBag(sparse=True) through hvd_sparse.DistributedOptimizer."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import horovod.torch as hvd
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 
 import hvd_sparse
 from hvd_sparse import HvdSparseError, basics
+from hvd_sparse.costmodel import NetModel
 
 LAUNCHES = [Launch(np=4, timeout=300)]
 ROWS = 5000
@@ -170,6 +172,33 @@ def test_auto_times_both_ways_then_every_rank_takes_one():
     assert ran[:4] == ["rows", "rows+omnireduce"] * 2, ran
     faster = decided[0]["omnireduce"] < 0.9 * decided[0]["allgather"]
     assert ran[4:] == ["rows+omnireduce" if faster else "rows"] * 3, (ran, decided[0])
+
+
+def test_auto_skips_aggregation_that_cannot_win():
+    """On a link model where one aggregator host carries every rank's union (1 Gbit/s), the
+    first call's union and bytes say aggregation cannot win: auto skips its aggregated calls
+    on every rank, and every sum is right."""
+    st = basics.state()
+    saved = st.net
+    st.net = NetModel.for_link(1e9, hvd.size(), dataclasses.replace(saved, source="probed"),
+                               aggregators=1)
+    try:
+        ran = []
+        for step in range(6):
+            t = embedding_grad(step, torch.float32, dim=64)
+            ref = hvd.allreduce(t.to_dense().double(), name=f"ref.skip.{step}", op=hvd.Sum)
+            out = hvd_sparse.allreduce(t, name="rows.skip", op=hvd.Sum, scheme="auto")
+            assert close_to(out.to_dense(), ref, torch.float32) == ""
+            m = hvd_sparse.metrics()["rows.skip"]
+            ran.append(m["scheme"])
+            # where the call's time went: its stages, which fit in its wall time
+            stages = m["stages_ms"]
+            assert {"host rows", "rows", "host end"} <= set(stages), stages
+            assert 0 < sum(stages.values()) <= m["seconds"] * 1e3 + 1.0, (stages, m["seconds"])
+        assert ran == ["rows"] * 6, ran
+        assert all(hvd.allgather_object(st.rows_plans["rows.skip"].skipped))
+    finally:
+        st.net = saved
 
 
 @pytest.mark.parametrize("scheme", [None, "omnireduce"])

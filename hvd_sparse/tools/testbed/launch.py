@@ -200,8 +200,10 @@ class PmixForwarder:
             ls.close()
 
 
-def job_env(tb: Testbed, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """What every rank gets: MPI over the testbed links, the aggregators, the link rate."""
+def job_env(tb: Testbed, extra: dict[str, str] | None = None, per_host: int = 1
+            ) -> dict[str, str]:
+    """What every rank gets (``per_host`` of them per worker host): MPI over the testbed
+    links, the aggregators, the link rate, its share of the cores."""
     env = {
         "HOROVOD_CPU_OPERATIONS": "mpi",
         "OMPI_MCA_btl": "tcp,self",  # no shared memory: the ranks are on different "hosts"
@@ -233,6 +235,10 @@ def job_env(tb: Testbed, extra: dict[str, str] | None = None) -> dict[str, str]:
                   "HVD_SPARSE_TIMEOUT": f"{30 / min(1.0, tb.cpu_per_host):g}"}
         scaled["OMP_NUM_THREADS"] = scaled["HVD_SPARSE_THREADS"]
         env.update({k: v for k, v in scaled.items() if k not in os.environ})
+    elif "HVD_SPARSE_THREADS" not in os.environ:
+        # Hosts without budgets share the machine's cores: a rank's share is cores / ranks,
+        # not every core (its kernels' threads would spin against the other hosts').
+        env["HVD_SPARSE_THREADS"] = str(max(1, (os.cpu_count() or 1) // (tb.workers * per_host)))
     if tb.switch == "emu":
         env["HVD_SPARSE_SWITCH"] = tb.switch_address
         env["HVD_SPARSE_SWITCH_CONTROL"] = str(tb.switch_control)
@@ -290,7 +296,7 @@ def run(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
     if launcher == "torch":
         return _run_torch(tb, cmd, env, timeout, capture, per_host)
     fwd = PmixForwarder([h.ns for h in tb.worker_hosts])
-    job = job_env(tb, env)
+    job = job_env(tb, env, per_host)
     full = {**os.environ, **job, "PMIX_MCA_ptl_tcp_ipv4_port": str(fwd.port)}
     pipe = subprocess.PIPE if capture else None
     proc = subprocess.Popen(command(tb, cmd, job, per_host), env=full, stdout=pipe, stderr=pipe,
@@ -330,7 +336,7 @@ def _run_torch(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None,
                ) -> subprocess.CompletedProcess:
     """``per_host`` processes per worker host, in its namespace. When a rank fails the others are
     stopped (as torchrun does): they would wait for it until Gloo's timeout."""
-    argv, job = _python(cmd), job_env(tb, env)
+    argv, job = _python(cmd), job_env(tb, env, per_host)
     procs: list[subprocess.Popen] = []
     logs: list[IO[str]] = []
     deadline = None if timeout is None else time.monotonic() + timeout
