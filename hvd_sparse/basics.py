@@ -30,12 +30,13 @@ class State:
     unnamed: Iterator[int] = field(default_factory=itertools.count)  # unnamed tensors' numbers
     union_ratio: dict[str, float] = field(default_factory=dict)  # learnt by "auto"
     rows_plans: dict[str, RowsPlan] = field(default_factory=dict)  # learnt by "auto" (schemes/rows)
+    dense_streak: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)  # "auto"
 
     @property
     def context(self) -> Context:
         """What a reduction's job carries: the state as it is when the reduction starts."""
         return Context(self.config, self.net, self.omni, self.switch, self.union_ratio,
-                       self.rows_plans)
+                       self.rows_plans, self.dense_streak)
 
 
 _state: State | None = None

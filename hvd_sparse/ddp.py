@@ -124,6 +124,7 @@ class State:
         self._watched: set[int] = set()  # parameters whose end forgets their buckets
         self._pass: list[tuple[int, bool]] = []  # this backward pass: (bucket, sparse)
         self._sparse_after: dict[int, bool] = {}  # last pass: whether a sparse bucket followed
+        self._dense_streak: dict[tuple[str, tuple[int, ...]], int] = {}  # "auto"'s, relearnt
 
     def _join(self) -> None:
         """Collective over the process group: the streams' groups, the aggregators and switch
@@ -148,7 +149,8 @@ class State:
                         for _ in range(self.stream_count)]
         self.comm = self.streams[0]
         self.omni, self.switch, self.net = session.join_all(cfg, self.comm)
-        self.context = Context(cfg, self.net, self.omni, self.switch, *self._learnt)
+        self.context = Context(cfg, self.net, self.omni, self.switch, *self._learnt,
+                               self._dense_streak)
         if self.sparsifier is not None:
             self.sparsifier.join(self.comm.rank, self.comm.size)
         self._work = [queue.Queue() for _ in self.streams]

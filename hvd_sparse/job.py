@@ -44,6 +44,9 @@ class Context:
     union_ratio: dict[str, float] = field(default_factory=dict)
     # name -> what "auto" learnt of a sparse tensor's rows (schemes/rows.py)
     rows_plans: dict[str, RowsPlan] = field(default_factory=dict)
+    # (name, ranks) -> calls in a row that "auto" sent dense (schemes/auto.py: past a few, it stops
+    # asking the ranks until its next look)
+    dense_streak: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
 
 
 @dataclass

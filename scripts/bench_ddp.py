@@ -89,6 +89,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     p.add_argument("--probe", default="auto", choices=("auto", "force", "off"),
                    help="hvd_sparse's network probe (auto: cached per network)")
+    p.add_argument("--fuse-mb", type=float, default=1.0,
+                   help="ours: sparse buckets whose last results together stay under this are "
+                        "reduced as one (hvd_sparse.ddp.State's fuse_mb)")
     p.add_argument("--streams", type=int, default=2,
                    help="ours: buckets reduced at once (hvd_sparse.ddp.State's streams)")
     p.add_argument("--methods", default=",".join(METHODS))
@@ -152,7 +155,8 @@ def wrap(method: str, model: nn.Module, args: argparse.Namespace
         m.register_comm_hook(OneBucketAtATime(state), one_bucket_at_a_time)
     elif comm.startswith("ours"):
         # Collective: every rank makes it here, in the same order of methods.
-        ours = ddp.State(scheme=comm.split(":")[1], probe=args.probe, streams=args.streams)
+        ours = ddp.State(scheme=comm.split(":")[1], probe=args.probe, streams=args.streams,
+                         fuse_mb=args.fuse_mb)
         m.register_comm_hook(ours, ddp.hook)
         return m, ours.close
     return m, lambda: None

@@ -172,8 +172,9 @@ def main() -> None:
     ax.set_xlabel("ms (median, slowest rank)")
     ax.set_title(caption, fontsize=7)
     ax.legend()
-    print("wrote", write_json(out / "embedding.json", results, args=vars(args)),
-          save_png(fig, out / "embedding.png"))
+    stem = f"embedding-{args.ids}"  # one file per id law: runs of the three sit side by side
+    print("wrote", write_json(out / f"{stem}.json", results, args=vars(args)),
+          save_png(fig, out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

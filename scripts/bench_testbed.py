@@ -21,7 +21,8 @@ call them (the input restored outside the timed region):
   with no aggregators configured) and omnireduce rank0 (the job's own, all on rank 0's host:
   the default before): the aggregator hosts stay idle;
 * with ``--switch emu`` (the emulated switch in place of the bridge): switch, aggregation in
-  the switch (scheme "switch"), with the emulator's packets per second and passes per packet;
+  the switch (scheme "switch"), with the emulator's packets per second, passes per packet,
+  mean slots in flight and mean round wait (its first DATA to its last, at the switch);
 * allgather gloo, zen gloo: the same schemes over torch.distributed's Gloo (the DDP front end's
   collective layer) on the same hosts' eth0, beside Horovod in the same ranks: a reference line
   for the peer-to-peer exchange that does not ride on Open MPI.
@@ -142,7 +143,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     cols = ["rate", "workers", "density", "method", "ms", "x vs hvd sparse", "bound ms",
             "x of bound", "util %", "worker rx MB", "aggregators tx MB", "busiest link MB",
             "worker links rx/tx MB", "scheme", "retransmits", "model ms",
-            "model err %", "link model err %", "switch kpps", "passes / packet", "ok"]
+            "model err %", "link model err %", "switch kpps", "slots in flight", "round wait ms",
+            "passes / packet", "ok"]
     print_table(rows, f"in-place allreduce of {args.numel:,} float32 on emulated hosts, "
                       f"median of {args.reps} (slowest rank)", cols,
                 caption="bound: the bytes the worker that must receive most must receive "
@@ -155,6 +157,9 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
                 "(w0 first). model: the cost model's prediction (probed at init on these "
                 "links; omnireduce's terms fitted on the 4 aggregator hosts, so x1 has none). "
                 "switch kpps: packets the emulator aggregated per second of the call; "
+                "slots in flight: the emulator's slot groups bound to a slot, averaged over "
+                "the call (its occupied_us); round wait ms: from a round's first DATA at the "
+                "switch to its last, the mean over the call's rounds; "
                 "passes / packet: pipeline passes (1 + recirculations) per aggregated packet.")
     targets = []
 
@@ -443,8 +448,10 @@ def rank_side(args: argparse.Namespace) -> None:
                                           c1[h]["tx_bytes"] - c0[h]["tx_bytes"]) for h in c1})
                         if s0 is not None:
                             s1 = switch_counters()
-                            pipeline[m].append((dt, s1["packets"] - s0["packets"],
-                                                s1["passes"] - s0["passes"]))
+                            # (a switch without occupied_us, round_wait_us: 0, NaN below)
+                            pipeline[m].append((dt, *(s1.get(k, 0) - s0.get(k, 0) for k in (
+                                "packets", "passes", "occupied_us", "round_wait_us",
+                                "results"))))
             if rank == 0:
                 console.print(f"density {d:g}: rep {i + 1}/{args.warmup + args.reps} done")
         metrics = hvd_sparse.metrics()
@@ -471,9 +478,12 @@ def rank_side(args: argparse.Namespace) -> None:
                     if f"{k} ms" in r:
                         r[f"{k} err %"] = 100 * (r[f"{k} ms"] - ms) / ms
                 if pipeline[m]:
-                    secs, pkts, passes = (sum(x) for x in zip(*pipeline[m], strict=True))
+                    secs, pkts, passes, occ_us, wait_us, results = (
+                        sum(x) for x in zip(*pipeline[m], strict=True))
                     r["switch kpps"] = pkts / secs / 1e3
                     r["passes / packet"] = passes / max(1, pkts)
+                    r["slots in flight"] = occ_us / 1e6 / secs if occ_us else nan_
+                    r["round wait ms"] = wait_us / 1e3 / max(1, results) if wait_us else nan_
             key = f"bench.{m.replace(' ', '.')}"
             if key in metrics:
                 r["scheme"] = metrics[key]["scheme"]

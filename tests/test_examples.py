@@ -26,7 +26,9 @@ def run(argv: list[str], timeout: float = 240) -> tuple[dict, str]:
                        timeout=timeout)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
-    found = re.findall(r"^(?:\[[\d,]+\]<stdout>:)?(\{\"example\".*\})$", p.stdout, re.M)
+    # horovodrun tags each rank's output; a chunk's tag may land after the line it ends
+    tag = r"(?:\[[\d,]+\]<stdout>:)?"
+    found = re.findall(rf"^{tag}(\{{\"example\".*\}}){tag}$", p.stdout, re.M)
     assert found, out[-3000:]
     return json.loads(found[-1]), out
 

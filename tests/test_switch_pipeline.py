@@ -150,6 +150,30 @@ def test_jobs_get_disjoint_ranges_and_run_together():
     assert [(x["type"], x["round"]) for x in p] == [(T["ERROR"], ERR["JOB"])]
 
 
+def test_slots_in_flight_and_round_wait_are_timed():
+    """occupied_us integrates the bound groups over the switch's clock and round_wait_us sums
+    each round's first-to-last DATA: two one-round slots, bound at t=1 and t=2, completed at
+    t=1.5 and t=2.25, released at t=3 and t=4 (by hand: 2 s + 2 s of one bound slot; waits
+    0.5 s + 0.25 s)."""
+    sw = _C.SwitchPipeline(cells=64, cells_per_slot=32)
+    sw.install(token=0x77, nworkers=2, groups=2)
+    a, ref_a = fixed_job(2, 256, 64, 4, 1, 1.0, seed=9, tensor=1)  # 4 lanes x 1 block: 1 round
+    b, ref_b = fixed_job(2, 256, 64, 4, 1, 1.0, seed=10, tensor=2)
+    register(sw, a)
+    for ws, t0, t1 in ((a, 1.0, 1.5), (b, 2.0, 2.25)):  # the switch's clock only advances
+        assert sw.handle(ws[0].data(0), ws[0].addr, t0) == []
+        out = sw.handle(ws[1].data(0), ws[1].addr, t1)
+        assert [wire.parse(x)["type"] for _, x in out] == [T["RESULT"]] * 2
+    assert sw.occupied() == 2
+    release(sw, a, 3.0)
+    release(sw, b, 4.0)
+    assert sw.occupied() == 0
+    c = sw.counters()
+    assert c["results"] == 2 and c["released"] == 2
+    assert c["round_wait_us"] == 750_000
+    assert c["occupied_us"] == 4_000_000  # 1 slot over [1, 2), 2 over [2, 3), 1 over [3, 4)
+
+
 def test_a_bound_group_makes_others_wait_until_released():
     """With one group, tensor B's round 0 is dropped ("busy") while tensor A's slot holds it;
     the workers' per-slot RELEASEs free it; without them it is reclaimed after `hold`."""

@@ -29,6 +29,7 @@ struct SetRegs {
   uint32_t round = 0, seen = 0, count = 0;
   uint64_t present = 0;  // lanes some worker contributed to
   bool overflow = false;
+  double first = 0;  // when the round's first DATA came (the switch's clock, not a register)
 };
 constexpr uint32_t kSeenBits = 8 * sizeof(SetRegs::seen);  // workers a job can have, at most
 static_assert(kSwitchMaxWorkers <= kSeenBits, "the default worker limit exceeds the seen-bitmap");
@@ -100,7 +101,7 @@ struct Pipeline::Impl {
     j.addr.resize(nworkers);
     j.ips = ips;
     j.touched = now;
-    for (uint32_t g = at; g < at + groups; ++g) g_[g] = GroupRegs{};
+    unbind(at, groups, now);
     ranges_[at] = token;
     jobs_.emplace(token, std::move(j));
     c.jobs++;
@@ -110,8 +111,7 @@ struct Pipeline::Impl {
   bool remove(uint64_t token) {
     auto it = jobs_.find(token);
     if (it == jobs_.end()) return false;
-    for (uint32_t g = it->second.first; g < it->second.first + it->second.groups; ++g)
-      g_[g] = GroupRegs{};
+    unbind(it->second.first, it->second.groups, t_);
     ranges_.erase(it->second.first);
     jobs_.erase(it);
     return true;
@@ -123,18 +123,34 @@ struct Pipeline::Impl {
     return groups_ - used;
   }
 
+  // Groups [first, first + n) back to their reset state.
+  void unbind(uint32_t first, uint32_t n, double now) {
+    for (uint32_t g = first; g < first + n; ++g) {
+      if (g_[g].tag) bound(-1, now);
+      g_[g] = GroupRegs{};
+    }
+  }
+
+  // The bound-group count changes by `delta` at `now`: first the time it held its old value
+  // goes into occupied_us.
+  void bound(int delta, double now) {
+    if (now > t_) {
+      occupied_s_ += double(bound_) * (now - t_);
+      t_ = now;
+    }
+    bound_ = uint32_t(int64_t(bound_) + delta);
+    c.occupied_us = uint64_t(occupied_s_ * 1e6);
+  }
+
   void expire(double now) {
+    bound(0, now);
     std::vector<uint64_t> idle;
     for (auto& [t, j] : jobs_)
       if (j.automatic && now - j.touched > o_.idle) idle.push_back(t);
     for (uint64_t t : idle) remove(t);
   }
 
-  uint32_t occupied() const {
-    uint32_t n = 0;
-    for (const GroupRegs& g : g_) n += g.tag != 0;
-    return n;
-  }
+  uint32_t occupied() const { return bound_; }
 
   // ---- data plane -------------------------------------------------------------------------
 
@@ -142,6 +158,7 @@ struct Pipeline::Impl {
               std::vector<Out>& out) {
     c.packets++;
     c.passes++;  // the parser and the job table: every packet's first pass
+    bound(0, now);
     if (len < kHeaderBytes) {
       c.malformed++;
       return;
@@ -171,7 +188,7 @@ struct Pipeline::Impl {
     }
     switch (h.type) {
       case kData: return on_data(job, h, p, from, now, out);
-      case kRelease: job.touched = now; return on_release(job, h);
+      case kRelease: job.touched = now; return on_release(job, h, now);
       case kBye:
         job.touched = now;
         job.bye |= 1u << h.worker;
@@ -239,12 +256,13 @@ struct Pipeline::Impl {
           RegAck{it->second.groups, o_.values_per_pass, o_.cells_per_slot});
   }
 
-  void on_release(SwitchJob& job, const Header& h) {
+  void on_release(SwitchJob& job, const Header& h, double now) {
     GroupRegs& g = g_[group_of(job, h)];
     if (g.tag != tag_of(h) || !g.done) return;
     g.released |= 1u << h.worker;
     if (g.released == full(job)) {
       g.tag = 0;
+      bound(-1, now);
       c.released++;
     }
   }
@@ -376,7 +394,7 @@ struct Pipeline::Impl {
         return;
       case Data::kDuplicate: c.duplicates++; return;
       case Data::kBind: bind(at, h, now); [[fallthrough]];
-      case Data::kAdd: return accumulate(job, at.gi, h, p, out);
+      case Data::kAdd: return accumulate(job, at.gi, h, p, now, out);
       default: return;  // kJunk, kUnsupported: above
     }
   }
@@ -393,6 +411,7 @@ struct Pipeline::Impl {
   void bind(const Where& at, const Header& h, double now) {
     GroupRegs& g = g_[at.gi];
     if (g.tag != 0) ++(g.done ? c.reclaimed : c.abandoned);
+    else bound(+1, now);
     g = GroupRegs{};
     g.tag = at.tag;
     g.params = h;
@@ -406,10 +425,11 @@ struct Pipeline::Impl {
   // A validated DATA of the round in progress: per lane the look-ahead minimum (stage 1) and
   // the values (stages 2..: one pass per values_per_pass, saturating adds); the last worker's
   // completes the round.
-  void accumulate(SwitchJob& job, uint32_t gi, const Header& h, const uint8_t* p,
+  void accumulate(SwitchJob& job, uint32_t gi, const Header& h, const uint8_t* p, double now,
                   std::vector<Out>& out) {
     const int set = h.round & 1;
     SetRegs& s = g_[gi].set[set];
+    if (s.count == 0) s.first = now;
     const uint64_t bitmap = ld64(p + kHeaderBytes);
     const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
     const uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
@@ -428,7 +448,10 @@ struct Pipeline::Impl {
     }
     s.present |= bitmap;
     s.seen |= 1u << h.worker;
-    if (++s.count == job.nworkers) complete(job, gi, h, out);
+    if (++s.count == job.nworkers) {
+      c.round_wait_us += uint64_t(std::max(0.0, now - s.first) * 1e6);
+      complete(job, gi, h, out);
+    }
   }
 
   // The last worker's pass: the round is complete. Multicast its RESULT (or, for a saturated
@@ -489,6 +512,9 @@ struct Pipeline::Impl {
   std::vector<int32_t> values_;
   std::unordered_map<uint64_t, SwitchJob> jobs_;
   std::map<uint32_t, uint64_t> ranges_;  // first group -> job token
+  uint32_t bound_ = 0;     // groups bound to a slot now
+  double t_ = 0;           // the latest time seen
+  double occupied_s_ = 0;  // the integral of bound_ over time, slot-seconds
 };
 
 Pipeline::Pipeline(const PipelineOptions& o) : impl_(std::make_unique<Impl>(o)) {}

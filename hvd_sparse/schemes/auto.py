@@ -3,6 +3,8 @@
 Ranks first allgather a tiny stats row (non-zero block count and a fingerprint of the tensor),
 so every rank feeds the same numbers to the same model and takes the same branch; the rows also
 catch shape or dtype mismatches across ranks. (Small tensors never get here: they go dense.)
+A tensor that keeps going dense stops asking (``STEADY``) but for a look every
+``LOOK_AGAIN`` calls.
 """
 from __future__ import annotations
 
@@ -21,11 +23,23 @@ from .common import local_mask
 
 log = logging.getLogger("hvd_sparse")
 ROW_BYTES = 4 * 8  # the stats row: 4 int64
+# A tensor sent dense STEADY calls in a row goes dense without asking the ranks (the stats
+# allgather: a collective's latency each call, for a bucket of dense layers every step) until
+# every LOOK_AGAIN-th call, which asks again. Dense is the baseline auto never loses to, so
+# what this can cost is a sparse gain missed for LOOK_AGAIN calls.
+STEADY, LOOK_AGAIN = 3, 20
 
 
 def choose(job: Job) -> Generator[tuple[str, Pending], Any, str]:
-    """Yields the stats allgather; returns the scheme to run: "dense" or a sparse one."""
+    """Yields the stats allgather; returns the scheme to run: "dense" or a sparse one. Alike
+    on every rank: so is the streak of dense choices it keeps (``STEADY``)."""
     ctx, t = job.ctx, job.tensor
+    # by the ranks too: a name reduced over several process sets counts its calls in each
+    key = (job.name, tuple(job.comm.ranks))
+    streak = ctx.dense_streak.get(key, 0)
+    if streak >= STEADY and streak % LOOK_AGAIN:
+        ctx.dense_streak[key] = streak + 1
+        return "dense"
     row = torch.tensor([[int(local_mask(job).sum()), t.numel(), blocks.DTYPE_CODES[t.dtype],
                          job.meta]])
     rows = yield "stats", job.comm.allgather(row, job.op_name("stats"))
@@ -48,12 +62,15 @@ def choose(job: Job) -> Generator[tuple[str, Pending], Any, str]:
     job.stats.block_density = sum(nnz) / len(nnz) / max(1, blocks.num_blocks(t.numel(),
                                                                              job.block_size))
     log.debug("hvd_sparse: %s -> %s (predicted ms %s)", job.name, choice, job.stats.predicted_ms)
+    ctx.dense_streak[key] = streak + 1 if choice == "dense" else 0
     return choice
 
 
 def learn(job: Job, choice: str, nnz: list[int]) -> None:
     """After the chosen scheme ran: its bytes with the decision's own (ring allgather of one
     stats row per rank), and the union it saw, for the next prediction of this tensor."""
+    if not nnz:  # went dense without asking the ranks (``STEADY``)
+        return
     s = job.stats
     s.bytes_sent += (len(nnz) - 1) * ROW_BYTES
     s.bytes_received = (s.bytes_received or 0) + (len(nnz) - 1) * ROW_BYTES

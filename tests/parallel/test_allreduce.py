@@ -136,6 +136,25 @@ def test_auto_choice_is_visible_and_consistent():
     assert set(choices[0].values()) <= {"dense", "allgather", "zen", "omnireduce"}
 
 
+def test_auto_stops_asking_for_a_tensor_that_keeps_going_dense():
+    """A full tensor under auto goes dense; past STEADY such calls it goes dense without the
+    ranks' stats allgather, but for a look every LOOK_AGAIN calls. Every result equals
+    Horovod's allreduce in float64, and every rank skips the same calls."""
+    from hvd_sparse.schemes.auto import LOOK_AGAIN, STEADY
+
+    asked = []
+    for call in range(LOOK_AGAIN + 2):
+        t = torch.randn(300_000, generator=torch.Generator().manual_seed(10 * call + hvd.rank()))
+        ref = hvd.allreduce(t.double(), name=f"ref.steady.{call}", op=hvd.Average)
+        out = hvd_sparse.allreduce(t, name="steady", scheme="auto")
+        assert close_to(out, ref, torch.float32) == ""
+        m = hvd_sparse.metrics()["steady"]
+        assert m["scheme"] == "dense", m
+        asked.append("stats" in m["stages_ms"])
+    assert asked == [True] * STEADY + [False] * (LOOK_AGAIN - STEADY) + [True, False], asked
+    assert all(a == asked for a in hvd.allgather_object(asked, name="steady.asked"))
+
+
 def test_async_out_of_order():
     """Several reductions in flight, submitted and synchronized in different orders per rank."""
     rank = hvd.rank()
