@@ -195,16 +195,15 @@ c10::optional<at::Tensor> gathered_uses(const at::Tensor& rows, int64_t header,
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* run = runs.data_ptr<int64_t>();
   const int64_t n = rows.size(0), nruns = runs.size(0);
+  constexpr const char* kMismatch =
+      "tensor mismatch across ranks: the ranks' sparse gradients differ in shape or dtype";
   std::vector<int64_t> starts;
   for (int64_t i = 0; i < n; ++i) {
     if (r[i] >= 0) continue;
-    TORCH_CHECK(r[i] == header && int64_t(starts.size()) < ranks,
-                "tensor mismatch across ranks: the ranks' sparse gradients differ in shape or "
-                "dtype");
+    TORCH_CHECK(r[i] == header && int64_t(starts.size()) < ranks, kMismatch);
     starts.push_back(i);
   }
-  TORCH_CHECK(int64_t(starts.size()) == ranks && (n == 0 || starts[0] == 0),
-              "tensor mismatch across ranks: the ranks' sparse gradients differ in shape or dtype");
+  TORCH_CHECK(int64_t(starts.size()) == ranks && (n == 0 || starts[0] == 0), kMismatch);
   at::Tensor uses = at::empty({n}, at::kLong);
   int64_t* u = uses.data_ptr<int64_t>();
   int64_t at = 0, base = 0;
@@ -212,11 +211,12 @@ c10::optional<at::Tensor> gathered_uses(const at::Tensor& rows, int64_t header,
   for (int64_t k = 0; k < ranks; ++k) {
     const int64_t c = (k + 1 < ranks ? starts[size_t(k + 1)] : n) - starts[size_t(k)] - 1;
     const int64_t m = at < nruns ? run[at] : -1;
-    bool ok = m >= 0 && at + 1 + m <= nruns;
+    bool ok = m >= 0 && m < nruns - at;  // (not at + 1 + m: a sent m may be near 2^63)
     int64_t total = 0;
-    for (int64_t j = 0; ok && j < m; ++j) {
-      ok = run[at + 1 + j] >= 1;
-      total += run[at + 1 + j];
+    for (int64_t j = 0; ok && j < m; ++j) {  // each at most what is left: no overflow
+      const int64_t len = run[at + 1 + j];
+      ok = len >= 1 && len <= c - total;
+      if (ok) total += len;
     }
     TORCH_CHECK(ok && (m == 0 || total == c), "rank ", k, " sent malformed runs (", m,
                 " of them for ", c, " rows)");

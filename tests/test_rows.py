@@ -100,7 +100,9 @@ H = -7  # the header row the ranks' parts start with
 GATHERED = torch.tensor([H, 5, 6, 7, H, 8, 9])  # two ranks: 3 rows, then 2
 
 
-@pytest.mark.parametrize("runs", [[2, 1, 1], [1, 4, 0], [0, 0], [0], [1, 3, 0, 2], [-1, 0]])
+@pytest.mark.parametrize("runs", [[2, 1, 1], [1, 4, 0], [0, 0], [0], [1, 3, 0, 2], [-1, 0],
+                                  [2**62, 0], [3, 2**62, 2**62, 3, 0],
+                                  [3, 2**63 - 1, 2**63 - 1, 5, 0]])
 def test_malformed_runs_raise_naming_the_rank(runs):
     """What the ranks send (their runs) must add up to their rows, one list per rank."""
     with pytest.raises(RuntimeError, match="rank [01] sent malformed runs|do not match"):

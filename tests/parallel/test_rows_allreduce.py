@@ -156,16 +156,23 @@ def test_hybrid_3d_aggregated():
     assert check(t, "agg.hybrid", hvd.Sum, scheme="omnireduce") == ""
 
 
+def auto_calls(name: str, steps: int) -> list[dict]:
+    """``steps`` calls of tensor ``name`` with scheme="auto", each checked against Horovod's
+    dense allreduce in float64; each call's metrics() record."""
+    calls = []
+    for step in range(steps):
+        t = embedding_grad(step, torch.float32, dim=64)
+        ref = hvd.allreduce(t.to_dense().double(), name=f"ref.{name}.{step}", op=hvd.Sum)
+        out = hvd_sparse.allreduce(t, name=name, op=hvd.Sum, scheme="auto")
+        assert close_to(out.to_dense(), ref, torch.float32) == ""
+        calls.append(hvd_sparse.metrics()[name])
+    return calls
+
+
 def test_auto_times_both_ways_then_every_rank_takes_one():
     """scheme="auto": two calls each way, then every rank takes the way the slowest rank's best
     times favour (aggregation only when 10% faster), and keeps it; every sum right."""
-    ran = []
-    for step in range(7):
-        t = embedding_grad(step, torch.float32, dim=64)
-        ref = hvd.allreduce(t.to_dense().double(), name=f"ref.auto.{step}", op=hvd.Sum)
-        out = hvd_sparse.allreduce(t, name="rows.auto", op=hvd.Sum, scheme="auto")
-        assert close_to(out.to_dense(), ref, torch.float32) == ""
-        ran.append(hvd_sparse.metrics()["rows.auto"]["scheme"])
+    ran = [m["scheme"] for m in auto_calls("rows.auto", 7)]
     decided = hvd.allgather_object(basics.state().context.rows_plans["rows.auto"].decided)
     assert all(d == decided[0] for d in decided) and set(decided[0]) == {"allgather",
                                                                          "omnireduce"}
@@ -183,18 +190,12 @@ def test_auto_skips_aggregation_that_cannot_win():
     st.net = NetModel.for_link(1e9, hvd.size(), dataclasses.replace(saved, source="probed"),
                                aggregators=1)
     try:
-        ran = []
-        for step in range(6):
-            t = embedding_grad(step, torch.float32, dim=64)
-            ref = hvd.allreduce(t.to_dense().double(), name=f"ref.skip.{step}", op=hvd.Sum)
-            out = hvd_sparse.allreduce(t, name="rows.skip", op=hvd.Sum, scheme="auto")
-            assert close_to(out.to_dense(), ref, torch.float32) == ""
-            m = hvd_sparse.metrics()["rows.skip"]
-            ran.append(m["scheme"])
-            # where the call's time went: its stages, which fit in its wall time
+        calls = auto_calls("rows.skip", 6)
+        for m in calls:  # where each call's time went: its stages, which fit in its wall time
             stages = m["stages_ms"]
             assert {"host rows", "rows", "host end"} <= set(stages), stages
             assert 0 < sum(stages.values()) <= m["seconds"] * 1e3 + 1.0, (stages, m["seconds"])
+        ran = [m["scheme"] for m in calls]
         assert ran == ["rows"] * 6, ran
         assert all(hvd.allgather_object(st.rows_plans["rows.skip"].skipped))
     finally:
