@@ -28,7 +28,8 @@ class State:
     omni: session.Session | None = None  # aggregators joined, when any
     switch: session.Session | None = None  # the switch joined, when any
     unnamed: Iterator[int] = field(default_factory=itertools.count)  # unnamed tensors' numbers
-    union_ratio: dict[str, float] = field(default_factory=dict)  # learnt by "auto"
+    # learnt by "auto", by (name, ranks)
+    union_ratio: dict[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)
     rows_plans: dict[str, RowsPlan] = field(default_factory=dict)  # learnt by "auto" (schemes/rows)
     dense_streak: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)  # "auto"
 

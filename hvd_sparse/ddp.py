@@ -105,7 +105,8 @@ class State:
         self.fuse_bytes = int(fuse_mb * 2**20)
         self._forget()
         # what "auto" learnt (union ratios, rows plans by bucket name): the context's own dicts
-        self._learnt: tuple[dict[str, float], dict[str, RowsPlan]] = ({}, {})
+        self._learnt: tuple[dict[tuple[str, tuple[int, ...]], float],
+                            dict[str, RowsPlan]] = ({}, {})
         self._join()
 
     def _forget(self) -> None:
@@ -428,7 +429,8 @@ class State:
             self.sparsifier.load_state_dict(state["sparsifier"])
         union_ratio, plans = self._learnt
         union_ratio.clear()
-        union_ratio.update(state["union_ratio"])
+        # by (name, ranks); an older checkpoint's, by name alone, is relearnt
+        union_ratio.update((k, v) for k, v in state["union_ratio"].items() if isinstance(k, tuple))
         plans.clear()
         plans.update(copy.deepcopy(state.get("rows_plans", {})))
 

@@ -39,9 +39,9 @@ class Context:
     net: NetModel  # the cost model's view of the network ("auto")
     omni: Session | None  # the aggregators joined at init ("omnireduce"), when any
     switch: Session | None = None  # the switch joined at init ("switch"), when any
-    # name -> observed union / sum of the ranks' non-zero blocks, learnt by "auto" (the state's:
-    # a new init starts afresh)
-    union_ratio: dict[str, float] = field(default_factory=dict)
+    # (name, ranks) -> observed union / sum of the ranks' non-zero blocks, learnt by "auto"
+    # (the state's: a new init starts afresh)
+    union_ratio: dict[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)
     # name -> what "auto" learnt of a sparse tensor's rows (schemes/rows.py)
     rows_plans: dict[str, RowsPlan] = field(default_factory=dict)
     # (name, ranks) -> calls in a row that "auto" sent dense (schemes/auto.py: past a few, it stops

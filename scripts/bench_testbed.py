@@ -85,6 +85,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--workers", default="4",
                     help="worker hosts, one rank each; several (4,8,16): a testbed each")
     ap.add_argument("--aggregators", type=int, default=4, help="aggregator hosts")
+    ap.add_argument("--cpu-per-host", type=float, default=0.0, metavar="CORES",
+                    help="each host's CPU budget in cores (0: none; the switch is never capped):"
+                    " what the times owe to the hosts' CPU rather than the links")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--quick", action="store_true", help="4 Mi elements, 3 reps: a smoke run")
     ap.add_argument("--switch", choices=("bridge", "emu"), default="bridge",
@@ -116,7 +119,8 @@ def drive(args: argparse.Namespace) -> int:
         console.rule(f"testbed: {n} workers + {args.aggregators} aggregator hosts, "
                      f"{rate}, MTU {args.mtu}, switch {args.switch}")
         tb = lifecycle.up(Testbed(args.name, workers=n, aggregators=args.aggregators,
-                                  rate=rate, mtu=args.mtu, switch=args.switch))
+                                  rate=rate, mtu=args.mtu, switch=args.switch,
+                                  cpu_per_host=args.cpu_per_host))
         try:
             got = rank_rows(tb, str(Path(__file__).resolve()), [
                 "--densities", args.densities, "--numel", str(args.numel), "--reps",
@@ -126,7 +130,8 @@ def drive(args: argparse.Namespace) -> int:
             if got is None:  # report the other rates and sizes anyway
                 failed = True
                 continue
-            rows += [{"rate": rate, "workers": n, **r} for r in got]
+            rows += [{"rate": rate, "workers": n, "cpu per host": args.cpu_per_host, **r}
+                     for r in got]
         finally:
             lifecycle.down(args.name)
     if rows:

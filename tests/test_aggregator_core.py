@@ -75,6 +75,10 @@ class SimWorker:
         dt = NP_DTYPE[self.dtype]
         for lane, raw in zip(carried, p["blocks"], strict=True):
             self.out[self.block(s, lane, p["lane_table"][lane][0])] = np.frombuffer(raw, dt)
+        if p["flags"] & protocol.FLAGS["OWN"]:  # the round's blocks were this worker's alone
+            for lane, (off, _) in enumerate(p["lane_table"]):
+                if off != INF and (b := self.block(s, lane, off)) in self.nonzero:
+                    self.out[b] = self.blocks[b]
         self.cur[s] = [nxt for _, nxt in p["lane_table"]]
         self.round[s] += 1
         if p["flags"] & protocol.FLAGS["LAST"]:

@@ -86,6 +86,36 @@ def test_retransmission_gets_the_stored_result():
     assert sw.counters()["retransmits"] == 1
 
 
+def test_the_only_holder_gets_the_header_alone():
+    """A round whose blocks one worker alone carried: that worker's copy is the header and
+    lane table, flagged OWN, with no block (also when resent from the shadow set); the others
+    get its blocks as the sums. A round two workers carry goes whole to every worker."""
+    sw = _C.SwitchPipeline(auto_groups=4, cells_per_slot=2)
+    rng = np.random.default_rng(3)
+    x0 = rng.integers(-2**20, 2**20, 256).astype(np.int32)  # blocks 0-3, 2 lanes: 2 rounds
+    x2 = np.where(np.arange(256) // 64 == 2, rng.integers(-2**20, 2**20, 256), 0).astype(np.int32)
+    xs = [x0, np.zeros(256, np.int32), x2]  # round 0 (blocks 0, 1): worker 0's alone
+    ws = [SimWorker(r, 3, 0x77, x, 64, 2, 1, FIX, 77) for r, x in enumerate(xs)]
+    register(sw, ws)
+    sent = dict([sw.handle(w.data(0), w.addr) for w in ws][-1])
+    copies = {a: wire.parse(b) for a, b in sent.items()}
+    own = copies[ws[0].addr]
+    assert own["flags"] & protocol.FLAGS["OWN"] and own["bitmap"] == own["present"] == 0, own
+    assert len(sent[ws[0].addr]) == protocol.HEADER_BYTES + protocol.BITMAP_BYTES \
+        + 2 * protocol.LANE_BYTES
+    assert [copies[w.addr]["bitmap"] for w in ws[1:]] == [0b11, 0b11]
+    # worker 0 lost its copy: the same comes back from the shadow set
+    assert sw.handle(ws[0].data(0), ws[0].addr) == [(ws[0].addr, sent[ws[0].addr])]
+    nxt = [w.on_result(copies[w.addr]) for w in ws]
+    last = dict([sw.handle(d, w.addr) for w, d in zip(ws, nxt, strict=True)][-1])
+    assert [wire.parse(last[w.addr])["bitmap"] for w in ws] == [0b11] * 3  # two holders
+    ref = x0.astype(np.int64) + x2
+    for w in ws:
+        w.on_result(wire.parse(last[w.addr]))
+        assert np.array_equal(w.result().astype(np.int64), ref), f"rank {w.rank}"
+    assert sw.counters()["own_results"] == 2  # the round's copy and its resend
+
+
 def test_overflow_is_reported_never_wrapped():
     """Sums beyond int32 saturate and the round answers ERROR OVERFLOW to every worker, also
     to retransmissions: no RESULT (wrapped or saturated) ever leaves the switch."""

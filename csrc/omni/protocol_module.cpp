@@ -24,7 +24,8 @@ constexpr Named kTypes[] = {{"DATA", omni::kData},         {"RESULT", omni::kRes
                             {"RELEASE", omni::kRelease},   {"BYE", omni::kBye},
                             {"ERROR", omni::kError}};
 constexpr Named kFlags[] = {
-    {"SHADOW", omni::kFlagShadow}, {"LAST", omni::kFlagLast}, {"AUTH", omni::kFlagAuth}};
+    {"SHADOW", omni::kFlagShadow}, {"LAST", omni::kFlagLast}, {"AUTH", omni::kFlagAuth},
+    {"OWN", omni::kFlagOwn}};
 constexpr Named kErrors[] = {{"MISMATCH", omni::kErrMismatch},
                              {"JOB", omni::kErrJob},
                              {"CAPACITY", omni::kErrCapacity},

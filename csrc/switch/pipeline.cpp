@@ -27,6 +27,7 @@ uint64_t mix(uint64_t x) {  // splitmix64's finalizer: a tensor id spread over t
 // Per group and register set (round & 1): the round's bookkeeping registers.
 struct SetRegs {
   uint32_t round = 0, seen = 0, count = 0;
+  uint32_t holders = 0;  // workers whose DATA carried a block
   uint64_t present = 0;  // lanes some worker contributed to
   bool overflow = false;
   double first = 0;  // when the round's first DATA came (the switch's clock, not a register)
@@ -390,7 +391,7 @@ struct Pipeline::Impl {
       case Data::kDead: return reply(job.addr[h.worker], kError, h, job.nworkers, g.error, out);
       case Data::kRetransmit:
         c.retransmits++;
-        out.push_back({job.addr[h.worker], result(job, at.gi, h, h.round & 1)});
+        out.push_back({job.addr[h.worker], result(job, at.gi, h, h.round & 1, h.worker)});
         return;
       case Data::kDuplicate: c.duplicates++; return;
       case Data::kBind: bind(at, h, now); [[fallthrough]];
@@ -448,6 +449,7 @@ struct Pipeline::Impl {
     }
     s.present |= bitmap;
     s.seen |= 1u << h.worker;
+    if (bitmap) s.holders |= 1u << h.worker;
     if (++s.count == job.nworkers) {
       c.round_wait_us += uint64_t(std::max(0.0, now - s.first) * 1e6);
       complete(job, gi, h, out);
@@ -464,8 +466,11 @@ struct Pipeline::Impl {
       c.overflow++;
       return fail_slot(job, g, h, kErrOverflow, out);
     }
-    auto r = result(job, gi, h, set);
-    for (uint16_t w = 0; w < job.nworkers; ++w) out.push_back({job.addr[w], r});
+    // The egress: the one copy to a round's only holder leaves with the header alone
+    const uint32_t holders = g.set[set].holders;
+    auto r = result(job, gi, h, set, kNone);
+    for (uint16_t w = 0; w < job.nworkers; ++w)
+      out.push_back({job.addr[w], holders == 1u << w ? result(job, gi, h, set, w) : r});
     const uint32_t* nm = next_min(gi, set);
     bool last = true;
     for (uint32_t l = 0; l < h.lanes; ++l) last = last && nm[l] == kInf;
@@ -474,20 +479,30 @@ struct Pipeline::Impl {
     else open_set(gi, set ^ 1, g.round, nm, h.lanes, h.block_size);
   }
 
-  // The RESULT of the round held in `set`: the deparser writes the registers into the packet.
+  static constexpr uint32_t kNone = kSeenBits;  // result(): a copy for no worker in particular
+
+  // The RESULT of the round held in `set`, for worker `to`: the deparser writes the registers
+  // into the packet, but for the round's only holder, whose copy the egress cuts to the
+  // header and lane table (flag OWN: its sums are its own blocks).
   std::shared_ptr<const std::vector<uint8_t>> result(const SwitchJob& job, uint32_t gi,
-                                                     const Header& h, int set) {
+                                                     const Header& h, int set, uint32_t to) {
     const SetRegs& s = g_[gi].set[set];
-    const uint32_t present = uint32_t(__builtin_popcountll(s.present));
+    const bool own = to < kSeenBits && s.holders == 1u << to;
+    const uint64_t bitmap = own ? 0 : s.present;
+    const uint32_t present = uint32_t(__builtin_popcountll(bitmap));
     const uint32_t* nm = next_min(gi, set);
     bool last = true;
     for (uint32_t l = 0; l < h.lanes; ++l) last = last && nm[l] == kInf;
-    const Header r = result_header(h, job.nworkers, kFixed32, s.round, present, last);
+    Header r = result_header(h, job.nworkers, kFixed32, s.round, present, last);
+    if (own) {
+      r.flags |= kFlagOwn;
+      c.own_results++;
+    }
     auto b = std::make_shared<std::vector<uint8_t>>(
         data_bytes(h.lanes, present, h.block_size, kFixed32));
     uint8_t* p = b->data();
     store_header(p, r);
-    st64(p + kHeaderBytes, s.present);
+    st64(p + kHeaderBytes, bitmap);
     uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
     uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
     const uint32_t* cur = offsets(gi, set);
@@ -495,7 +510,7 @@ struct Pipeline::Impl {
     for (uint32_t l = 0; l < h.lanes; ++l) {
       st32(lane + l * kLaneBytes, cur[l]);
       st32(lane + l * kLaneBytes + 4, nm[l]);
-      if (!(s.present >> l & 1)) continue;
+      if (!(bitmap >> l & 1)) continue;
       for (uint32_t k = 0; k < chunks(bs); ++k) {
         const uint32_t n = std::min(vpp, bs - k * vpp);
         std::memcpy(v + 4 * size_t(k) * vpp, cell(gi, l * chunks(bs) + k, set), 4 * size_t(n));

@@ -57,12 +57,13 @@ struct PipelineOptions {
 #define HS_PIPELINE_COUNTERS(X) X(packets) X(passes) X(recirculations) X(results)          \
   X(retransmits) X(duplicates) X(stale) X(busy) X(malformed) X(unknown_job) X(mismatch)   \
   X(overflow) X(unsupported) X(reclaimed) X(abandoned) X(released) X(jobs) X(refused)     \
-  X(foreign) X(occupied_us) X(round_wait_us)
+  X(foreign) X(occupied_us) X(round_wait_us) X(own_results)
 // clang-format on
 // occupied_us: the integral over time of the groups bound to a slot (slot-microseconds; its
 // increase over an interval / the interval: the mean slots in flight, SwitchML's pool in use).
 // round_wait_us: summed over completed rounds, the time from a round's first DATA to its last
 // (the wait for the slowest worker; its increase / results: the mean).
+// own_results: RESULT copies sent as the header alone (flag OWN) to a round's only holder.
 
 struct SwitchJob {
   uint64_t token = 0;

@@ -50,7 +50,7 @@ def choose(job: Job) -> Generator[tuple[str, Pending], Any, str]:
                 f"numel={other[1]} dtype-code={other[2]}, this rank has numel={t.numel()} "
                 f"dtype={t.dtype} (or the shapes differ)")
     nnz = job.stats.nnz = rows[:, 0].tolist()
-    ratio = ctx.union_ratio.get(job.name)
+    ratio = ctx.union_ratio.get(key)
     predicted = costmodel.predict(ctx.net, t.numel(), t.element_size(), job.block_size, nnz,
                                   None if ratio is None else ratio * sum(nnz))
     if not job.comm.is_global:
@@ -75,4 +75,4 @@ def learn(job: Job, choice: str, nnz: list[int]) -> None:
     s.bytes_sent += (len(nnz) - 1) * ROW_BYTES
     s.bytes_received = (s.bytes_received or 0) + (len(nnz) - 1) * ROW_BYTES
     if choice != "dense" and sum(nnz) > 0 and s.union is not None:
-        job.ctx.union_ratio[job.name] = s.union / sum(nnz)
+        job.ctx.union_ratio[job.name, tuple(job.comm.ranks)] = s.union / sum(nnz)

@@ -118,13 +118,14 @@ class Ticket:
 
 
 def stream(job: Job, session: Session, out: torch.Tensor, exponent: int | None,
-           stage: str) -> Generator[tuple[str, Ticket], Any, Failure | None]:
-    """Submits the tensor to ``session`` (results land in ``out``, scaled) and waits for it;
-    returns None, or why it failed on this rank. On success the job's stats say what it took."""
+           stage: str, max_slots: int = 0) -> Generator[tuple[str, Ticket], Any, Failure | None]:
+    """Submits the tensor to ``session`` (results land in ``out``, scaled; laid out on at most
+    ``max_slots`` slots, alike on every rank, when not 0) and waits for it; returns None, or why
+    it failed on this rank. On success the job's stats say what it took."""
     t = job.tensor
     ticket = session.worker.submit(session.tensor_id(job.name), t, out, job.block_size,
                                    job.meta & 0xFFFFFFFF, local_mask(job), job.name, job.scale,
-                                   exponent)
+                                   exponent, max_slots)
     failure, stats = yield from finished(job, session, ticket, stage)
     if failure is None:
         job.stats.block_density = stats["nnz_local"] / max(1, blocks.num_blocks(

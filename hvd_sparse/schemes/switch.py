@@ -17,6 +17,7 @@ with the reason logged and in the tensor's metrics ("reason").
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -24,9 +25,10 @@ from ..engine import Stage
 from ..job import Job
 from ..session import Session
 from . import dense, omnireduce
-from .common import Backup, agree, failed_anywhere, output, stream
+from .common import Backup, agree, failed_anywhere, local_mask, output, stream
 
 log = logging.getLogger("hvd_sparse")
+ROUNDS, IN_FLIGHT = 8, 256  # slots(): union blocks per slot, and the fewest slots
 
 
 class _Turn:
@@ -41,6 +43,16 @@ class _Turn:
 
     def value(self) -> None:
         return None
+
+
+def slots(n: int, most: int) -> int:
+    """Slots for a tensor whose ranks hold at most ``most`` non-zero blocks each: about
+    ROUNDS rounds of its union (at most ``n`` x ``most`` blocks) per slot, but never fewer than
+    IN_FLIGHT. A slot sends a packet every round, its first even where no rank holds a block,
+    so a sparse tensor spread over every slot pays an empty round per slot; each slot is also
+    one packet in flight per worker, and IN_FLIGHT is above rate x RTT of the testbeds (about
+    100 packets at 100 Mbit/s). The switch caps it at its groups."""
+    return max(IN_FLIGHT, math.ceil(n * most / ROUNDS))
 
 
 def unsupported(job: Job, session: Session | None) -> str:
@@ -63,8 +75,8 @@ def run(job: Job) -> Stage:
     if (bs := session.switch_block(job.block_size)) != job.block_size:  # the mask again, finer
         job.block_size, job.mask, job.stats.nnz_local = bs, None, None
     turns = session.turns
-    exponent, (number,) = yield from agree(
-        job, float(turns.issue()) if job.rank == 0 else -1.0)
+    exponent, (number, most) = yield from agree(
+        job, float(turns.issue()) if job.rank == 0 else -1.0, float(local_mask(job).sum()))
     number = int(number)
     if exponent is None:  # fixed point cannot carry NaN/Inf
         turns.done(number)
@@ -73,7 +85,8 @@ def run(job: Job) -> Stage:
         yield "turn", _Turn(session, number)
         backup = Backup(job) if job.inplace else None  # results overwrite the input
         out = output(job)
-        failure = yield from stream(job, session, out, exponent, "switch")
+        failure = yield from stream(job, session, out, exponent, "switch",
+                                    slots(job.size, int(most)))
     finally:
         turns.done(number)
     failed, _ = yield from failed_anywhere(job, failure)

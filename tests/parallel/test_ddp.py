@@ -439,7 +439,7 @@ def test_state_pickles_and_resumes(tmp_path_factory) -> None:
     parameters' names before its first bucket, then joins the ranks there and resumes: the
     third step's sparsified gradients equal the uninterrupted run's to the bit."""
     model, a, run, opt = two_steps_with_topk(80)
-    a.context.union_ratio["probe.entry"] = 0.25  # stands for what auto learns
+    a.context.union_ratio["probe.entry", (0, 1)] = 0.25  # stands for what auto learns
     path = tmp_path_factory.mktemp(f"pickled{dist.get_rank()}") / "ckpt.pt"
     torch.save({"model": model.state_dict(), "hook": a}, path)
     b = torch.load(path, weights_only=False)["hook"]
@@ -456,7 +456,7 @@ def test_state_pickles_and_resumes(tmp_path_factory) -> None:
     try:
         opt.zero_grad()
         assert_same_step(run, resumed, b.sparsifier, 82)
-        assert b.context.union_ratio["probe.entry"] == 0.25
+        assert b.context.union_ratio["probe.entry", (0, 1)] == 0.25
     finally:
         a.close()
         b.close()

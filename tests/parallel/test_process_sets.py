@@ -92,3 +92,33 @@ def test_omnireduce_still_serves_the_whole_job():
     assert close_to(out, ref, torch.float64) == ""
     m = hvd_sparse.metrics()["global"]
     assert (m["scheme"], m.get("reason")) == ("omnireduce", None), m
+
+
+def test_auto_learns_a_name_apart_in_each_set():
+    """auto learns a tensor's union (for its next prediction) per name and set of ranks: ranks
+    0 and 1 also reduce the name in their pair, with blocks apart where the whole job's are
+    shared, yet the next reduction over the whole job is predicted alike on every rank (a
+    prediction learnt in the pair would split the ranks' choices: a hang)."""
+    pair = hvd.add_process_set([0, 1])
+
+    def rows(seed: int, apart: bool) -> torch.Tensor:
+        t = torch.zeros(1 << 20, dtype=torch.float64)
+        at = 4096 * hvd.rank() if apart else 0
+        t[at:at + 256] = torch.arange(256.0) + seed + hvd.rank()
+        return t
+
+    try:
+        calls = [(hvd.global_process_set, rows(0, False)), (pair, rows(1, True)),
+                 (hvd.global_process_set, rows(2, False))]
+        for k, (ps, t) in enumerate(calls):
+            if hvd.rank() >= 2 and ps is pair:
+                continue
+            ref = hvd.allreduce(t, op=hvd.Average, process_set=ps, name=f"learn.ref.{k}")
+            out = hvd_sparse.allreduce(t, name="learn", scheme="auto", process_set=ps)
+            assert close_to(out, ref, torch.float64) == ""
+            m = hvd_sparse.metrics()["learn"]
+            assert m["scheme"] != "dense", m  # sparse: it learns the union it saw
+        every = hvd.allgather_object(m["predicted_ms"], name="learn.predicted")
+        assert all(p == every[0] for p in every), every
+    finally:
+        removed_in_step(pair)

@@ -70,10 +70,11 @@ class PyWorker {
 
   // output: the input itself, or zeros; only blocks some worker sends are written.
   // exponent: send as fixed32 q = round(x * 2^exponent) (the same on every rank), or None to
-  // send the tensor's own dtype.
+  // send the tensor's own dtype. max_slots: as for submit_rows.
   int64_t submit(uint64_t id, at::Tensor input, at::Tensor output, int64_t bs, int64_t meta,
                  std::optional<at::Tensor> mask, const std::string& name, double scale,
-                 std::optional<int64_t> exponent) {
+                 std::optional<int64_t> exponent, int64_t max_slots) {
+    TORCH_CHECK(max_slots >= 0 && max_slots <= UINT32_MAX, "omnireduce: max_slots out of range");
     TORCH_CHECK(input.is_contiguous() && output.is_contiguous() && input.device().is_cpu() &&
                     output.device().is_cpu(),
                 "omnireduce: tensors must be contiguous CPU tensors");
@@ -90,6 +91,7 @@ class PyWorker {
     t->bs = uint32_t(bs);
     t->meta = uint32_t(meta);
     t->scale = scale;
+    t->max_slots = uint32_t(max_slots);
     set_exponent(*t, exponent);
     // The tensors live until finish(), which releases them with the GIL held.
     t->hold = std::make_shared<std::pair<at::Tensor, at::Tensor>>(input, output);
@@ -227,7 +229,8 @@ void register_omni(py::module_& m) {
           py::arg("timeout"), nogil())
       .def("submit", &PyWorker::submit, py::arg("tensor_id"), py::arg("input"), py::arg("output"),
            py::arg("block_size"), py::arg("meta"), py::arg("mask") = py::none(),
-           py::arg("name") = "", py::arg("scale") = 1.0, py::arg("exponent") = py::none(), nogil())
+           py::arg("name") = "", py::arg("scale") = 1.0, py::arg("exponent") = py::none(),
+           py::arg("max_slots") = 0, nogil())
       .def("submit_rows", &PyWorker::submit_rows, py::arg("tensor_id"), py::arg("rows"),
            py::arg("values"), py::arg("nrows"), py::arg("meta"), py::arg("name") = "",
            py::arg("scale") = 1.0, py::arg("exponent") = py::none(), py::arg("max_slots") = 0,

@@ -380,9 +380,17 @@ void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, 
     return;
   }
   const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
-  const uint64_t bitmap = ld64(p + kHeaderBytes);
+  uint64_t bitmap = ld64(p + kHeaderBytes);
   const uint8_t* v = lane + size_t(t.lanes) * kLaneBytes;
   const size_t vb = size_t(t.bs) * t.wsize;
+  if (h.flags & kFlagOwn) {  // every sum is this worker's own block: what its DATA carried
+    if (s.pkt.size() < data_bytes(t.lanes, 0, t.bs, t.wire)) {  // no DATA sent: not ours
+      c_.malformed++;
+      return;
+    }
+    bitmap = ld64(s.pkt.data() + kHeaderBytes);
+    v = s.pkt.data() + kHeaderBytes + kBitmapBytes + size_t(t.lanes) * kLaneBytes;
+  }
   bool last = true;
   for (uint32_t l = 0; l < t.lanes; ++l) {
     uint32_t off = s.cur[l], nxt = ld32(lane + l * kLaneBytes + 4);

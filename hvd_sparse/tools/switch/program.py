@@ -201,7 +201,10 @@ def aggregation_program(slots: int = protocol.SWITCH_CELLS,
       workers seen, the running minimum of the announced next positions (look-ahead) and the
       overflow flag (saturating adds set it; the job then falls back);
     * stages 2 ..: the values, two int32 per 64-bit register entry, one entry per ALU;
-    * the last stage: the multicast of a completed round to the job's group.
+    * the last stage: the workers that carried a block this round (``holders``), and the
+      multicast of a completed round to the job's group; in the egress, the copy to a round's
+      only holder (holders, bridged, against the copy's replication id) drops its value headers
+      (flag OWN: its sums are its own blocks).
     """
     pairs = values_per_pass // 2  # 64-bit entries: two int32 values each
     entries = 2 * slots
@@ -213,7 +216,8 @@ def aggregation_program(slots: int = protocol.SWITCH_CELLS,
     registers = (Register("round", 32, entries),
                  Register("seen", protocol.SWITCH_MAX_WORKERS, entries),  # a bit per worker
                  Register("count", 32, entries), Register("next_min", 32, entries),
-                 Register("overflow", 32, entries), *value_regs)
+                 Register("overflow", 32, entries),
+                 Register("holders", protocol.SWITCH_MAX_WORKERS, entries), *value_regs)
     stages = (
         Stage(actions=(Action("round", "cond_write", "open the next round or spot a stale one"),),
               tables=("jobs",)),
@@ -222,7 +226,8 @@ def aggregation_program(slots: int = protocol.SWITCH_CELLS,
                        Action("next_min", "min", "look-ahead: smallest announced next"),
                        Action("overflow", "or", "a saturated sum poisons the round"))),
         *value_stages,
-        Stage(tables=("multicast",)),
+        Stage(actions=(Action("holders", "or", "workers that carried a block: one alone "
+                              "gets the header only"),), tables=("multicast",)),
     )
     return Program(name="hvd-sparse aggregation", parser=("ethernet", "ipv4", "udp", "hspo"),
                    registers=registers, stages=stages, deparser=("ethernet", "ipv4", "udp", "hspo"),
