@@ -93,17 +93,29 @@ A* zeroed_sums(T* out, int64_t count, std::vector<A>& wide) {
 }  // namespace
 
 // (distinct rows ascending, int64 [u]; their summed values times `scale`, [u, ...]) of the
-// COO rows `rows` (int64 [n]) and `values` ([n, ...]), or, given `uses` (int64 [n]), of
-// `values[uses[i]]` for row i: an EmbeddingBag's gradient repeats one value row for every id
-// of a bag, and travels with each row once. Rows < 0 are skipped; rows >= nrows raise.
-std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Tensor& values,
-                                            int64_t nrows, double scale,
+// COO rows `rows` (int64 [n]) and the value rows `values` ([n, ...]), or, given `uses` (int64
+// [n]), of `values[uses[i]]` for row i: an EmbeddingBag's gradient repeats one value row for
+// every id of a bag, and travels with each row once. The value rows may come in `parts`, one
+// after another (each rank's, where an allgather left them: no copy to join them). Rows < 0
+// are skipped; rows >= nrows raise.
+std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows,
+                                            const std::vector<at::Tensor>& parts, int64_t nrows,
+                                            double scale,
                                             const c10::optional<at::Tensor>& uses) {
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "sum_rows: rows must be a contiguous int64 vector");
   const int64_t n = rows.size(0);
-  TORCH_CHECK(values.dim() >= 1 && values.is_contiguous() && values.device().is_cpu(),
-              "sum_rows: values must be contiguous CPU rows");
+  TORCH_CHECK(!parts.empty(), "sum_rows: no values");
+  const at::Tensor& first = parts[0];
+  int64_t vrows = 0;
+  for (const at::Tensor& p : parts) {
+    TORCH_CHECK(p.dim() >= 1 && p.is_contiguous() && p.device().is_cpu() &&
+                    p.scalar_type() == first.scalar_type() &&
+                    p.sizes().slice(1) == first.sizes().slice(1),
+                "sum_rows: values must be contiguous CPU rows, every part of one dtype and "
+                "row shape");
+    vrows += p.size(0);
+  }
   const int64_t* use = nullptr;
   if (uses.has_value()) {
     TORCH_CHECK(uses->scalar_type() == at::kLong && uses->dim() == 1 && uses->is_contiguous() &&
@@ -111,10 +123,10 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Te
                 "sum_rows: uses must be a contiguous int64 vector, one entry per row");
     use = uses->data_ptr<int64_t>();
   } else {
-    TORCH_CHECK(values.size(0) == n, "sum_rows: values must hold one row per index");
+    TORCH_CHECK(vrows == n, "sum_rows: values must hold one row per index");
   }
-  const int64_t vrows = values.size(0);
-  const int64_t width = vrows ? values.numel() / vrows : 0;
+  const int64_t width = first.size(0) ? first.numel() / first.size(0)
+                                      : c10::multiply_integers(first.sizes().slice(1));
   const Groups& g = group_rows(rows.data_ptr<int64_t>(), n, nrows);
   if (use) {
     for (int64_t i = 0; i < n; ++i)
@@ -122,15 +134,21 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Te
                   i, " uses value row ", use[i], " of ", vrows);
   }
   const int64_t u = int64_t(g.row.size());
-  auto shape = values.sizes().vec();
+  auto shape = first.sizes().vec();
   shape[0] = u;
   at::Tensor out_rows = at::empty({u}, at::kLong);
   std::copy(g.row.begin(), g.row.end(), out_rows.data_ptr<int64_t>());
-  at::Tensor out = at::empty(shape, values.options());
+  at::Tensor out = at::empty(shape, first.options());
   const int64_t* slot = g.slot.data();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "sum_rows", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, first.scalar_type(), "sum_rows", [&] {
     using A = acc_t<scalar_t>;
-    const scalar_t* v = values.data_ptr<scalar_t>();
+    // Value row k wherever its part lies: the gathered parts are summed where they landed.
+    std::vector<const scalar_t*> row(size_t(vrows), nullptr);
+    int64_t at_row = 0;
+    for (const at::Tensor& p : parts) {
+      const scalar_t* v = p.data_ptr<scalar_t>();
+      for (int64_t r = 0; r < p.size(0); ++r) row[size_t(at_row++)] = v + r * width;
+    }
     scalar_t* o = out.data_ptr<scalar_t>();
     std::vector<A> wide;
     A* acc = zeroed_sums<A>(o, u * width, wide);
@@ -144,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Te
                  for (int64_t i = 0; i < n; ++i) {
                    const int64_t k = slot[i];
                    if (k < 0) continue;
-                   const scalar_t* __restrict__ src = v + (use ? use[i] : i) * width;
+                   const scalar_t* __restrict__ src = row[size_t(use ? use[i] : i)];
                    A* __restrict__ dst = acc + k * width;
                    for (int64_t c = c0; c < c1; ++c) dst[c] += A(src[c]);
                  }
@@ -154,6 +172,12 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& rows, const at::Te
                });
   });
   return {out_rows, out};
+}
+
+std::tuple<at::Tensor, at::Tensor> sum_rows_one(const at::Tensor& rows, const at::Tensor& values,
+                                                int64_t nrows, double scale,
+                                                const c10::optional<at::Tensor>& uses) {
+  return sum_rows(rows, std::vector<at::Tensor>{values}, nrows, scale, uses);
 }
 
 // Where each run of bit-identical consecutive rows of `values` ([n, ...], contiguous) starts:
@@ -241,8 +265,13 @@ c10::optional<at::Tensor> gathered_uses(const at::Tensor& rows, int64_t header,
 }  // namespace hvd_sparse
 
 void register_rows(pybind11::module_& m) {
-  m.def("sum_rows", &hvd_sparse::sum_rows,
+  m.def("sum_rows", &hvd_sparse::sum_rows_one,
         "distinct rows of a COO gradient and their summed values", pybind11::arg("rows"),
+        pybind11::arg("values"), pybind11::arg("nrows"), pybind11::arg("scale") = 1.0,
+        pybind11::arg("uses") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("sum_rows", &hvd_sparse::sum_rows,
+        "the same, of values in parts (their rows one after another)", pybind11::arg("rows"),
         pybind11::arg("values"), pybind11::arg("nrows"), pybind11::arg("scale") = 1.0,
         pybind11::arg("uses") = pybind11::none(),
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -96,6 +96,41 @@ def test_uses_out_of_range_or_short_raise(uses):
         _C.sum_rows(torch.tensor([1, 3]), torch.zeros(2, 3), 7, 1.0, uses)
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 300), nvals=st.integers(1, 40), cuts=st.lists(st.integers(0, 40)),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31))
+def test_values_in_parts_sum_as_float64(n, nvals, cuts, dtype, seed):
+    """Value rows in parts (each rank's, where an allgather left them; empty parts too), read
+    through ``uses`` or one per row: the float64 reference of the joined rows, and the same
+    bits as the joined rows give."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(-1, 50, (n,), generator=g)
+    vals = torch.randn(nvals, 2, 3, generator=g).to(dtype)
+    uses = torch.randint(0, nvals, (n,), generator=g)
+    at = sorted({0, nvals, *(c for c in cuts if c <= nvals)})
+    parts = [vals[a:b] for a, b in zip(at, at[1:], strict=False)] + [vals[:0]]
+    out_rows, out_vals = _C.sum_rows(rows, parts, 50, 0.5, uses)
+    keep = rows >= 0
+    ref = torch.zeros(50, 2, 3, dtype=torch.float64)
+    ref.index_add_(0, rows[keep], vals[uses[keep]].double())
+    want = torch.unique(rows[keep])
+    assert torch.equal(out_rows, want)
+    assert rounded_alike(out_vals, ref[want] * 0.5,
+                         magnitude(rows[keep], vals[uses[keep]], 50)[want] * 0.5, dtype)
+    assert torch.equal(out_vals.view(-1).view(torch.uint8),
+                       _C.sum_rows(rows, vals, 50, 0.5, uses)[1].view(-1).view(torch.uint8))
+    if nvals == n:
+        assert torch.equal(_C.sum_rows(rows, parts, 50)[1], _C.sum_rows(rows, vals, 50)[1])
+
+
+@pytest.mark.parametrize("parts", [[], [torch.zeros(2, 3), torch.zeros(1, 3).double()],
+                                   [torch.zeros(2, 3), torch.zeros(1, 4)],
+                                   [torch.zeros(2, 3), torch.zeros(3, 2).t()]])
+def test_parts_of_other_kinds_raise(parts):
+    with pytest.raises(RuntimeError, match="values"):
+        _C.sum_rows(torch.tensor([1, 3, 4]), parts, 7)
+
+
 H = -7  # the header row the ranks' parts start with
 GATHERED = torch.tensor([H, 5, 6, 7, H, 8, 9])  # two ranks: 3 rows, then 2
 

@@ -46,6 +46,13 @@ class _All:
         return [p.value() for p in self.parts]
 
 
+class _Parts(_All):
+    """Several allgathers in flight; value: each one's result as a list of one part."""
+
+    def value(self) -> list[list[torch.Tensor]]:
+        return [[v] for v in super().value()]
+
+
 class Collectives(ABC):
     """The ranks a reduction runs over and the collectives between them. ``name`` identifies an
     operation across ranks (Horovod matches by it; torch.distributed by issue order, so that
@@ -83,9 +90,10 @@ class Collectives(ABC):
 
     def allgather_many(self, tensors: list[torch.Tensor], name: str) -> Pending:
         """``allgather`` of each tensor (all ranks pass the same number, dim 0 may differ);
-        value: the list of results. Over a process group it is one exchange, not one each."""
-        parts = [self.allgather(t, f"{name}.{i}") for i, t in enumerate(tensors)]
-        return _All(parts)
+        value: per tensor, a list of parts whose concatenation (dim 0) is its result, as the
+        exchange left them (not copied into one). Over a process group it is one exchange, not
+        one each."""
+        return _Parts([self.allgather(t, f"{name}.{i}") for i, t in enumerate(tensors)])
 
     @abstractmethod
     def alltoall(self, t: torch.Tensor, splits: list[int], name: str) -> Pending:

@@ -164,18 +164,21 @@ def _allgathered(job: Job, g: torch.Tensor, nrows: int) -> Stage:
     ids, runs, vals = _sent(job, g, nrows)
     # The allgather only moves values: bfloat16 (which Horovod 0.28 lacks) travels as its bits.
     bf16 = vals.dtype == torch.bfloat16
-    all_rows, all_runs, all_vals = yield "rows", job.comm.allgather_many(
+    rows_parts, runs_parts, vals_parts = yield "rows", job.comm.allgather_many(
         [torch.cat([torch.tensor([header]), ids]), runs, vals.view(torch.int16) if bf16 else vals],
         job.op_name("rows"))
+    # the indices joined (8 bytes a row); the values summed where they landed
+    all_rows, all_runs = torch.cat(rows_parts), torch.cat(runs_parts)
     if bf16:
-        all_vals = all_vals.view(torch.bfloat16)
+        vals_parts = [v.view(torch.bfloat16) for v in vals_parts]
+    nvals = sum(v.shape[0] for v in vals_parts)
     try:  # the ranks' headers and runs checked, and undone
-        uses = gathered_uses(all_rows, header, all_runs, all_vals.shape[0], job.size)
-        out_rows, out_vals = sum_rows(all_rows, all_vals, nrows, job.scale, uses)
+        uses = gathered_uses(all_rows, header, all_runs, nvals, job.size)
+        out_rows, out_vals = sum_rows(all_rows, vals_parts, nrows, job.scale, uses)
     except RuntimeError as e:
         raise error(job, e) from e
     n = job.size
-    gathered = sum(t.numel() * t.element_size() for t in (all_rows, all_runs, all_vals))
+    gathered = (all_rows.nbytes + all_runs.nbytes) + sum(v.nbytes for v in vals_parts)
     own = (ids.numel() + 1 + runs.numel()) * 8 + vals.nbytes  # header rows included
     s = job.stats
     s.scheme = "rows"
