@@ -75,9 +75,10 @@ class SimWorker:
         dt = NP_DTYPE[self.dtype]
         for lane, raw in zip(carried, p["blocks"], strict=True):
             self.out[self.block(s, lane, p["lane_table"][lane][0])] = np.frombuffer(raw, dt)
-        if p["flags"] & protocol.FLAGS["OWN"]:  # the round's blocks were this worker's alone
+        if p["flags"] & protocol.FLAGS["OWN"]:  # lanes left out that were this worker's alone
             for lane, (off, _) in enumerate(p["lane_table"]):
-                if off != INF and (b := self.block(s, lane, off)) in self.nonzero:
+                if (off != INF and not p["bitmap"] >> lane & 1
+                        and (b := self.block(s, lane, off)) in self.nonzero):
                     self.out[b] = self.blocks[b]
         self.cur[s] = [nxt for _, nxt in p["lane_table"]]
         self.round[s] += 1
@@ -224,6 +225,34 @@ def test_mismatched_workers_get_an_error():
     assert all(p["type"] == T["ERROR"] and p["round"] == protocol.ERRORS["MISMATCH"]
                for _, p in errors)
     assert core.counters()["mismatch"] == 1
+
+
+def test_lanes_one_worker_alone_carried_are_left_out_of_its_copy():
+    """A lane one worker alone carried is left out of that worker's copy of the RESULT, flagged
+    OWN (also when resent); the other worker gets it summed in float64 (-0 turned +0), and a
+    lane both carried goes to both; every worker ends with the exact sums."""
+    core = _C.AggregatorCore()
+    x0 = np.array([-0.0, 1.5, -2.0, 3.0, 0.25, -0.5, 7.0, 1.0], np.float32)  # blocks 0, 1
+    x1 = np.array([0, 0, 0, 0, 1, 1, 1, 1], np.float32)  # block 1
+    ws = [SimWorker(r, 2, 0x77, x, 4, 2, 1, 0, 77) for r, x in enumerate((x0, x1))]  # 2 lanes
+    for w in ws:
+        core.handle(wire.header(type=T["REGISTER"], token=0x77, worker=w.rank, nworkers=2),
+                    w.addr, 0.0)
+    first = [w.data(0) for w in ws]
+    assert core.handle(first[0], ws[0].addr, 0.0) == []
+    sent = dict(core.handle(first[1], ws[1].addr, 0.0))
+    own, full = wire.parse(sent[ws[0].addr]), wire.parse(sent[ws[1].addr])
+    assert own["flags"] & protocol.FLAGS["OWN"] and own["bitmap"] == 0b10, own
+    assert own["blocks"] == [(x0[4:] + x1[4:]).tobytes()]
+    assert len(sent[ws[0].addr]) == protocol.HEADER_BYTES + protocol.BITMAP_BYTES \
+        + 2 * protocol.LANE_BYTES + 4 * 4
+    assert not full["flags"] & protocol.FLAGS["OWN"] and full["bitmap"] == 0b11
+    assert full["blocks"][0] == np.array([0.0, 1.5, -2.0, 3.0], np.float32).tobytes()  # +0
+    assert core.handle(first[0], ws[0].addr, 0.0) == [(ws[0].addr, sent[ws[0].addr])]
+    for w, p in zip(ws, (own, full), strict=True):
+        assert w.on_result(p) is None  # the one round: done
+        assert np.array_equal(w.result(), x0 + x1)
+    assert core.counters()["own_results"] == 1
 
 
 @pytest.mark.parametrize("cap", ["max_job_bytes", "max_tensors"])

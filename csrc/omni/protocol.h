@@ -45,9 +45,9 @@ enum Flags : uint8_t {
   kFlagShadow = 1,  // round & 1: which of the slot's two sets this packet belongs to
   kFlagLast = 2,    // RESULT: every lane has finished; the slot is complete
   kFlagAuth = 4,    // the packet ends with an authentication trailer (below)
-  // RESULT with no block (present 0): every block of the round came from the addressee
-  // alone, so its sum is what the addressee's DATA carried; it keeps those (a switch sends
-  // its one holder the header alone: the bytes a worker receives are its need, not the union)
+  // RESULT to one worker: a lane its DATA of the round carried that the bitmap leaves out
+  // was its alone, and its sum is that block (the bytes a worker receives are the blocks the
+  // others hold, not the union)
   kFlagOwn = 8,
 };
 
@@ -272,7 +272,7 @@ inline const char* check_structure(const Header& h, size_t len) {
   if (h.type < kData || h.type > kError) return "type";
   if (h.nworkers == 0 || h.nworkers > kMaxWorkers || h.worker >= h.nworkers) return "worker";
   if (h.type != kData && h.type != kResult) return len == kHeaderBytes ? nullptr : "size";
-  if ((h.flags & kFlagOwn) && (h.type != kResult || h.present)) return "flags";
+  if ((h.flags & kFlagOwn) && h.type != kResult) return "flags";
   if (h.dtype >= kNumWireDTypes) return "dtype";
   if (h.lanes == 0 || h.lanes > kMaxLanes || h.block_size == 0) return "layout";
   if (h.nslots == 0 || h.nblocks == 0 || h.slot >= h.nslots) return "slot";

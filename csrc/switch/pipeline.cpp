@@ -482,12 +482,12 @@ struct Pipeline::Impl {
   static constexpr uint32_t kNone = kSeenBits;  // result(): a copy for no worker in particular
 
   // The RESULT of the round held in `set`, for worker `to`: the deparser writes the registers
-  // into the packet, but for the round's only holder, whose copy the egress cuts to the
-  // header and lane table (flag OWN: its sums are its own blocks).
+  // into the packet, but for the round's only holder in a job of several workers, whose copy
+  // the egress cuts to the header and lane table (flag OWN: its sums are its own blocks).
   std::shared_ptr<const std::vector<uint8_t>> result(const SwitchJob& job, uint32_t gi,
                                                      const Header& h, int set, uint32_t to) {
     const SetRegs& s = g_[gi].set[set];
-    const bool own = to < kSeenBits && s.holders == 1u << to;
+    const bool own = to < kSeenBits && s.holders == 1u << to && job.nworkers > 1;
     const uint64_t bitmap = own ? 0 : s.present;
     const uint32_t present = uint32_t(__builtin_popcountll(bitmap));
     const uint32_t* nm = next_min(gi, set);

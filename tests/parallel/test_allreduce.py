@@ -136,6 +136,25 @@ def test_auto_choice_is_visible_and_consistent():
     assert set(choices[0].values()) <= {"dense", "allgather", "zen", "omnireduce"}
 
 
+def test_blocks_one_rank_holds_alone_are_left_out_of_its_results():
+    """Each rank holds one block of a packet alone and shares another: its copy of the RESULT
+    leaves its own lane out (flag OWN) and it writes its block as the aggregators sum it (-0
+    summed to +0), so every rank has the same bits, those of Horovod's float64 sum rounded
+    once; it receives the others' blocks and the shared one, not its own."""
+    n, rank = hvd.size(), hvd.rank()
+    t = torch.zeros(256 * 64, dtype=torch.float32)  # blocks 0..n: lanes of the first packet
+    g = torch.Generator().manual_seed(rank)
+    t[256 * rank:256 * (rank + 1)] = torch.randn(256, generator=g)
+    t[256 * rank:256 * (rank + 1):5] = -0.0
+    t[256 * n:256 * (n + 1)] = torch.randn(256, generator=g)  # every rank's
+    ref = hvd.allreduce(t.double(), op=hvd.Sum, name="own.ref").float()
+    out = hvd_sparse.allreduce(t, name="own", scheme="omnireduce", op=hvd.Sum)
+    assert differing_ranks(digest(out), "own") == []
+    assert digest(out) == digest(ref)
+    m = hvd_sparse.metrics()["own"]
+    assert m["scheme"] == "omnireduce" and m["bytes_received"] == n * 256 * 4, m
+
+
 def test_auto_stops_asking_for_a_tensor_that_keeps_going_dense():
     """A full tensor under auto goes dense; past STEADY such calls it goes dense without the
     ranks' stats allgather, but for a look every LOOK_AGAIN calls. Every result equals

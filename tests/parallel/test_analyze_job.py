@@ -77,12 +77,12 @@ def must_receive(scheme: str, mine: list[int], other: list[int], numel: int, dim
         return numel * W  # ring: 2 (n - 1) / n of the tensor, n = 2
     if scheme == "allgather":
         return index_segment(len(other))
-    if scheme == "omnireduce":
-        return len(set(mine) | set(other)) * BS * W  # every union block's sum, once
+    if scheme == "omnireduce":  # the sum of every block the peer holds; mine alone: none
+        return len(set(other)) * BS * W
     if scheme == "rows":  # plus the header row, and the runs entry ([0]: a value per row)
         return (len(other) + 2) * 8 + (len(other) + 1) * dim * W
-    if scheme == "rows+omnireduce":
-        return len(set(mine) | set(other)) * dim * W  # every union row's sum, once
+    if scheme == "rows+omnireduce":  # likewise, by rows
+        return len(set(other)) * dim * W
     raise AssertionError(scheme)
 
 

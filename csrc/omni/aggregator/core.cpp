@@ -24,8 +24,20 @@ struct Slot {
   uint64_t present = 0;             // lanes some worker contributed to this round
   std::vector<uint64_t> seen;       // worker bitmap of this round
   uint32_t count = 0;
+  // per lane: how many workers' DATA of this round carried a block there (counted to 2), and
+  // the last of them
+  std::vector<uint8_t> holders;
+  std::vector<uint16_t> holder;
   bool done = false;
   std::shared_ptr<std::vector<uint8_t>> last;  // previous round's RESULT (the shadow set)
+  // ... and its copies for the workers some of whose lanes no other worker carried (flag OWN)
+  std::vector<std::pair<uint16_t, std::shared_ptr<std::vector<uint8_t>>>> own;
+
+  const std::shared_ptr<std::vector<uint8_t>>& result_for(uint16_t worker) const {
+    for (const auto& [w, b] : own)
+      if (w == worker) return b;
+    return last;
+  }
 };
 
 struct Tensor {
@@ -348,11 +360,12 @@ struct AggregatorCore::Impl {
       case Data::kRetransmit: {
         c.retransmits++;
         accept(job, *at.t);
-        if (!job.mac) return out.push_back({from, at.s->last});
+        const auto& last = at.s->result_for(h.worker);
+        if (!job.mac) return out.push_back({from, last});
         // Every transmission carries a sequence number of its own: the sender's window would
         // drop a copy of the one sent before as a replay.
-        auto b = packet(at.s->last->size() - kAuthBytes);
-        std::memcpy(b->data(), at.s->last->data(), b->size());
+        auto b = packet(last->size() - kAuthBytes);
+        std::memcpy(b->data(), last->data(), b->size());
         out.push_back({from, seal(job, std::move(b))});
         return;
       }
@@ -388,6 +401,8 @@ struct AggregatorCore::Impl {
     for (uint32_t l = 0; l < h.lanes; ++l)
       s.cur[l] = stream_length(h.slot, l, h.nblocks, h.nslots, h.lanes) ? 0 : kInf;
     s.next.assign(h.lanes, kInf);
+    s.holders.assign(h.lanes, 0);
+    s.holder.assign(h.lanes, 0);
     s.acc.assign(size_t(h.lanes) * h.block_size, 0.0);
     s.seen.assign((job.nworkers + 63) / 64, 0);
     slot_bytes_ += bytes;
@@ -414,6 +429,11 @@ struct AggregatorCore::Impl {
     }
     s.present |= bitmap;
     set_bit(s.seen, h.worker);
+    for (uint32_t l = 0; l < h.lanes; ++l)
+      if (bitmap >> l & 1) {
+        s.holders[l] = uint8_t(std::min(2, s.holders[l] + 1));
+        s.holder[l] = h.worker;
+      }
     if (++s.count < job.nworkers) return;
     complete(job, t, h, s, out);
   }
@@ -458,6 +478,26 @@ struct AggregatorCore::Impl {
       v += vb;
     }
     c.rounds++;
+    // Lanes one worker alone carried: their sums are its own blocks (0 + x in float64,
+    // rounded back: x, but -0 and signalling NaNs, which the worker's own copy turns the same
+    // way), so its copy leaves them out, flagged OWN. (A job of one worker gets its sums: it
+    // spares no other worker's bytes.)
+    s.own.clear();
+    if (job.nworkers > 1) {
+      std::vector<std::pair<uint16_t, uint64_t>> alone;  // worker, the lanes that are its alone
+      for (uint32_t l = 0; l < h.lanes; ++l) {
+        if (s.holders[l] != 1) continue;
+        auto it = std::find_if(alone.begin(), alone.end(),
+                               [&](const auto& a) { return a.first == s.holder[l]; });
+        if (it == alone.end()) alone.push_back({s.holder[l], uint64_t(1) << l});
+        else it->second |= uint64_t(1) << l;
+      }
+      for (const auto& [w, mine] : alone) {
+        s.own.push_back({w, seal(job, own_copy(r, p, s.present & ~mine, h.lanes, vb))});
+        c.own_results++;
+      }
+    }
+    std::fill(s.holders.begin(), s.holders.end(), 0);
     s.last = b = seal(job, std::move(b));
     s.cur.swap(s.next);
     std::fill(s.next.begin(), s.next.end(), kInf);
@@ -470,7 +510,34 @@ struct AggregatorCore::Impl {
       release_bytes(job, s.acc.size() * sizeof(double));
       std::vector<double>().swap(s.acc);
     }
-    for (uint16_t w = 0; w < job.nworkers; ++w) out.push_back({job.addr[w], b});
+    for (uint16_t w = 0; w < job.nworkers; ++w) out.push_back({job.addr[w], s.result_for(w)});
+  }
+
+  // The copy of RESULT `full` (header `r`) that carries only the lanes of `keep`, flagged
+  // OWN: its addressee's own lanes left out.
+  static std::shared_ptr<std::vector<uint8_t>> own_copy(Header r, const uint8_t* full,
+                                                        uint64_t keep, uint32_t lanes,
+                                                        size_t vb) {
+    const uint64_t present = ld64(full + kHeaderBytes);
+    const size_t table = kHeaderBytes + kBitmapBytes + size_t(lanes) * kLaneBytes;
+    r.flags |= kFlagOwn;
+    r.present = uint32_t(__builtin_popcountll(keep));
+    auto q = packet(table + r.present * vb);
+    store_header(q->data(), r);
+    st64(q->data() + kHeaderBytes, keep);
+    std::memcpy(q->data() + kHeaderBytes + kBitmapBytes, full + kHeaderBytes + kBitmapBytes,
+                size_t(lanes) * kLaneBytes);
+    const uint8_t* from = full + table;
+    uint8_t* to = q->data() + table;
+    for (uint32_t l = 0; l < lanes; ++l) {
+      if (!(present >> l & 1)) continue;
+      if (keep >> l & 1) {
+        std::memcpy(to, from, vb);
+        to += vb;
+      }
+      from += vb;
+    }
+    return q;
   }
 
   const CoreOptions o_;

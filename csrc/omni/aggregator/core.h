@@ -31,7 +31,7 @@ struct CoreOptions {
 // clang-format off
 #define HS_CORE_COUNTERS(X) X(rounds) X(retransmits) X(duplicates) X(stale) X(malformed) \
   X(unknown_job) X(mismatch) X(overflow) X(jobs) X(tensors) X(released) X(expired) X(foreign) \
-  X(unauthenticated) X(bad_mac) X(replayed)
+  X(unauthenticated) X(bad_mac) X(replayed) X(own_results)
 // clang-format on
 
 class AggregatorCore final : public Aggregation {

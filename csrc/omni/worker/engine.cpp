@@ -380,26 +380,40 @@ void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, 
     return;
   }
   const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
-  uint64_t bitmap = ld64(p + kHeaderBytes);
+  const uint64_t bitmap = ld64(p + kHeaderBytes);
   const uint8_t* v = lane + size_t(t.lanes) * kLaneBytes;
   const size_t vb = size_t(t.bs) * t.wsize;
-  if (h.flags & kFlagOwn) {  // every sum is this worker's own block: what its DATA carried
+  // OWN: a lane our DATA of this round carried that the bitmap leaves out was ours alone
+  const bool own = h.flags & kFlagOwn;
+  uint64_t mine = 0;
+  const uint8_t* ours = nullptr;
+  if (own) {
     if (s.pkt.size() < data_bytes(t.lanes, 0, t.bs, t.wire)) {  // no DATA sent: not ours
       c_.malformed++;
       return;
     }
-    bitmap = ld64(s.pkt.data() + kHeaderBytes);
-    v = s.pkt.data() + kHeaderBytes + kBitmapBytes + size_t(t.lanes) * kLaneBytes;
+    mine = ld64(s.pkt.data() + kHeaderBytes);
+    ours = s.pkt.data() + kHeaderBytes + kBitmapBytes + size_t(t.lanes) * kLaneBytes;
   }
+  std::vector<double> sum(own ? t.bs : 0);
+  std::vector<uint8_t> summed(own ? vb : 0);
   bool last = true;
   for (uint32_t l = 0; l < t.lanes; ++l) {
     uint32_t off = s.cur[l], nxt = ld32(lane + l * kLaneBytes + 4);
     if (off == kInf) continue;
+    const uint64_t b = stream_block(s.g, l, off, t.nslots, t.lanes);
     if (bitmap >> l & 1) {
-      write_block(t, stream_block(s.g, l, off, t.nslots, t.lanes), v);
+      write_block(t, b, v);
       v += vb;
       t.union_blocks++;
+    } else if (mine >> l & 1) {  // the aggregator's sum of our block alone: 0 + x in float64
+      std::fill(sum.begin(), sum.end(), 0.0);
+      add_values(sum.data(), ours, t.bs, t.wire);
+      store_values(summed.data(), sum.data(), t.bs, t.wire);
+      write_block(t, b, summed.data());
+      t.union_blocks++;
     }
+    if (mine >> l & 1) ours += vb;
     s.cur[l] = nxt;
     last = last && nxt == kInf;
   }
