@@ -130,16 +130,22 @@ class NetModel:
             switch_layout=base.switch_layout, link_bps=rate_bps, aggregator_hosts=aggregators)
 
 
-def aggregation_link_blocks(nnz: Sequence[float], union: float, hosts: int) -> float:
+def aggregation_link_blocks(nnz: Sequence[float], union: float, hosts: int,
+                            alone: Sequence[float] | None = None) -> float:
     """Blocks through the busiest link, one direction, of an aggregation of ``nnz`` blocks
-    per rank whose ``union`` comes back to every rank: each of ``hosts`` aggregator hosts
-    takes 1/hosts of every rank's blocks and sends every rank 1/hosts of the union; with 0
-    (colocated) host r's shard serves 1/n of the slots and its own rank's share stays local."""
+    per rank whose ``union`` comes back to every rank, but for the ``alone[r]`` blocks rank r
+    alone holds (its RESULTs leave them out: flag OWN; None: counted as none): each of
+    ``hosts`` aggregator hosts takes 1/hosts of every rank's blocks and sends every rank
+    1/hosts of what comes back to it; with 0 (colocated) host r's shard serves 1/n of the
+    slots and its own rank's share stays local."""
     n = len(nnz)
+    back = [union - a for a in alone] if alone is not None else [union] * n
     if hosts:
-        return max(union, max(nnz, default=0), n * union / hosts, sum(nnz) / hosts)
+        return max(max(back, default=0), max(nnz, default=0), sum(back) / hosts,
+                   sum(nnz) / hosts)
     f = (n - 1) / n
-    return max(max((c + union) * f, (sum(nnz) - c) / n + union * f) for c in nnz)
+    return max(max(c * f + (sum(back) - b) / n, (sum(nnz) - c) / n + b * f)
+               for c, b in zip(nnz, back, strict=True))
 
 
 def _median_time(fn: Callable[[], object], reps: int = 5) -> float:

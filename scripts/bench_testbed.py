@@ -262,24 +262,27 @@ def aggregation_bounds(masks, aggregator_hosts: int, worker_need: int,
                        ms_per_byte: float) -> dict[str, float]:
     """Lower bounds (ms) per method from the ranks' block masks (n x blocks, bool): the worker
     bound, raised where a method's aggregators must move more through their own links (each
-    link full duplex; 256 float32 per block; headers not counted)."""
+    link full duplex; 256 float32 per block; headers not counted). What comes back to a rank
+    is the union less the blocks it alone holds (flag OWN)."""
     from hvd_sparse import costmodel
 
     n = masks.shape[0]
     block = 256 * 4
     union = int(masks.any(0).sum()) * block
     nnz = [int(m.sum()) * block for m in masks]
+    alone = [int((m & ~masks[[q for q in range(n) if q != r]].any(0)).sum()) * block
+             for r, m in enumerate(masks)]
 
-    def agg_hosts(a: int) -> float:  # a hosts, each: out n x union/a, in sum(nnz)/a
-        return max(worker_need, n * union / a, sum(nnz) / a) * ms_per_byte
+    def agg_hosts(a: int) -> float:
+        return costmodel.aggregation_link_blocks(nnz, union, a, alone) * ms_per_byte
 
     # colocated: host r's shard serves 1/n of the slots, its own worker's share stays local
-    colocated = costmodel.aggregation_link_blocks(nnz, union, 0)
+    colocated = costmodel.aggregation_link_blocks(nnz, union, 0, alone)
     return {"worker": worker_need * ms_per_byte,
             "omnireduce x1": agg_hosts(1), "omnireduce x4": agg_hosts(aggregator_hosts),
             "omnireduce colocated": max(worker_need, colocated) * ms_per_byte,
-            "omnireduce rank0": max(worker_need, (n - 1) * union, sum(nnz) - nnz[0])
-            * ms_per_byte}
+            "omnireduce rank0": max(worker_need, (n - 1) * union - sum(alone[1:]),
+                                    sum(nnz) - nnz[0]) * ms_per_byte}
 
 
 def gloo_collectives(tb, rank: int, n: int):

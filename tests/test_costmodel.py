@@ -105,3 +105,11 @@ def test_aggregation_link_blocks_finds_the_busiest_link():
     # colocated: out (10 + 34) * 3/4 = 33, in 30/4 + 34 * 3/4 = 33
     assert costmodel.aggregation_link_blocks(nnz, union, 0) == 33
     assert costmodel.aggregation_link_blocks([40, 0, 0, 0], 40, 0) == 60  # (40 + 40) * 3/4
+    # blocks a rank alone holds do not come back to it: 30 of the union to each rank
+    alone = [4, 4, 4, 4]
+    assert costmodel.aggregation_link_blocks(nnz, union, 1, alone) == 4 * 30
+    assert costmodel.aggregation_link_blocks(nnz, union, 8, alone) == 30
+    # colocated: out 10 * 3/4 + 3 * 30 / 4 = 30, in 30/4 + 30 * 3/4 = 30
+    assert costmodel.aggregation_link_blocks(nnz, union, 0, alone) == 30
+    # one holder: its own link still carries its blocks out and their sums to the others
+    assert costmodel.aggregation_link_blocks([40, 0, 0, 0], 40, 0, [40, 0, 0, 0]) == 60
