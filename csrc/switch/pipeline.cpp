@@ -467,10 +467,9 @@ struct Pipeline::Impl {
       return fail_slot(job, g, h, kErrOverflow, out);
     }
     // The egress: the one copy to a round's only holder leaves with the header alone
-    const uint32_t holders = g.set[set].holders;
     auto r = result(job, gi, h, set, kNone);
     for (uint16_t w = 0; w < job.nworkers; ++w)
-      out.push_back({job.addr[w], holders == 1u << w ? result(job, gi, h, set, w) : r});
+      out.push_back({job.addr[w], alone(job, g.set[set], w) ? result(job, gi, h, set, w) : r});
     const uint32_t* nm = next_min(gi, set);
     bool last = true;
     for (uint32_t l = 0; l < h.lanes; ++l) last = last && nm[l] == kInf;
@@ -481,13 +480,19 @@ struct Pipeline::Impl {
 
   static constexpr uint32_t kNone = kSeenBits;  // result(): a copy for no worker in particular
 
+  // Whether worker `to` alone carried the round held in `s`, in a job of several workers (a
+  // job of one gets its sums): its copy is flagged OWN.
+  static bool alone(const SwitchJob& job, const SetRegs& s, uint32_t to) {
+    return to < kSeenBits && s.holders == 1u << to && job.nworkers > 1;
+  }
+
   // The RESULT of the round held in `set`, for worker `to`: the deparser writes the registers
   // into the packet, but for the round's only holder in a job of several workers, whose copy
   // the egress cuts to the header and lane table (flag OWN: its sums are its own blocks).
   std::shared_ptr<const std::vector<uint8_t>> result(const SwitchJob& job, uint32_t gi,
                                                      const Header& h, int set, uint32_t to) {
     const SetRegs& s = g_[gi].set[set];
-    const bool own = to < kSeenBits && s.holders == 1u << to && job.nworkers > 1;
+    const bool own = alone(job, s, to);
     const uint64_t bitmap = own ? 0 : s.present;
     const uint32_t present = uint32_t(__builtin_popcountll(bitmap));
     const uint32_t* nm = next_min(gi, set);

@@ -34,8 +34,7 @@ def choose(job: Job) -> Generator[tuple[str, Pending], Any, str]:
     """Yields the stats allgather; returns the scheme to run: "dense" or a sparse one. Alike
     on every rank: so is the streak of dense choices it keeps (``STEADY``)."""
     ctx, t = job.ctx, job.tensor
-    # by the ranks too: a name reduced over several process sets counts its calls in each
-    key = (job.name, tuple(job.comm.ranks))
+    key = _key(job)
     streak = ctx.dense_streak.get(key, 0)
     if streak >= STEADY and streak % LOOK_AGAIN:
         ctx.dense_streak[key] = streak + 1
@@ -75,4 +74,10 @@ def learn(job: Job, choice: str, nnz: list[int]) -> None:
     s.bytes_sent += (len(nnz) - 1) * ROW_BYTES
     s.bytes_received = (s.bytes_received or 0) + (len(nnz) - 1) * ROW_BYTES
     if choice != "dense" and sum(nnz) > 0 and s.union is not None:
-        job.ctx.union_ratio[job.name, tuple(job.comm.ranks)] = s.union / sum(nnz)
+        job.ctx.union_ratio[_key(job)] = s.union / sum(nnz)
+
+
+def _key(job: Job) -> tuple[str, tuple[int, ...]]:
+    """What auto learns of a tensor is kept by name and ranks: a name reduced over several
+    process sets is learnt apart in each, so every rank of a reduction goes by the same."""
+    return job.name, tuple(job.comm.ranks)

@@ -394,9 +394,9 @@ void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, 
     }
     mine = ld64(s.pkt.data() + kHeaderBytes);
     ours = s.pkt.data() + kHeaderBytes + kBitmapBytes + size_t(t.lanes) * kLaneBytes;
+    own_sum_.resize(t.bs);
+    own_block_.resize(vb);
   }
-  std::vector<double> sum(own ? t.bs : 0);
-  std::vector<uint8_t> summed(own ? vb : 0);
   bool last = true;
   for (uint32_t l = 0; l < t.lanes; ++l) {
     uint32_t off = s.cur[l], nxt = ld32(lane + l * kLaneBytes + 4);
@@ -407,10 +407,10 @@ void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, 
       v += vb;
       t.union_blocks++;
     } else if (mine >> l & 1) {  // the aggregator's sum of our block alone: 0 + x in float64
-      std::fill(sum.begin(), sum.end(), 0.0);
-      add_values(sum.data(), ours, t.bs, t.wire);
-      store_values(summed.data(), sum.data(), t.bs, t.wire);
-      write_block(t, b, summed.data());
+      std::fill(own_sum_.begin(), own_sum_.end(), 0.0);
+      add_values(own_sum_.data(), ours, t.bs, t.wire);
+      store_values(own_block_.data(), own_sum_.data(), t.bs, t.wire);
+      write_block(t, b, own_block_.data());
       t.union_blocks++;
     }
     if (mine >> l & 1) ours += vb;

@@ -245,6 +245,9 @@ class Engine {
   RegAck geometry_;
   int64_t payload_;
   double last_timers_ = 0, last_keepalive_ = 0;
+  // on_result's scratch for a lane flagged OWN: our block summed as the aggregator sums it
+  std::vector<double> own_sum_;
+  std::vector<uint8_t> own_block_;
   struct {
 #define HS_DECL(n) uint64_t n = 0;
     HS_WORKER_COUNTERS(HS_DECL)
