@@ -148,6 +148,42 @@ def aggregation_link_blocks(nnz: Sequence[float], union: float, hosts: int,
                for c, b in zip(nnz, back, strict=True))
 
 
+def alone_blocks(nnz: Sequence[float], union: float) -> list[float]:
+    """Expected blocks each rank alone holds (flag OWN: they do not come back to it), for ranks
+    holding ``nnz`` blocks of a ``union``: as if each rank had placed its blocks independently
+    at random among as many blocks as make the expected union ``union`` (exact in expectation
+    for blocks so placed; the whole union shared: none alone; disjoint blocks: all alone).
+    Where the ranks' blocks cluster (hot blocks most ranks hold, the rest scattered) it counts
+    fewer alone than there are: more bytes back, the side that keeps aggregation from being
+    picked where it loses. One rank alone gets its sums back: nothing counts as alone.
+
+    Args:
+        nnz: non-zero blocks of each rank.
+        union: distinct non-zero blocks over all ranks.
+
+    Returns:
+        The expected blocks each rank alone holds, in the order of ``nnz``.
+    """
+    n, most = len(nnz), max(nnz, default=0.0)
+    if n < 2 or most <= 0:
+        return [0.0] * n
+    if union >= sum(nnz):
+        return [float(c) for c in nnz]
+    if union <= most:
+        return [0.0] * n
+
+    def expected_union(s: float) -> float:  # among 1/s blocks
+        return -math.expm1(sum(math.log1p(-min(c * s, 1.0)) for c in nnz)) / s
+
+    lo, hi = 0.0, 1.0 / most  # the union falls from sum(nnz) (s -> 0) to most (s = 1/most)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_union(mid) > union else (lo, mid)
+    s = (lo + hi) / 2
+    absent = [1 - min(c * s, 1.0) for c in nnz]
+    return [c * math.prod(a for j, a in enumerate(absent) if j != r) for r, c in enumerate(nnz)]
+
+
 def _median_time(fn: Callable[[], object], reps: int = 5) -> float:
     fn()
     times = []
@@ -370,32 +406,38 @@ def predict(
         seconds={"dense": dense, "allgather": allgather, "zen": zen},
         received={"dense": 2 * (n - 1) / n * nbytes, "allgather": gathered * (n - 1) / n,
                   "zen": sent + n * part_bytes * (n - 1) / n})
+    # what a RESULT leaves out for each rank: the blocks it alone holds (flag OWN)
+    alone = alone_blocks(nnz, union)
+    back = union - min(alone, default=0.0)  # the busiest rank's blocks back
     if m.omnireduce is not None:
-        # Every rank's blocks into the aggregators, the union back out to every rank; on a
-        # link model, only what the busiest link carries.
-        blocks_through = (aggregation_link_blocks(nnz, union, m.aggregator_hosts)
-                          if m.link_bps else sum(nnz) + n * union)
+        # Every rank's blocks into the aggregators, the union but its own alone back out to
+        # every rank; on a link model, only what the busiest link carries.
+        blocks_through = (aggregation_link_blocks(nnz, union, m.aggregator_hosts, alone)
+                          if m.link_bps else sum(nnz) + n * union - sum(alone))
         through = blocks_through * (block + packet_overhead(m.omni_layout, nblocks, esize, bs))
         rounds = omni_rounds(nblocks, union, m.omni_layout, esize, bs)
         packets = omni_slots(nblocks, m.omni_layout, esize, bs) * rounds
         latency, packet, per_byte = m.omnireduce
         p.seconds["omnireduce"] = local + latency * rounds + packet * packets + per_byte * through
-        p.received["omnireduce"] = union * block
+        p.received["omnireduce"] = back * block
     if m.switch is not None:
         # FIXED32 on the wire, in the switch's finer blocks (each non-zero block counted as
         # that many non-zero finer ones). Each worker link carries its own blocks in and the
-        # union out; the scale costs one tiny allreduce first.
+        # union out, but for what it alone held where a packet is one block (the switch
+        # flags a packet OWN, not a lane); the scale costs one tiny allreduce first.
         sb = switch_block(bs, m.switch_layout)
         finer, snblocks = bs // sb, max(1, blocks.num_blocks(numel, sb))
         sunion = min(float(snblocks), union * finer)
+        lanes = protocol.layout(snblocks, sb, 4, *m.switch_layout)[0]
+        sback = sunion - (min(alone, default=0.0) * finer if lanes == 1 else 0.0)
         wire = sb * 4 + packet_overhead(m.switch_layout, snblocks, 4, sb)
-        busiest = max(max(nnz, default=0) * finer, sunion) * wire
+        busiest = max(max(nnz, default=0) * finer, sback) * wire
         rounds = omni_rounds(snblocks, sunion, m.switch_layout, 4, sb)
         packets = omni_slots(snblocks, m.switch_layout, 4, sb) * rounds
         latency, packet, per_byte = m.switch
         p.seconds["switch"] = (local + m.allreduce[0] + latency * rounds + packet * packets
                                + per_byte * busiest)
-        p.received["switch"] = sunion * sb * 4
+        p.received["switch"] = sback * sb * 4
     return p
 
 

@@ -5,6 +5,8 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from hvd_sparse import costmodel
 from hvd_sparse.tools.analyze import net_model
 
@@ -41,7 +43,8 @@ def test_switch_sends_each_link_its_own_blocks_and_the_union_once():
     nnz = [round(0.1 * NBLOCKS)] * 4
     union = 0.344 * NBLOCKS  # 1 - 0.9^4 of the blocks, independent patterns
     p = costmodel.predict(m, NUMEL, 4, BS, nnz, union)
-    assert p.received["switch"] == union * BS * 4  # int32 on the wire, the union once
+    # int32 on the wire, the union once: 8 blocks a packet, so none flagged OWN
+    assert p.received["switch"] == union * BS * 4
     per_block = BS * 4 + costmodel.packet_overhead(m.switch_layout, NBLOCKS, 4, BS)
     wire = union * per_block * 8 / 1e9  # seconds on one worker link
     assert wire <= p.seconds["switch"] <= 2 * wire, (wire, p.seconds["switch"])
@@ -64,7 +67,10 @@ def test_switch_is_costed_in_blocks_that_fit_its_packets():
     nnz = [round(0.1 * NBLOCKS)] * 4
     union = 0.344 * NBLOCKS
     p = costmodel.predict(m, NUMEL, 4, BS, nnz, union)
-    assert p.received["switch"] == union * BS * 4  # the same values, in 4x the blocks
+    # the same values, in 4x the blocks; a packet is one block, so what a rank alone held does
+    # not come back to it (flag OWN)
+    alone = min(costmodel.alone_blocks(nnz, union))
+    assert math.isclose(p.received["switch"], (union - alone) * BS * 4, rel_tol=1e-12)
     # exactly the cost of the same tensor given in 64-blocks, each 256-block four of them
     fine = costmodel.predict(m, NUMEL, 4, 64, [4 * c for c in nnz], 4 * union)
     assert math.isclose(p.seconds["switch"], fine.seconds["switch"], rel_tol=1e-12)
@@ -75,24 +81,40 @@ def test_switch_is_costed_in_blocks_that_fit_its_packets():
         "switch"]
 
 
-def test_link_model_predicts_recorded_runs_on_emulated_hosts():
+def test_link_model_predicts_recorded_runs_on_emulated_hosts(monkeypatch):
     """The what-if model (for_link, as `hvd-sparse analyze` uses it) against runs recorded on
     the testbed (scripts/bench_testbed.py at 4 and 8 workers, 100 Mbit/s, 10% and 1%;
-    scripts/model_check.py --save-points): the geometric-mean error within 15%, and every
-    point within 25% (19 of these 20 are within 20%; the other, zen at 1% on 4 workers, 21.5%
-    over, carries the probe's alltoall latency of that run, 8.3 ms, where 8 workers' probe
-    measured 1.6 ms)."""
+    scripts/model_check.py --save-points; recorded with aggregators that leave a rank's own
+    blocks out of its results): the geometric-mean error within 15%, and every point within
+    25% (all 20 are within 19%, geometric mean 8.0%; without ``alone_blocks`` the aggregation
+    points are 5-40% over)."""
     points = json.loads((Path(__file__).parent / "data" / "model_points.json").read_text())
     assert {p["workers"] for p in points} >= {4, 8}
     assert {p["scheme"] for p in points} == {"dense", "allgather", "zen", "omnireduce"}
-    errors = []
-    for p in points:
-        net = costmodel.NetModel.for_link(p["rate_bps"], p["workers"], net_model(p["net"]),
-                                          p["aggregator_hosts"])
-        got = costmodel.predict(net, p["numel"], 4, BS, p["nnz"], p["union"]).seconds
-        errors.append(got[p["scheme"]] / p["measured_s"] - 1)
-        assert abs(errors[-1]) <= 0.25, (p["method"], p["workers"], p["density"], errors[-1])
-    assert math.exp(sum(abs(math.log1p(e)) for e in errors) / len(errors)) - 1 <= 0.15
+
+    def errors(scheme: str | None = None) -> list[float]:
+        out = []
+        for p in points:
+            if scheme in (None, p["scheme"]):
+                net = costmodel.NetModel.for_link(p["rate_bps"], p["workers"],
+                                                  net_model(p["net"]), p["aggregator_hosts"])
+                got = costmodel.predict(net, p["numel"], 4, BS, p["nnz"], p["union"]).seconds
+                out.append(got[p["scheme"]] / p["measured_s"] - 1)
+        return out
+
+    def mean(e: list[float]) -> float:  # geometric mean of the errors
+        return math.exp(sum(abs(math.log1p(x)) for x in e) / len(e)) - 1
+
+    every = errors()
+    worst = max(every, key=abs)
+    assert abs(worst) <= 0.25, points[every.index(worst)]
+    assert mean(every) <= 0.15
+    aggregated = errors("omnireduce")
+    # counting every block back to every rank, as before flag OWN, misses these runs
+    monkeypatch.setattr(costmodel, "alone_blocks", lambda nnz, union: [0.0] * len(nnz))
+    before = errors("omnireduce")
+    assert mean(aggregated) < 0.15 < mean(before), (aggregated, before)
+    assert max(before) > 0.3
 
 
 def test_aggregation_link_blocks_finds_the_busiest_link():
@@ -113,3 +135,46 @@ def test_aggregation_link_blocks_finds_the_busiest_link():
     assert costmodel.aggregation_link_blocks(nnz, union, 0, alone) == 30
     # one holder: its own link still carries its blocks out and their sums to the others
     assert costmodel.aggregation_link_blocks([40, 0, 0, 0], 40, 0, [40, 0, 0, 0]) == 60
+
+
+def test_alone_blocks_against_random_masks():
+    """The blocks each rank alone holds, estimated from the ranks' counts and their union,
+    against the exact counts of random masks: independent blocks (where the estimate is exact
+    in expectation), blocks shared around common centres, and ranks of unequal density."""
+    g = torch.Generator().manual_seed(7)
+    nblocks = 200_000
+
+    def check(masks: torch.Tensor, below: float, above: float) -> None:
+        held = masks.sum(0)
+        exact = [float((m & (held == 1)).sum()) for m in masks]
+        nnz = [float(m.sum()) for m in masks]
+        got = costmodel.alone_blocks(nnz, float((held > 0).sum()))
+        for e, a in zip(exact, got, strict=True):
+            assert (1 - below) * e <= a <= (1 + above) * e, (exact, got)
+
+    check(torch.rand(4, nblocks, generator=g) < 0.1, 0.02, 0.02)  # independent, 10%
+    check(torch.rand(8, nblocks, generator=g) < 0.01, 0.03, 0.03)  # independent, 1%
+    dens = torch.tensor([0.02, 0.05, 0.1, 0.2]).unsqueeze(1)
+    check(torch.rand(4, nblocks, generator=g) < dens, 0.03, 0.03)  # unequal densities
+    # hot blocks most ranks hold, the rest scattered: fewer counted alone than there are (the
+    # conservative side), but not less than half
+    hot = (torch.rand(nblocks, generator=g) < 0.05) & (torch.rand(4, nblocks, generator=g) < 0.8)
+    check(hot | (torch.rand(4, nblocks, generator=g) < 0.02), 0.5, 0.0)
+
+
+def test_alone_blocks_limits_and_what_predict_makes_of_them():
+    assert costmodel.alone_blocks([10, 10, 10, 10], 10) == [0.0] * 4  # every rank holds all
+    assert costmodel.alone_blocks([10, 10, 10, 10], 40) == [10.0] * 4  # disjoint
+    assert costmodel.alone_blocks([40, 0, 0, 0], 40) == [40.0, 0.0, 0.0, 0.0]
+    assert costmodel.alone_blocks([25], 25) == [0.0]  # one rank gets its sums back
+    assert costmodel.alone_blocks([0, 0], 0) == [0.0, 0.0]
+    # independent blocks at density d: a rank's block is alone when no other holds it
+    d, n = 0.1, 4
+    nnz = [d * NBLOCKS] * n
+    union = NBLOCKS * (1 - (1 - d) ** n)
+    for a in costmodel.alone_blocks(nnz, union):
+        assert math.isclose(a, d * NBLOCKS * (1 - d) ** (n - 1), rel_tol=1e-9)
+    p = costmodel.predict(costmodel.NetModel.default(layout=costmodel.OMNI_LAYOUT), NUMEL, 4,
+                          BS, nnz, union)
+    back = union - d * NBLOCKS * (1 - d) ** (n - 1)
+    assert math.isclose(p.received["omnireduce"], back * BS * 4, rel_tol=1e-9)

@@ -142,8 +142,12 @@ def may_win(m: NetModel, n: int, union: int, gathered: int, row_bytes: int) -> b
     was gathered yet: nothing to go by."""
     if m.omnireduce is None or m.source == "default" or not gathered:
         return True
-    through = (costmodel.aggregation_link_blocks([union / n] * n, union, m.aggregator_hosts)
-               if m.link_bps else (n + 1) * union)  # all ranks' rows in, the union out to each
+    # the fewest rows in (the union once, spread evenly) and out (each rank all but its own
+    # share: the union's rows held by one rank each, which do not come back to it)
+    spread = [union / n] * n
+    alone = spread if n > 1 else None
+    through = (costmodel.aggregation_link_blocks(spread, union, m.aggregator_hosts, alone)
+               if m.link_bps else (n if n > 1 else 2) * union)
     return m.omnireduce[2] * through * row_bytes < MARGIN * (m.allgather[0]
                                                              + m.allgather[1] * gathered)
 
