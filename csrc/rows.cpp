@@ -25,17 +25,52 @@ namespace {
 // cost as much in page faults (glibc maps them anew) as the sort.
 struct Groups {
   std::vector<int64_t> row, slot, order, key, order2, key2;
+  std::vector<uint64_t> bits, below;  // by_bitmap's
 };
 constexpr size_t kKeep = size_t(1) << 20;
+
+// group_rows for a table whose bitmap of rows (one bit a row) is small beside the rows given:
+// a bit set per row, the set bits read in order are the distinct rows, and a row's slot is
+// the set bits below it (counted per 64-bit word, then within its word). Linear in the rows
+// and the table's words, with no sort: two passes over the rows where the radix sort takes
+// two to four, each moving two arrays.
+void by_bitmap(Groups& g, const int64_t* r, int64_t n, int64_t nrows) {
+  const size_t words = size_t((nrows + 63) / 64);
+  g.bits.assign(words, 0);
+  g.below.resize(words);
+  for (int64_t i = 0; i < n; ++i) {
+    if (r[i] < 0) continue;
+    TORCH_CHECK(r[i] < nrows, "row ", r[i], " out of range for ", nrows, " rows");
+    g.bits[size_t(r[i] >> 6)] |= uint64_t(1) << (r[i] & 63);
+  }
+  uint64_t seen = 0;
+  for (size_t w = 0; w < words; ++w) {
+    g.below[w] = seen;
+    for (uint64_t b = g.bits[w]; b; b &= b - 1)
+      g.row.push_back(int64_t(w * 64) + __builtin_ctzll(b));
+    seen += uint64_t(__builtin_popcountll(g.bits[w]));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (r[i] < 0) continue;
+    const size_t w = size_t(r[i] >> 6);
+    const uint64_t lower = g.bits[w] & ((uint64_t(1) << (r[i] & 63)) - 1);
+    g.slot[size_t(i)] = int64_t(g.below[w]) + __builtin_popcountll(lower);
+  }
+}
 
 const Groups& group_rows(const int64_t* r, int64_t n, int64_t nrows) {
   thread_local Groups scratch;
   Groups& g = scratch;  // one look-up of the thread's copy (each costs a call in a .so)
-  if (g.key.capacity() > kKeep) g = Groups();
+  if (g.key.capacity() > kKeep || g.bits.capacity() > kKeep) g = Groups();
   g.order.clear();
   g.key.clear();
   g.row.clear();
   g.slot.assign(size_t(n), -1);
+  // the bitmap's words cost about what a radix pass's entries do: take it where it is smaller
+  if (nrows <= 64 * (2 * n + 1024)) {
+    by_bitmap(g, r, n, nrows);
+    return g;
+  }
   for (int64_t i = 0; i < n; ++i) {
     if (r[i] < 0) continue;
     TORCH_CHECK(r[i] < nrows, "row ", r[i], " out of range for ", nrows, " rows");

@@ -175,6 +175,32 @@ def test_sorts_rows_of_any_table_size(n, bits, seed):
     assert torch.allclose(out_vals, ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("n", [1, 700, 5000])
+def test_rows_grouped_by_bitmap_or_by_sort_alike(n):
+    """Rows are grouped by a bitmap of the table where it is small beside the rows (up to 64 x
+    (2n + 1024) rows), else sorted: on both sides of that bound, and at the edges of the
+    bitmap's words (rows 0, 63, 64, the last), the same rows and float64 sums as the
+    reference, equal rows added in input order."""
+    g = torch.Generator().manual_seed(n)
+    bound = 64 * (2 * n + 1024)
+    for nrows in (bound, bound + 1, 65, 64):
+        rows = torch.randint(0, nrows, (n,), generator=g)
+        edges = torch.tensor([0, min(63, nrows - 1), min(64, nrows - 1), nrows - 1])
+        rows = torch.cat([rows, edges, edges.flip(0)])
+        vals = torch.randn(len(rows), 2, generator=g, dtype=torch.float64)
+        out_rows, out_vals = _C.sum_rows(rows, vals, nrows)
+        want, where = torch.unique(rows, return_inverse=True)
+        ref = torch.zeros(len(want), 2, dtype=torch.float64).index_add_(0, where, vals)
+        assert torch.equal(out_rows, want), nrows
+        assert torch.allclose(out_vals, ref, rtol=1e-12, atol=1e-12), nrows
+        assert _C.count_rows(rows, nrows) == len(want)
+    big, one = torch.tensor([[1e8]]), torch.tensor([[1.0]])
+    for order, want_sum in (([big, one, -big], 0.0), ([big, -big, one], 1.0)):
+        _, out = _C.sum_rows(torch.tensor([63, 5, 63, 63]),
+                             torch.cat([order[0], one, *order[1:]]), 64)
+        assert out[1].item() == want_sum
+
+
 def test_equal_rows_stay_in_input_order_across_passes():
     # a row past 2^22 takes three passes; each keeps 1e8, 1, -1e8 in the order given
     big, one = torch.tensor([[1e8]]), torch.tensor([[1.0]])
