@@ -172,16 +172,35 @@ def alone_blocks(nnz: Sequence[float], union: float) -> list[float]:
     if union <= most:
         return [0.0] * n
 
-    def expected_union(s: float) -> float:  # among 1/s blocks
-        return -math.expm1(sum(math.log1p(-min(c * s, 1.0)) for c in nnz)) / s
+    def logs(s: float) -> list[float]:  # each rank's chance to miss a block, in logs
+        return [math.log1p(-c * s) for c in nnz]
 
-    lo, hi = 0.0, 1.0 / most  # the union falls from sum(nnz) (s -> 0) to most (s = 1/most)
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_union(mid) > union else (lo, mid)
-    s = (lo + hi) / 2
-    absent = [1 - min(c * s, 1.0) for c in nnz]
-    return [c * math.prod(a for j, a in enumerate(absent) if j != r) for r, c in enumerate(nnz)]
+    # s: 1 / the blocks they are placed among. The expected union -expm1(sum(logs)) / s falls
+    # from sum(nnz) (s -> 0) to `most` (s = 1 / most). Found first as if every rank held the
+    # mean (bisection, a closed form per step), then by Newton's steps on the ranks' own
+    # counts kept inside the bracket: O(n) a step, a few steps.
+    mean = sum(nnz) / n
+    a, b = 0.0, 1.0 / mean
+    for _ in range(60):
+        mid = (a + b) / 2
+        a, b = (mid, b) if -math.expm1(n * math.log1p(-mean * mid)) / mid > union else (a, mid)
+    lo, hi = 0.0, 1.0 / most
+    s = min((a + b) / 2, hi * (1 - 1e-12))
+    for _ in range(30):
+        total = sum(logs(s))
+        slope = -sum(c / (1 - c * s) for c in nnz)  # of the logs' sum
+        e = -math.expm1(total)
+        f = e / s - union
+        lo, hi = (s, hi) if f > 0 else (lo, s)
+        step = s - f * s * s / (-math.exp(total) * slope * s - e)
+        s_next = step if lo < step < hi else (lo + hi) / 2
+        done = abs(s_next - s) <= 1e-13 * s
+        s = s_next
+        if done:
+            break
+    each = logs(s)
+    total = sum(each)
+    return [c * math.exp(total - own) for c, own in zip(nnz, each, strict=True)]
 
 
 def _median_time(fn: Callable[[], object], reps: int = 5) -> float:

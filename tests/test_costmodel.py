@@ -174,6 +174,13 @@ def test_alone_blocks_limits_and_what_predict_makes_of_them():
     union = NBLOCKS * (1 - (1 - d) ** n)
     for a in costmodel.alone_blocks(nnz, union):
         assert math.isclose(a, d * NBLOCKS * (1 - d) ** (n - 1), rel_tol=1e-9)
+    # and at 1,024 ranks of unequal counts (each at its own density among the same blocks)
+    dens = [0.001 * (1 + r % 7) for r in range(1024)]
+    many = costmodel.alone_blocks([x * NBLOCKS for x in dens],
+                                  NBLOCKS * -math.expm1(sum(math.log1p(-x) for x in dens)))
+    for x, a in zip(dens, many, strict=True):
+        others = math.exp(sum(math.log1p(-y) for y in dens) - math.log1p(-x))
+        assert math.isclose(a, x * NBLOCKS * others, rel_tol=1e-6)
     p = costmodel.predict(costmodel.NetModel.default(layout=costmodel.OMNI_LAYOUT), NUMEL, 4,
                           BS, nnz, union)
     back = union - d * NBLOCKS * (1 - d) ** (n - 1)
