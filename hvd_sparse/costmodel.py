@@ -140,11 +140,11 @@ def aggregation_link_blocks(nnz: Sequence[float], union: float, hosts: int,
     slots and its own rank's share stays local."""
     n = len(nnz)
     back = [union - a for a in alone] if alone is not None else [union] * n
+    into, out = sum(nnz), sum(back)
     if hosts:
-        return max(max(back, default=0), max(nnz, default=0), sum(back) / hosts,
-                   sum(nnz) / hosts)
+        return max(max(back, default=0), max(nnz, default=0), out / hosts, into / hosts)
     f = (n - 1) / n
-    return max(max(c * f + (sum(back) - b) / n, (sum(nnz) - c) / n + b * f)
+    return max(max(c * f + (out - b) / n, (into - c) / n + b * f)
                for c, b in zip(nnz, back, strict=True))
 
 
@@ -425,9 +425,10 @@ def predict(
         seconds={"dense": dense, "allgather": allgather, "zen": zen},
         received={"dense": 2 * (n - 1) / n * nbytes, "allgather": gathered * (n - 1) / n,
                   "zen": sent + n * part_bytes * (n - 1) / n})
-    # what a RESULT leaves out for each rank: the blocks it alone holds (flag OWN)
-    alone = alone_blocks(nnz, union)
-    back = union - min(alone, default=0.0)  # the busiest rank's blocks back
+    if m.omnireduce is not None or m.switch is not None:
+        # what a RESULT leaves out for each rank: the blocks it alone holds (flag OWN)
+        alone = alone_blocks(nnz, union)
+        back = union - min(alone, default=0.0)  # the busiest rank's blocks back
     if m.omnireduce is not None:
         # Every rank's blocks into the aggregators, the union but its own alone back out to
         # every rank; on a link model, only what the busiest link carries.

@@ -270,8 +270,8 @@ def aggregation_bounds(masks, aggregator_hosts: int, worker_need: int,
     block = 256 * 4
     union = int(masks.any(0).sum()) * block
     nnz = [int(m.sum()) * block for m in masks]
-    alone = [int((m & ~masks[[q for q in range(n) if q != r]].any(0)).sum()) * block
-             for r, m in enumerate(masks)]
+    held = masks.sum(0)  # ranks holding each block
+    alone = [int((m & (held == 1)).sum()) * block for m in masks]
 
     def agg_hosts(a: int) -> float:
         return costmodel.aggregation_link_blocks(nnz, union, a, alone) * ms_per_byte
