@@ -205,6 +205,18 @@ def test_retransmitted_result_is_signed_again():
     assert signed(body(resent), AGG0, trailer(resent)[0]) == resent
 
 
+def test_held_is_signed():
+    """A resend of a DATA the round holds is answered HELD, signed like every packet of the
+    job: forged, one could hold back a worker's timer and undo its window's cuts."""
+    core = core_with_job()
+    assert core.handle(data(0, 2, np.ones(4)), W[0]) == []
+    [(to, held)] = core.handle(data(0, 3, np.ones(4)), W[0])
+    seq, _ = trailer(held)
+    assert to == W[0] and signed(body(held), AGG0, seq) == held
+    h = wire.parse(body(held))
+    assert (h["type"], h["worker"], h["round"]) == (T["HELD"], 1, 0) and h["flags"] & AUTH
+
+
 def test_secret_and_plain_do_not_mix():
     plain = _C.AggregatorCore(workers=2)
     assert plain.handle(register(0, 1), W[0]) == []  # it cannot check a MAC

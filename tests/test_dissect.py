@@ -107,7 +107,7 @@ def test_data_and_result_layers_match_wire() -> None:
         assert Raw not in p  # the body took every byte
         assert dissect.check(p, len(raw)) is None
         assert bytes(scapy_data(table, carried, **fields)) == raw
-    for typ in ("REGISTER", "REGACK", "RELEASE", "BYE", "ERROR"):
+    for typ in ("REGISTER", "REGACK", "RELEASE", "BYE", "ERROR", "HELD"):
         fields = {"type": T[typ], "token": 77, "worker": 2, "nworkers": 3, "tensor": 9,
                   "round": protocol.ERRORS["JOB"] if typ == "ERROR" else 0}
         raw = wire.header(**fields)

@@ -98,7 +98,7 @@ ATTACKER = textwrap.dedent(r"""
             send(dmac, src, dst, sport, dport, flip(p))
         elif kind == "control":
             what = rng.choice(["REGISTER", "BYE", "RELEASE"] if up else
-                              ["RESULT", "ERROR", "REGACK"])
+                              ["RESULT", "ERROR", "REGACK", "HELD"])
             send(dmac, src, dst, sport, dport, forged(p, what))
         else:
             send(dmac, src, dst, sport, dport, os.urandom(rng.randrange(1, 2000)))

@@ -86,6 +86,30 @@ def test_retransmission_gets_the_stored_result():
     assert sw.counters()["retransmits"] == 1
 
 
+def test_resent_data_of_the_round_in_progress_is_held():
+    """A duplicate DATA (its worker already in the seen-bitmap) leaves the registers as they
+    were and goes back to its sender as a HELD, the header alone, naming the lowest worker
+    not seen; the round then sums each worker's values once."""
+    sw = _C.SwitchPipeline(auto_groups=4, cells_per_slot=2)
+    ws, ref = fixed_job(3, 64 * 2, 64, 2, 1, 1.0, seed=5)
+    register(sw, ws)
+    first = [w.data(0) for w in ws]
+    assert sw.handle(first[1], ws[1].addr) == []
+    [(to, raw)] = sw.handle(first[1], ws[1].addr)
+    held = wire.parse(raw)
+    assert to == ws[1].addr and len(raw) == protocol.HEADER_BYTES
+    assert (held["type"], held["tensor"], held["slot"], held["round"], held["worker"],
+            held["nworkers"]) == (T["HELD"], ws[1].tensor, 0, 0, 0, 3)
+    assert sw.handle(first[0], ws[0].addr) == []
+    [(_, raw)] = sw.handle(first[1], ws[1].addr)
+    assert wire.parse(raw)["worker"] == 2
+    sent = sw.handle(first[2], ws[2].addr)
+    for w in ws:
+        w.on_result(wire.parse(dict(sent)[w.addr]))
+        assert np.array_equal(w.result().astype(np.int64), ref), f"rank {w.rank}"
+    assert sw.counters()["duplicates"] == 2
+
+
 def test_the_only_holder_gets_the_header_alone():
     """A round whose blocks one worker alone carried: that worker's copy is the header and
     lane table, flagged OWN, with no block (also when resent from the shadow set); the others
@@ -353,7 +377,9 @@ def test_a_group_left_mid_round_is_reclaimed():
     assert sw.handle(dead[0].data(0), dead[0].addr, 0.0) == []  # worker 1 never sends
     ws = [SimWorker(r, 2, 0x77, x * (r + 1), 64, 1, 1, FIX, tensor=6) for r in range(2)]
     assert sw.handle(ws[0].data(0), ws[0].addr, 5.0) == []
-    assert sw.handle(dead[0].data(0), dead[0].addr, 9.0) == []  # a retransmission: alive
+    # a retransmission: alive, and held (it waits for worker 1)
+    assert [wire.parse(b)["type"] for _, b in sw.handle(dead[0].data(0), dead[0].addr, 9.0)] \
+        == [T["HELD"]]
     assert sw.handle(ws[0].data(0), ws[0].addr, 18.0) == []
     assert sw.counters()["busy"] == 2 and sw.counters()["abandoned"] == 0
     assert sw.handle(ws[0].data(0), ws[0].addr, 19.5) == []  # 10.5 s untouched: taken

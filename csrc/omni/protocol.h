@@ -23,6 +23,10 @@ enum Type : uint8_t {
   kRelease = 5,   // worker -> aggregator: this worker has every result of `tensor`
   kBye = 6,       // worker -> aggregator: this worker leaves the job
   kError = 7,     // aggregator -> worker: `round` carries an ErrorCode; the slot is dead
+  // aggregator -> worker, the answer to a resent DATA of the round in progress: that DATA is
+  // held and the round waits for worker `worker` (the lowest one not heard). The resend was
+  // not needed: the worker undoes the window cut its timer made and backs the timer off.
+  kHeld = 8,
 };
 
 enum ErrorCode : uint32_t {
@@ -245,6 +249,17 @@ inline Header result_header(const Header& h, uint16_t nworkers, uint8_t dtype, u
   return r;
 }
 
+// The HELD that answers `h`, a resent DATA of the round in progress, when the round waits for
+// worker `missing`.
+inline Header held_header(const Header& h, uint16_t nworkers, uint16_t missing) {
+  Header r = make_header(kHeld, h.token, missing, nworkers);
+  r.slot = h.slot;
+  r.tensor = h.tensor;
+  r.round = h.round;
+  r.flags = uint8_t(h.round & 1 ? kFlagShadow : 0);
+  return r;
+}
+
 // What a REGACK tells a worker (docs/PROTOCOL.md "Jobs"): in `nslots` the slot groups the job
 // owns on a switch, in `block_size` the int32 values one of its passes sums and in `lanes` the
 // cells (passes) one slot holds. A software aggregator sends 0 in all three: no per-job slot
@@ -269,7 +284,7 @@ inline const char* check_structure(const Header& h, size_t len) {
   if (len < kHeaderBytes) return "truncated";
   if (h.magic != kMagic) return "magic";
   if (h.version != kVersion) return "version";
-  if (h.type < kData || h.type > kError) return "type";
+  if (h.type < kData || h.type > kHeld) return "type";
   if (h.nworkers == 0 || h.nworkers > kMaxWorkers || h.worker >= h.nworkers) return "worker";
   if (h.type != kData && h.type != kResult) return len == kHeaderBytes ? nullptr : "size";
   if ((h.flags & kFlagOwn) && h.type != kResult) return "flags";

@@ -317,7 +317,7 @@ struct Pipeline::Impl {
     kMismatch,     // a well-formed round 0 of another layout than the group's: the slot dies
     kDead,         // for a slot that failed: its error again
     kRetransmit,   // of the previous round: its sender lost that RESULT, rebuilt from the set
-    kDuplicate,    // its sender is already in this round's seen-bitmap: ignored
+    kDuplicate,    // its sender is already in this round's seen-bitmap: answered HELD
     kAdd,          // a valid DATA of the round in progress: its values are added
   };
   // Where a DATA goes: its group, the passes it takes, the tag of its (tensor, slot).
@@ -393,7 +393,15 @@ struct Pipeline::Impl {
         c.retransmits++;
         out.push_back({job.addr[h.worker], result(job, at.gi, h, h.round & 1, h.worker)});
         return;
-      case Data::kDuplicate: c.duplicates++; return;
+      case Data::kDuplicate: {
+        // The last stage's ternary table on the seen-bitmap: the lowest worker not heard.
+        c.duplicates++;
+        const uint32_t seen = g.set[h.round & 1].seen;
+        const auto missing = uint16_t(__builtin_ctz(~seen));
+        auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
+        store_header(b->data(), held_header(h, job.nworkers, missing));
+        return out.push_back({job.addr[h.worker], b});
+      }
       case Data::kBind: bind(at, h, now); [[fallthrough]];
       case Data::kAdd: return accumulate(job, at.gi, h, p, now, out);
       default: return;  // kJunk, kUnsupported: above

@@ -56,6 +56,8 @@ def check(h: HvdSparse, length: int) -> str | None:
         return "worker"
     if h.type not in (_T["DATA"], _T["RESULT"]):
         return None if length == protocol.HEADER_BYTES else "size"
+    if h.flags & protocol.FLAGS["OWN"] and h.type != _T["RESULT"]:
+        return "flags"
     if h.dtype not in protocol.ELEM_SIZE:
         return "dtype"
     if not 0 < h.lanes <= protocol.MAX_LANES or h.block_size == 0:

@@ -1,7 +1,7 @@
 // The aggregator core: see core.h. Per slot it keeps the round in progress and the previous
 // round's result (the shadow set), so a retransmitted packet of either round is idempotent: a
-// duplicate of the current round is ignored, one of the previous round gets the stored result
-// back. Every packet is validated before it touches state; a bad one is dropped and counted.
+// duplicate of the current round changes nothing and is answered HELD, one of the previous
+// round gets the stored result back. Every packet is validated before it touches state; a bad one is dropped and counted.
 #include "core.h"
 
 #include <algorithm>
@@ -289,7 +289,7 @@ struct AggregatorCore::Impl {
     kStale,       // of a round neither current nor previous, or of a slot not open: dropped
     kMismatch,    // a well-formed round 0 of another layout: the tensor dies
     kDead,        // of a tensor that failed: its error again
-    kDuplicate,   // its sender already sent this round (a retransmission): ignored
+    kDuplicate,   // its sender already sent this round (a retransmission): answered HELD
     kRetransmit,  // of the previous round: its sender lost that RESULT, which goes back
     kOpen,        // a valid round 0 of a slot not open yet: opens it (and its tensor), then adds
     kAdd,         // a valid DATA of the round in progress: its blocks are added
@@ -353,10 +353,16 @@ struct AggregatorCore::Impl {
         c.mismatch++;
         return send_error(job, h, at.t->error, out);
       case Data::kDead: return send_error(job, h, at.t->error, out);
-      case Data::kDuplicate:
+      case Data::kDuplicate: {
         c.duplicates++;
         job.touched = at.t->touched = now_;
-        return;
+        // The sender's timer resent what is held: say so, and whom the round waits for.
+        uint16_t missing = 0;
+        while (missing < job.nworkers && test_bit(at.s->seen, missing)) ++missing;
+        auto b = packet(kHeaderBytes);
+        store_header(b->data(), held_header(h, job.nworkers, missing));
+        return out.push_back({from, seal(job, std::move(b))});
+      }
       case Data::kRetransmit: {
         c.retransmits++;
         accept(job, *at.t);

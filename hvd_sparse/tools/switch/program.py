@@ -61,7 +61,7 @@ class Action:
 @dataclass(frozen=True)
 class Stage:
     actions: tuple[Action, ...] = ()
-    tables: tuple[str, ...] = ()  # exact-match tables applied in this stage
+    tables: tuple[str, ...] = ()  # match tables applied in this stage
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,9 @@ def aggregation_program(slots: int = protocol.SWITCH_CELLS,
     * the last stage: the workers that carried a block this round (``holders``), and the
       multicast of a completed round to the job's group; in the egress, the copy to a round's
       only holder (holders, bridged, against the copy's replication id) drops its value headers
-      (flag OWN: its sums are its own blocks).
+      (flag OWN: its sums are its own blocks). A duplicate DATA (its worker already in the
+      seen-bitmap) leaves as a HELD to its sender, the header alone, naming the lowest worker
+      not seen: a ternary table on the bitmap, one entry per worker (``...0 1...1``).
     """
     pairs = values_per_pass // 2  # 64-bit entries: two int32 values each
     entries = 2 * slots
@@ -227,7 +229,7 @@ def aggregation_program(slots: int = protocol.SWITCH_CELLS,
                        Action("overflow", "or", "a saturated sum poisons the round"))),
         *value_stages,
         Stage(actions=(Action("holders", "or", "workers that carried a block: one alone "
-                              "gets the header only"),), tables=("multicast",)),
+                              "gets the header only"),), tables=("multicast", "lowest_unseen")),
     )
     return Program(name="hvd-sparse aggregation", parser=("ethernet", "ipv4", "udp", "hspo"),
                    registers=registers, stages=stages, deparser=("ethernet", "ipv4", "udp", "hspo"),
