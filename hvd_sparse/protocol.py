@@ -13,6 +13,7 @@ from ._protocol import (
     AUTH_BYTES,
     BITMAP_BYTES,
     HEADER_BYTES,
+    HELD_AFTER,
     INF,
     LANE_BYTES,
     MAGIC,
@@ -41,7 +42,8 @@ from ._protocol import stream_length as _stream_length
 # MAX_DATAGRAM (largest UDP payload over IPv4), AGGREGATOR_PORT (the UDP port of the docs,
 # testbed and images). Authentication: a packet flagged AUTH ends with AUTH_BYTES of trailer,
 # {uint64 sequence number, TAG_BYTES of GMAC tag}; an aggregator's sender id in the nonce is
-# AGGREGATOR_SENDER + its index in the job's list (a worker's: its worker id). The switch's
+# AGGREGATOR_SENDER + its index in the job's list (a worker's: its worker id). HELD_AFTER:
+# seconds a round waits before a resend into it is answered HELD. The switch's
 # (docs/PROTOCOL.md "In-network aggregation"), the emulator's defaults and what its program
 # declares: SWITCH_VALUES_PER_PASS (int32 values one pass sums, 256 B), SWITCH_CELLS_PER_SLOT
 # (cells, i.e. passes, one slot holds), SWITCH_MAX_WORKERS (workers per job: a 32-bit
@@ -49,7 +51,8 @@ from ._protocol import stream_length as _stream_length
 # geometry it actually has, which the worker engine reads (OmniWorker.slot_geometry(),
 # payload_bytes()).
 __all__ = ["AGGREGATOR_PORT", "AGGREGATOR_SENDER", "AUTH_BYTES", "BITMAP_BYTES", "DTYPES",
-           "ELEM_SIZE", "ERRORS", "FIELDS", "FIXED32", "FLAGS", "HEADER_BYTES", "INF",
+           "ELEM_SIZE", "ERRORS", "FIELDS", "FIXED32", "FLAGS", "HEADER_BYTES", "HELD_AFTER",
+           "INF",
            "LANE_BYTES", "MAGIC", "MAX_DATAGRAM", "MAX_LANES", "MAX_WORKERS", "SWITCH_CELLS",
            "SWITCH_CELLS_PER_SLOT", "SWITCH_MAX_WORKERS", "SWITCH_VALUES_PER_PASS", "TAG_BYTES",
            "TYPES", "VERSION", "WIRE_DTYPES", "layout", "stream_block", "stream_length"]

@@ -255,11 +255,12 @@ def test_lanes_one_worker_alone_carried_are_left_out_of_its_copy():
     assert core.counters()["own_results"] == 1
 
 
-def test_resent_data_of_the_round_in_progress_is_held():
+def test_resent_data_of_a_waiting_round_is_held():
     """A DATA its sender already sent this round (its timer fired while the round waits for a
-    peer) adds nothing and is answered HELD, the header alone, to that sender only: the
-    slot, tensor and round, and the lowest worker the round waits for. The round then
-    completes with each worker's blocks added once."""
+    peer) adds nothing. Once the round has waited HELD_AFTER it is answered HELD, the header
+    alone, to that sender only: the slot, tensor and round, and the lowest worker the round
+    waits for; sooner, nothing. The round then completes with each worker's blocks added
+    once."""
     core = _C.AggregatorCore()
     rng = np.random.default_rng(11)
     xs = [rng.standard_normal(32).astype(np.float32) for _ in range(4)]
@@ -270,23 +271,25 @@ def test_resent_data_of_the_round_in_progress_is_held():
     first = [w.data(0) for w in ws]
     for r in (0, 2):
         assert core.handle(first[r], ws[r].addr, 0.0) == []
+    assert core.handle(first[0], ws[0].addr, protocol.HELD_AFTER * 0.9) == []  # a busy peer
+    late = protocol.HELD_AFTER * 1.1
     for r, waits_for in ((0, 1), (2, 1)):
-        [(to, raw)] = core.handle(first[r], ws[r].addr, 0.0)
+        [(to, raw)] = core.handle(first[r], ws[r].addr, late)
         held = wire.parse(raw)
         assert to == ws[r].addr and len(raw) == protocol.HEADER_BYTES
         assert (held["type"], held["token"], held["tensor"], held["slot"], held["round"],
                 held["worker"], held["nworkers"]) == (T["HELD"], 0x77, 78, 0, 0, waits_for, 4)
-    assert core.handle(first[1], ws[1].addr, 0.0) == []
-    [(_, raw)] = core.handle(first[0], ws[0].addr, 0.0)
+    assert core.handle(first[1], ws[1].addr, late) == []
+    [(_, raw)] = core.handle(first[0], ws[0].addr, late)
     assert wire.parse(raw)["worker"] == 3  # workers 0-2 are in: it waits for worker 3
-    sent = core.handle(first[3], ws[3].addr, 0.0)
+    sent = core.handle(first[3], ws[3].addr, late)
     assert sorted(a for a, _ in sent) == sorted(w.addr for w in ws)
     ref = np.sum([x.astype(np.float64) for x in xs], axis=0).astype(np.float32)
     for a, raw in sent:
         w = next(w for w in ws if w.addr == a)
         assert w.on_result(wire.parse(raw)) is None
         assert np.array_equal(w.result(), ref), f"rank {w.rank}"
-    assert core.counters()["duplicates"] == 3
+    assert core.counters()["duplicates"] == 4
 
 
 @pytest.mark.parametrize("cap", ["max_job_bytes", "max_tensors"])

@@ -206,11 +206,11 @@ def test_retransmitted_result_is_signed_again():
 
 
 def test_held_is_signed():
-    """A resend of a DATA the round holds is answered HELD, signed like every packet of the
-    job: forged, one could hold back a worker's timer and undo its window's cuts."""
+    """A late resend of a DATA the round holds is answered HELD, signed like every packet of
+    the job: forged, one could make a worker's timeout blame the wrong rank."""
     core = core_with_job()
-    assert core.handle(data(0, 2, np.ones(4)), W[0]) == []
-    [(to, held)] = core.handle(data(0, 3, np.ones(4)), W[0])
+    assert core.handle(data(0, 2, np.ones(4)), W[0], 0.0) == []
+    [(to, held)] = core.handle(data(0, 3, np.ones(4)), W[0], protocol.HELD_AFTER + 1)
     seq, _ = trailer(held)
     assert to == W[0] and signed(body(held), AGG0, seq) == held
     h = wire.parse(body(held))

@@ -86,28 +86,30 @@ def test_retransmission_gets_the_stored_result():
     assert sw.counters()["retransmits"] == 1
 
 
-def test_resent_data_of_the_round_in_progress_is_held():
+def test_resent_data_of_a_waiting_round_is_held():
     """A duplicate DATA (its worker already in the seen-bitmap) leaves the registers as they
-    were and goes back to its sender as a HELD, the header alone, naming the lowest worker
-    not seen; the round then sums each worker's values once."""
+    were; into a round open for HELD_AFTER it goes back to its sender as a HELD, the header
+    alone, naming the lowest worker not seen. The round then sums each worker's values once."""
     sw = _C.SwitchPipeline(auto_groups=4, cells_per_slot=2)
     ws, ref = fixed_job(3, 64 * 2, 64, 2, 1, 1.0, seed=5)
     register(sw, ws)
     first = [w.data(0) for w in ws]
-    assert sw.handle(first[1], ws[1].addr) == []
-    [(to, raw)] = sw.handle(first[1], ws[1].addr)
+    assert sw.handle(first[1], ws[1].addr, 0.0) == []
+    assert sw.handle(first[1], ws[1].addr, protocol.HELD_AFTER * 0.9) == []  # a busy peer
+    late = protocol.HELD_AFTER * 1.1
+    [(to, raw)] = sw.handle(first[1], ws[1].addr, late)
     held = wire.parse(raw)
     assert to == ws[1].addr and len(raw) == protocol.HEADER_BYTES
     assert (held["type"], held["tensor"], held["slot"], held["round"], held["worker"],
             held["nworkers"]) == (T["HELD"], ws[1].tensor, 0, 0, 0, 3)
-    assert sw.handle(first[0], ws[0].addr) == []
-    [(_, raw)] = sw.handle(first[1], ws[1].addr)
+    assert sw.handle(first[0], ws[0].addr, late) == []
+    [(_, raw)] = sw.handle(first[1], ws[1].addr, late)
     assert wire.parse(raw)["worker"] == 2
-    sent = sw.handle(first[2], ws[2].addr)
+    sent = sw.handle(first[2], ws[2].addr, late)
     for w in ws:
         w.on_result(wire.parse(dict(sent)[w.addr]))
         assert np.array_equal(w.result().astype(np.int64), ref), f"rank {w.rank}"
-    assert sw.counters()["duplicates"] == 2
+    assert sw.counters()["duplicates"] == 3
 
 
 def test_the_only_holder_gets_the_header_alone():

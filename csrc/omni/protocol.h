@@ -23,11 +23,15 @@ enum Type : uint8_t {
   kRelease = 5,   // worker -> aggregator: this worker has every result of `tensor`
   kBye = 6,       // worker -> aggregator: this worker leaves the job
   kError = 7,     // aggregator -> worker: `round` carries an ErrorCode; the slot is dead
-  // aggregator -> worker, the answer to a resent DATA of the round in progress: that DATA is
-  // held and the round waits for worker `worker` (the lowest one not heard). The resend was
-  // not needed: the worker undoes the window cut its timer made and backs the timer off.
+  // aggregator -> worker, the answer to a resent DATA of a round in progress for kHeldAfter:
+  // that DATA is held and the round waits for worker `worker` (the lowest one not heard), whom
+  // the worker's timeout then names.
   kHeld = 8,
 };
+// Seconds a round waits before a resend into it is answered HELD: a wait of this length is a
+// missing or stalled peer, not a busy one, and answering every resend cost a CPU-starved job
+// half its speed (docs/PROTOCOL.md "Loss recovery").
+constexpr double kHeldAfter = 0.5;
 
 enum ErrorCode : uint32_t {
   kErrMismatch = 1,     // workers disagree on the tensor (dtype, block count, shape, layout)

@@ -174,6 +174,7 @@ PyMODINIT_FUNC PyInit__protocol() {
       PyModule_AddIntConstant(m, "MAX_WORKERS", omni::kMaxWorkers) == 0 &&
       PyModule_AddIntConstant(m, "MAX_DATAGRAM", omni::kMaxDatagram) == 0 &&
       PyModule_AddIntConstant(m, "AGGREGATOR_PORT", omni::kAggregatorPort) == 0 &&
+      add(m, "HELD_AFTER", PyFloat_FromDouble(omni::kHeldAfter)) &&
       PyModule_AddIntConstant(m, "SWITCH_VALUES_PER_PASS", omni::kSwitchValuesPerPass) == 0 &&
       PyModule_AddIntConstant(m, "SWITCH_CELLS_PER_SLOT", omni::kSwitchCellsPerSlot) == 0 &&
       PyModule_AddIntConstant(m, "SWITCH_MAX_WORKERS", omni::kSwitchMaxWorkers) == 0 &&

@@ -317,7 +317,7 @@ struct Pipeline::Impl {
     kMismatch,     // a well-formed round 0 of another layout than the group's: the slot dies
     kDead,         // for a slot that failed: its error again
     kRetransmit,   // of the previous round: its sender lost that RESULT, rebuilt from the set
-    kDuplicate,    // its sender is already in this round's seen-bitmap: answered HELD
+    kDuplicate,    // its sender is already in this round's seen-bitmap: HELD if late
     kAdd,          // a valid DATA of the round in progress: its values are added
   };
   // Where a DATA goes: its group, the passes it takes, the tag of its (tensor, slot).
@@ -394,8 +394,10 @@ struct Pipeline::Impl {
         out.push_back({job.addr[h.worker], result(job, at.gi, h, h.round & 1, h.worker)});
         return;
       case Data::kDuplicate: {
-        // The last stage's ternary table on the seen-bitmap: the lowest worker not heard.
+        // The last stage: the round's opening time (register `opened`), and a ternary table
+        // on the seen-bitmap for the lowest worker not heard.
         c.duplicates++;
+        if (now - g.set[h.round & 1].first < kHeldAfter) return;
         const uint32_t seen = g.set[h.round & 1].seen;
         const auto missing = uint16_t(__builtin_ctz(~seen));
         auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);

@@ -1,7 +1,7 @@
 // The aggregator core: see core.h. Per slot it keeps the round in progress and the previous
 // round's result (the shadow set), so a retransmitted packet of either round is idempotent: a
-// duplicate of the current round changes nothing and is answered HELD, one of the previous
-// round gets the stored result back. Every packet is validated before it touches state; a bad one is dropped and counted.
+// duplicate of the current round changes nothing (and, once the round has waited kHeldAfter,
+// is answered HELD), one of the previous round gets the stored result back. Every packet is validated before it touches state; a bad one is dropped and counted.
 #include "core.h"
 
 #include <algorithm>
@@ -24,6 +24,7 @@ struct Slot {
   uint64_t present = 0;             // lanes some worker contributed to this round
   std::vector<uint64_t> seen;       // worker bitmap of this round
   uint32_t count = 0;
+  double opened = 0;  // when the round's first DATA came
   // per lane: how many workers' DATA of this round carried a block there (counted to 2), and
   // the last of them
   std::vector<uint8_t> holders;
@@ -289,7 +290,7 @@ struct AggregatorCore::Impl {
     kStale,       // of a round neither current nor previous, or of a slot not open: dropped
     kMismatch,    // a well-formed round 0 of another layout: the tensor dies
     kDead,        // of a tensor that failed: its error again
-    kDuplicate,   // its sender already sent this round (a retransmission): answered HELD
+    kDuplicate,   // its sender already sent this round (a retransmission): HELD if late
     kRetransmit,  // of the previous round: its sender lost that RESULT, which goes back
     kOpen,        // a valid round 0 of a slot not open yet: opens it (and its tensor), then adds
     kAdd,         // a valid DATA of the round in progress: its blocks are added
@@ -356,7 +357,8 @@ struct AggregatorCore::Impl {
       case Data::kDuplicate: {
         c.duplicates++;
         job.touched = at.t->touched = now_;
-        // The sender's timer resent what is held: say so, and whom the round waits for.
+        if (now_ - at.s->opened < kHeldAfter) return;
+        // A round this old waits for a missing peer: say whom.
         uint16_t missing = 0;
         while (missing < job.nworkers && test_bit(at.s->seen, missing)) ++missing;
         auto b = packet(kHeaderBytes);
@@ -435,6 +437,7 @@ struct AggregatorCore::Impl {
     }
     s.present |= bitmap;
     set_bit(s.seen, h.worker);
+    if (s.count == 0) s.opened = now_;
     for (uint32_t l = 0; l < h.lanes; ++l)
       if (bitmap >> l & 1) {
         s.holders[l] = uint8_t(std::min(2, s.holders[l] + 1));

@@ -218,7 +218,6 @@ double Engine::rto_for(const AggregatorPath& a) const {
 
 // The window's response to one answered round: RTT estimate, then AIMD growth.
 void Engine::on_answer(AggregatorPath& a, SlotW& s, double now) {
-  leave_episode(a, s, false);
   a.answered = now;
   s.inflight = false;
   a.inflight--;
@@ -251,62 +250,31 @@ void Engine::spurious(AggregatorPath& a, double now) {
   a.backed_off = now;
 }
 
-// A retransmission timer fired for slot `s`'s round. Only when a round sent later was
+// A retransmission timer fired for a round sent at `sent`. Only when a round sent later was
 // answered meanwhile is that loss on the path (RACK's rule); otherwise the round may be
 // waiting for a peer that has not sent it yet (a straggler submits late), which says
-// nothing about congestion and must not shrink the window. A cut opens an undo episode if
-// none is open, and a resend during one is pending in it.
-void Engine::on_timeout(AggregatorPath& a, SlotW& s, double now) {
-  const bool cut = a.answered_sent_at > s.sent_at &&
-                   now - a.last_cut >= std::max(a.srtt, 1e-3);  // one cut per round trip
-  if (cut && a.pending == 0) {
-    a.episode++;
-    a.episode_cuts = 0;
-    a.undo_void = false;
-    a.undo_cwnd = a.cwnd;
-    a.undo_ssthresh = a.ssthresh;
-  }
-  if ((cut || a.pending > 0) && s.episode != a.episode) {
-    s.episode = a.episode;
-    a.pending++;
-  }
-  if (!cut) return;
+// nothing about congestion and must not shrink the window.
+void Engine::on_timeout(AggregatorPath& a, double sent, double now) {
+  if (a.answered_sent_at <= sent) return;
+  if (now - a.last_cut < std::max(a.srtt, 1e-3)) return;  // one cut per round trip
   a.ssthresh = std::max(a.cwnd / 2, kMinWindow);
   a.cwnd = a.ssthresh;
   a.last_cut = now;
-  a.episode_cuts++;
   a.cuts++;
 }
 
-// Slot `s`'s resend leaves its undo episode: shown `needless` by a HELD, or not (its RESULT
-// came without one, or its tensor ended). The last to leave restores the window if all were.
-void Engine::leave_episode(AggregatorPath& a, SlotW& s, bool needless) {
-  const bool in = s.episode != 0 && s.episode == a.episode;
-  s.episode = 0;
-  if (!in) return;
-  a.undo_void = a.undo_void || !needless;
-  if (--a.pending > 0 || a.undo_void) return;
-  a.cwnd = std::max(a.cwnd, a.undo_cwnd);
-  a.ssthresh = std::max(a.ssthresh, a.undo_ssthresh);
-  a.last_cut = 0;
-  c_.undone_cuts += a.episode_cuts;
-}
-
 // HELD: the aggregator had this round's DATA when the timer resent it, and the round waits for
-// worker h.worker. Nothing was lost: the resend leaves its undo episode as needless (TCP
-// undoes a cut that DSACKs show spurious the same way, RFC 3708), the path's timer backs off
-// as for any spurious resend, and this round's restarts from now.
-void Engine::on_held(SlotW& s, const Header& h, double now) {
+// worker h.worker, whom a timeout of the slot then names. Timers and window stay as they are:
+// on hosts short of CPU, undoing the window's cut (as TCP undoes cuts that DSACKs show
+// spurious) tripled the resends and the switch's time at 10% density, and backing the timer
+// off made its 1% calls 2-7x slower (docs/notes/benchmarks-history.md, "HELD").
+void Engine::on_held(SlotW& s, const Header& h) {
   if (s.done || !s.inflight || h.round != s.round) {
     c_.stale++;
     return;
   }
   c_.held++;
-  AggregatorPath& a = aggs_[s.agg];
-  leave_episode(a, s, true);
-  s.held_at = now;
   s.waits_for = h.worker;
-  spurious(a, now);
 }
 
 void Engine::release_window(TensorW& t) {
@@ -314,7 +282,6 @@ void Engine::release_window(TensorW& t) {
     if (s.inflight) {
       s.inflight = false;
       aggs_[s.agg].inflight--;
-      leave_episode(aggs_[s.agg], s, false);
     }
   for (auto& a : aggs_)  // its waiting slots: a later tensor of the same id is another one
     a.ready.erase(a.ready.lower_bound({t.id, 0}), a.ready.upper_bound({t.id, UINT32_MAX}));
@@ -470,7 +437,6 @@ void Engine::on_result(TensorW& t, SlotW& s, const Header& h, const uint8_t* p, 
   s.round++;
   s.progress_at = now;
   s.resent = false;
-  s.held_at = 0;
   s.waits_for = -1;
   if (last) {
     s.done = true;
@@ -570,7 +536,7 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
   }
   if (h.type == kError)
     return fail(t, error_text(h.round) + " (reported by aggregator " + aggs_[s.agg].name + ")");
-  if (h.type == kHeld) return on_held(s, h, now);
+  if (h.type == kHeld) return on_held(s, h);
   if (h.type != kResult) {
     c_.malformed++;
     return;
@@ -674,11 +640,11 @@ void Engine::check_timers(double now) {
                                           "submitted this tensor"));
         break;
       }
-      if (s.inflight && now - std::max(s.sent_at, s.held_at) > s.rto) {
+      if (s.inflight && now - s.sent_at > s.rto) {
         s.resent = true;
         t->retransmits++;
         c_.retransmits++;
-        on_timeout(aggs_[s.agg], s, now);
+        on_timeout(aggs_[s.agg], s.sent_at, now);
         // Backoff, jittered so that slots lost together are not resent together.
         s.rto = std::min(s.rto * (2 + 0.5 * unif_(rng_)), rto_cap());
         send_slot(*t, s, now);

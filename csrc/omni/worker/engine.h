@@ -15,8 +15,7 @@
 //
 // Congestion control, per aggregator: a window of DATA packets in flight, AIMD on loss (TCP Reno's
 // rule: +1 packet per window answered, halved at most once per round trip when a retransmission
-// timer fires while a later round was answered, and restored when HELDs show that every resend
-// since was needless: the round waited for a peer, nothing was lost), paced over the round time once the window is
+// timer fires while a later round was answered), paced over the round time once the window is
 // large, restarted at the initial window after idle. Loss, not delay, is the signal: a round's time
 // includes waiting for the slowest worker, which on a loaded host is mostly CPU scheduling, so
 // delay says little about the path. The window admits slots, not rounds: a slot's first round waits
@@ -62,15 +61,6 @@ struct AggregatorPath {
   double cwnd = 8, ssthresh = 4096;  // the initial window, and slow start up to the maximum
   int64_t inflight = 0;              // DATA packets sent and not yet answered
   double last_cut = 0;               // when the window was last halved
-  // Undo (docs/PROTOCOL.md "Loss recovery"): the cuts since the window was last whole form an
-  // episode, with the window and threshold before its first cut. Every round resent during it
-  // is pending until its HELD shows the resend needless (or its RESULT, or its tensor's end,
-  // leaves that open); when the last one goes and every one was needless, the window and
-  // threshold come back.
-  uint64_t episode = 0, episode_cuts = 0;
-  int64_t pending = 0;
-  bool undo_void = false;
-  double undo_cwnd = 0, undo_ssthresh = 0;
   double backoff = 1;                // the timer's multiplier since the last clean sample
   double backed_off = 0;             // when it last doubled
   double answered_sent_at = 0;       // latest send time of an answered round
@@ -90,11 +80,7 @@ struct SlotW {
   std::vector<uint32_t> cursor;  // per lane: index into the stream's non-zero positions
   std::vector<uint8_t> pkt;      // the DATA packet in flight (resent on timeout)
   double sent_at = 0, rto = 0, progress_at = 0;
-  // HELD for the round in flight: when it came (the timer restarts from it) and the worker the
-  // round waits for (-1: none came); the path's undo episode its resend is pending in (0: none).
-  double held_at = 0;
-  int32_t waits_for = -1;
-  uint64_t episode = 0;
+  int32_t waits_for = -1;  // the worker a HELD said the round in flight waits for (-1: none)
   bool done = false, resent = false;
   bool inflight = false, queued = false;  // its DATA is out / waits for the window
 };
@@ -158,7 +144,7 @@ struct EngineOptions {
 
 // clang-format off
 #define HS_WORKER_COUNTERS(X) X(tx_packets) X(tx_bytes) X(rx_packets) X(rx_bytes) \
-  X(retransmits) X(spurious) X(held) X(undone_cuts) X(malformed) X(stale) X(foreign) X(unauthenticated) X(bad_mac) \
+  X(retransmits) X(spurious) X(held) X(malformed) X(stale) X(foreign) X(unauthenticated) X(bad_mac) \
   X(replayed)
 // clang-format on
 
@@ -219,10 +205,9 @@ class Engine {
   bool paced(const AggregatorPath& a, double now) const;
   void pump(size_t k, double now);
   void on_answer(AggregatorPath& a, SlotW& s, double now);
-  void on_timeout(AggregatorPath& a, SlotW& s, double now);
+  void on_timeout(AggregatorPath& a, double sent, double now);
   void spurious(AggregatorPath& a, double now);
-  void on_held(SlotW& s, const Header& h, double now);
-  void leave_episode(AggregatorPath& a, SlotW& s, bool needless);
+  void on_held(SlotW& s, const Header& h);
   void release_window(TensorW& t);
   void build_data(TensorW& t, SlotW& s);
   void send_slot(TensorW& t, SlotW& s, double now);

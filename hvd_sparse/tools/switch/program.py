@@ -204,9 +204,11 @@ def aggregation_program(slots: int = protocol.SWITCH_CELLS,
     * the last stage: the workers that carried a block this round (``holders``), and the
       multicast of a completed round to the job's group; in the egress, the copy to a round's
       only holder (holders, bridged, against the copy's replication id) drops its value headers
-      (flag OWN: its sums are its own blocks). A duplicate DATA (its worker already in the
-      seen-bitmap) leaves as a HELD to its sender, the header alone, naming the lowest worker
-      not seen: a ternary table on the bitmap, one entry per worker (``...0 1...1``).
+      (flag OWN: its sums are its own blocks). The round's opening time (``opened``, written
+      by its first DATA) against the packet's ingress timestamp: a duplicate DATA (its worker
+      already in the seen-bitmap) into a round open for ``protocol.HELD_AFTER`` seconds leaves
+      as a HELD to its sender, the header alone, naming the lowest worker not seen: a ternary
+      table on the bitmap, one entry per worker (``...0 1...1``).
     """
     pairs = values_per_pass // 2  # 64-bit entries: two int32 values each
     entries = 2 * slots
@@ -219,7 +221,8 @@ def aggregation_program(slots: int = protocol.SWITCH_CELLS,
                  Register("seen", protocol.SWITCH_MAX_WORKERS, entries),  # a bit per worker
                  Register("count", 32, entries), Register("next_min", 32, entries),
                  Register("overflow", 32, entries),
-                 Register("holders", protocol.SWITCH_MAX_WORKERS, entries), *value_regs)
+                 Register("holders", protocol.SWITCH_MAX_WORKERS, entries),
+                 Register("opened", 32, entries), *value_regs)
     stages = (
         Stage(actions=(Action("round", "cond_write", "open the next round or spot a stale one"),),
               tables=("jobs",)),
@@ -229,7 +232,10 @@ def aggregation_program(slots: int = protocol.SWITCH_CELLS,
                        Action("overflow", "or", "a saturated sum poisons the round"))),
         *value_stages,
         Stage(actions=(Action("holders", "or", "workers that carried a block: one alone "
-                              "gets the header only"),), tables=("multicast", "lowest_unseen")),
+                              "gets the header only"),
+                       Action("opened", "cond_write", "the round's first DATA: its time; a "
+                              "late duplicate: HELD")),
+              tables=("multicast", "lowest_unseen")),
     )
     return Program(name="hvd-sparse aggregation", parser=("ethernet", "ipv4", "udp", "hspo"),
                    registers=registers, stages=stages, deparser=("ethernet", "ipv4", "udp", "hspo"),
