@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch  # noqa: F401  (loads libc10, which hvd_sparse._C links against)
 
 from hvd_sparse import _C, protocol
 from hvd_sparse.tools import wire

@@ -29,8 +29,8 @@ enum Type : uint8_t {
   kHeld = 8,
 };
 // Seconds a round waits before a resend into it is answered HELD: a wait of this length is a
-// missing or stalled peer, not a busy one, and answering every resend cost a CPU-starved job
-// half its speed (docs/PROTOCOL.md "Loss recovery").
+// missing or stalled peer, whom a timeout should name; a busy peer's rounds get no extra
+// packets (docs/PROTOCOL.md "Loss recovery").
 constexpr double kHeldAfter = 0.5;
 
 enum ErrorCode : uint32_t {

@@ -265,9 +265,9 @@ void Engine::on_timeout(AggregatorPath& a, double sent, double now) {
 
 // HELD: the aggregator had this round's DATA when the timer resent it, and the round waits for
 // worker h.worker, whom a timeout of the slot then names. Timers and window stay as they are:
-// on hosts short of CPU, undoing the window's cut (as TCP undoes cuts that DSACKs show
-// spurious) tripled the resends and the switch's time at 10% density, and backing the timer
-// off made its 1% calls 2-7x slower (docs/notes/benchmarks-history.md, "HELD").
+// on hosts short of CPU, neither undoing the window's cut (as TCP undoes cuts that DSACKs
+// show spurious) nor backing the timer off made the switch faster, and backing off made its
+// 1% calls take 2.2-3.9 s against 0.56-0.80 s (docs/notes/benchmarks-history.md, "HELD").
 void Engine::on_held(SlotW& s, const Header& h) {
   if (s.done || !s.inflight || h.round != s.round) {
     c_.stale++;
