@@ -52,10 +52,10 @@ from ._protocol import stream_length as _stream_length
 # payload_bytes()).
 __all__ = ["AGGREGATOR_PORT", "AGGREGATOR_SENDER", "AUTH_BYTES", "BITMAP_BYTES", "DTYPES",
            "ELEM_SIZE", "ERRORS", "FIELDS", "FIXED32", "FLAGS", "HEADER_BYTES", "HELD_AFTER",
-           "INF",
-           "LANE_BYTES", "MAGIC", "MAX_DATAGRAM", "MAX_LANES", "MAX_WORKERS", "SWITCH_CELLS",
-           "SWITCH_CELLS_PER_SLOT", "SWITCH_MAX_WORKERS", "SWITCH_VALUES_PER_PASS", "TAG_BYTES",
-           "TYPES", "VERSION", "WIRE_DTYPES", "layout", "stream_block", "stream_length"]
+           "INF", "LANE_BYTES", "MAGIC", "MAX_DATAGRAM", "MAX_LANES", "MAX_WORKERS",
+           "SWITCH_CELLS", "SWITCH_CELLS_PER_SLOT", "SWITCH_MAX_WORKERS", "SWITCH_VALUES_PER_PASS",
+           "TAG_BYTES", "TYPES", "VERSION", "WIRE_DTYPES", "layout", "stream_block",
+           "stream_length"]
 
 TYPES: dict[str, int] = dict(_TYPES)  # packet type name -> code
 FLAGS: dict[str, int] = dict(_FLAGS)

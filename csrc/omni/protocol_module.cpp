@@ -22,7 +22,7 @@ struct Named {
 constexpr Named kTypes[] = {{"DATA", omni::kData},         {"RESULT", omni::kResult},
                             {"REGISTER", omni::kRegister}, {"REGACK", omni::kRegAck},
                             {"RELEASE", omni::kRelease},   {"BYE", omni::kBye},
-                            {"ERROR", omni::kError},     {"HELD", omni::kHeld}};
+                            {"ERROR", omni::kError},       {"HELD", omni::kHeld}};
 constexpr Named kFlags[] = {
     {"SHADOW", omni::kFlagShadow}, {"LAST", omni::kFlagLast}, {"AUTH", omni::kFlagAuth},
     {"OWN", omni::kFlagOwn}};

@@ -1,7 +1,8 @@
 // The aggregator core: see core.h. Per slot it keeps the round in progress and the previous
 // round's result (the shadow set), so a retransmitted packet of either round is idempotent: a
 // duplicate of the current round changes nothing (and, once the round has waited kHeldAfter,
-// is answered HELD), one of the previous round gets the stored result back. Every packet is validated before it touches state; a bad one is dropped and counted.
+// is answered HELD), one of the previous round gets the stored result back. Every packet is
+// validated before it touches state; a bad one is dropped and counted.
 #include "core.h"
 
 #include <algorithm>

@@ -144,8 +144,8 @@ struct EngineOptions {
 
 // clang-format off
 #define HS_WORKER_COUNTERS(X) X(tx_packets) X(tx_bytes) X(rx_packets) X(rx_bytes) \
-  X(retransmits) X(spurious) X(held) X(malformed) X(stale) X(foreign) X(unauthenticated) X(bad_mac) \
-  X(replayed)
+  X(retransmits) X(spurious) X(held) X(malformed) X(stale) X(foreign) X(unauthenticated) \
+  X(bad_mac) X(replayed)
 // clang-format on
 
 class Engine {
