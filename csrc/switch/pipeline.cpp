@@ -30,7 +30,9 @@ struct SetRegs {
   uint32_t holders = 0;  // workers whose DATA carried a block
   uint64_t present = 0;  // lanes some worker contributed to
   bool overflow = false;
-  double first = 0;  // when the round's first DATA came (the switch's clock, not a register)
+  // when the round's first DATA came: register `opened` (program.py), which a late duplicate
+  // is answered HELD against (and the round-wait counter reads)
+  double opened = 0;
 };
 constexpr uint32_t kSeenBits = 8 * sizeof(SetRegs::seen);  // workers a job can have, at most
 static_assert(kSwitchMaxWorkers <= kSeenBits, "the default worker limit exceeds the seen-bitmap");
@@ -397,7 +399,7 @@ struct Pipeline::Impl {
         // The last stage: the round's opening time (register `opened`), and a ternary table
         // on the seen-bitmap for the lowest worker not heard.
         c.duplicates++;
-        if (now - g.set[h.round & 1].first < kHeldAfter) return;
+        if (now - g.set[h.round & 1].opened < kHeldAfter) return;
         const uint32_t seen = g.set[h.round & 1].seen;
         const auto missing = uint16_t(__builtin_ctz(~seen));
         auto b = std::make_shared<std::vector<uint8_t>>(kHeaderBytes);
@@ -440,7 +442,7 @@ struct Pipeline::Impl {
                   std::vector<Out>& out) {
     const int set = h.round & 1;
     SetRegs& s = g_[gi].set[set];
-    if (s.count == 0) s.first = now;
+    if (s.count == 0) s.opened = now;
     const uint64_t bitmap = ld64(p + kHeaderBytes);
     const uint8_t* lane = p + kHeaderBytes + kBitmapBytes;
     const uint8_t* v = lane + size_t(h.lanes) * kLaneBytes;
@@ -461,7 +463,7 @@ struct Pipeline::Impl {
     s.seen |= 1u << h.worker;
     if (bitmap) s.holders |= 1u << h.worker;
     if (++s.count == job.nworkers) {
-      c.round_wait_us += uint64_t(std::max(0.0, now - s.first) * 1e6);
+      c.round_wait_us += uint64_t(std::max(0.0, now - s.opened) * 1e6);
       complete(job, gi, h, out);
     }
   }
