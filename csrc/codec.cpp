@@ -152,6 +152,12 @@ struct Expect {
   throw std::runtime_error(os.str());
 }
 
+// Segments are laid out on 8-byte boundaries from the buffer's start and read as typed arrays; a
+// buffer that does not itself start on one (a view at an odd offset) is copied once.
+at::Tensor aligned8(const at::Tensor& buf) {
+  return reinterpret_cast<uintptr_t>(buf.data_ptr()) % 8 ? buf.clone() : buf;
+}
+
 // Parses nsegs segments from buf (one per rank, in rank order) and checks each against ex;
 // part_is_rank: segment s must cover partition s (Zen results). Bounds are checked before any
 // write, so a bad buffer never changes the output.
@@ -402,11 +408,12 @@ py::tuple decode_sum(const at::Tensor& buf, at::Tensor& out, int64_t bs, uint64_
   TORCH_CHECK(out.is_contiguous() && out.numel() == numel, "decode_sum: output size");
   TORCH_CHECK(out.device().is_cpu() && dtype_code(out.scalar_type()) == ex.dtype,
               "decode_sum: output must be a CPU tensor of the segments' dtype");
+  const at::Tensor held = aligned8(buf);  // segs point into it
   std::vector<Seg> segs;
   int64_t uni;
   {
     py::gil_scoped_release nogil;
-    segs = parse(buf, nsegs, ex, -1, part_is_rank);
+    segs = parse(held, nsegs, ex, -1, part_is_rank);
     uni = dispatch_wire(ex.dtype, [&](auto v) -> int64_t {
       using V = decltype(v);
       using A = acc_t<V>;
@@ -478,10 +485,11 @@ at::Tensor zen_reduce(const at::Tensor& buf, int64_t bs, uint64_t meta, int64_t 
                       int64_t numel, int64_t nsegs, int64_t part, int64_t nparts,
                       int64_t nnz_local) {
   Expect ex{static_cast<uint8_t>(dtype), bs, numel, meta};
+  const at::Tensor held = aligned8(buf);  // segs point into it
   at::Tensor out;
   {
     py::gil_scoped_release nogil;
-    auto segs = parse(buf, nsegs, ex, part, false);
+    auto segs = parse(held, nsegs, ex, part, false);
     for (size_t s = 0; s < segs.size(); ++s)
       if (segs[s].h->nparts != static_cast<uint64_t>(nparts)) bad(s, "partition count differs");
     // The union: each segment's indices are ascending (parse checked), so merges, not a sort.

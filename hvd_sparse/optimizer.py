@@ -21,6 +21,7 @@ from . import basics, schemes
 from .engine import Handle
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
+from .reduction import densified
 from .sparsifiers import DGC, Sparsifier
 
 SPARSIFIER_KEY = "hvd_sparse.sparsifier"  # the sparsifier's state in the state_dict
@@ -77,7 +78,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         scheme = self._scheme
         grad = p.grad
         if self._sparse_as_dense and grad.is_sparse:
-            grad = grad.to_dense()  # reduced by blocks, handed back sparse (as Horovod does)
+            grad = densified(grad)  # reduced by blocks, handed back sparse (as Horovod does)
         if self._sparsifier is not None and not grad.is_sparse:
             self._sparsifier(self._names[id(p)], grad,
                              self._block_size or basics.state().config.block_size)

@@ -4,6 +4,7 @@ host by its non-zero blocks, the ``Job`` the schemes run, its metrics and run-fi
 the result taken back to the caller's form."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -52,7 +53,7 @@ def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, s
         # A copy (of a sparse or non-contiguous input) is ours: the result is built in it, as in
         # place, rather than in a second fresh tensor.
         copied = t.is_sparse or not t.is_contiguous()
-        t = (_dense(t) if t.is_sparse else t.contiguous()).view(-1)
+        t = (densified(t) if t.is_sparse else t.contiguous()).view(-1)
         if t.numel() and staging.staged(t):
             home, to_host, copied = t, staging.ToHost(t, block_size), True
         elif not blocks.supported(t) or t.numel() == 0:
@@ -103,14 +104,28 @@ def _staged(job: Job, to_host: staging.ToHost) -> engine.Stage:
     return (yield from schemes.run(job))
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t.to_dense()`` (the same bits: values added into zeros) built in ``blocks.zeros``, so
-    that only the pages the values land in are touched (on a GPU: ``to_dense``, on it)."""
+def densified(t: torch.Tensor) -> torch.Tensor:
+    """A sparse COO ``t`` as a dense tensor built in ``blocks.zeros``, so that only the pages
+    the values land in are touched; its duplicates added as ``rows.summed`` adds them (16-bit
+    ones in float32, rounded once: ``to_dense`` adds them in 16 bits), then into zeros, as
+    ``to_dense`` does (on a GPU: ``to_dense``, on it).
+
+    Args:
+        t: a sparse COO tensor.
+
+    Returns:
+        The dense tensor, ``t``'s shape and dtype.
+    """
     if t.device.type != "cpu":
         return t.to_dense()
+    out = blocks.zeros(t.numel(), t.dtype)
+    if rows.supported(t):
+        k = t.sparse_dim()
+        line, vals = rows.summed(t)
+        return out.view(math.prod(t.shape[:k]), *t.shape[k:]).index_add_(0, line, vals
+                                                                         ).view(t.shape)
     t = t.coalesce()
-    out = blocks.zeros(t.numel(), t.dtype).view(t.shape)
-    return out.index_put_(tuple(t.indices()), t.values(), accumulate=True)
+    return out.view(t.shape).index_put_(tuple(t.indices()), t.values(), accumulate=True)
 
 
 def _record(h: Handle) -> None:

@@ -53,6 +53,15 @@ def test_ddp_embedding() -> None:
     assert {"rows", "rows+omnireduce"} & set(summary["schemes"]), summary
 
 
+@pytest.mark.parametrize("table_dtype", ["float32", "bfloat16"])
+def test_ddp_wide_deep(table_dtype: str) -> None:
+    summary, _ = run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2",
+                      "examples/ddp_wide_deep.py", "--steps", "40", "--table-dtype", table_dtype])
+    trained(summary)
+    assert summary["table_dtype"] == table_dtype, summary
+    assert {"rows", "rows+omnireduce"} & set(summary["schemes"]), summary
+
+
 def test_ddp_sparsifier() -> None:
     summary, _ = run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2",
                       "examples/ddp_sparsifier.py", "--steps", "30"])

@@ -36,13 +36,13 @@ def test_jobs_cross_and_aggregate_in_the_emulated_switch(testbed: topology.Testb
     """MPI, allgather and omnireduce cross the switch; scheme "switch" sums in it within the
     fixed-point bound, bit-identical on every rank, for every dtype and density; tensors in
     flight together take turns; NaN falls back with its reason, oversized blocks go through in
-    finer blocks; a probe times the switch in blocks that fit its packets; every packet takes
-    one pass."""
+    finer blocks; a probe times the switch in blocks that fit its packets; tensors of any shape,
+    dtype and density drawn by hypothesis; every packet takes one pass."""
     with NetNS(testbed.switch_ns) as sw:  # no bridge: the emulator is the only path
         assert not sw.link_lookup(ifname="br0")
     before = launch.counters(testbed, "switch")
     outcome = run_job(testbed, "test_switch_job.py", tmp_path, select="not test_refused")
-    assert len(outcome.tests()) == 5, outcome.tests()
+    assert len(outcome.tests()) == 6, outcome.tests()
     after = launch.counters(testbed, "switch")
     ports = {p["name"]: p for p in after["ports"]}
     assert sorted(ports) == sorted(h.name for h in testbed.hosts)

@@ -16,6 +16,7 @@ from .base import Collectives, Op, Pending
 
 OPS = {"sum": dist.ReduceOp.SUM, "average": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
        "min": dist.ReduceOp.MIN}
+ALIGN = 8  # bytes: the widest element a packed buffer is viewed as (int64, float64)
 # Steps of a collective: each yields the work it waits for; the chain returns the value.
 Steps = Generator[dist.Work, None, Any]
 
@@ -49,6 +50,10 @@ class _Chain:
         while not self._done:
             self._advance()
         return self._value
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _one(work: dist.Work, then: Callable[[], Any]) -> Pending:
@@ -113,20 +118,22 @@ class TorchCollectives(Collectives):
     def _allgather_many(self, tensors: list[torch.Tensor]) -> Steps:
         """Every rank's rows of every tensor, as bytes, in one padded all_gather (after one
         of the row counts): two operations whatever the number of tensors. Each rank's rows
-        stay where they landed (views of one buffer): a copy of megabytes per table saved."""
+        stay where they landed (views of one buffer): a copy of megabytes per table saved.
+        Every tensor's bytes start at a multiple of ALIGN in each rank's part (and parts are
+        ALIGN bytes long), so each view is aligned for its dtype whatever the widths and row
+        counts (a 2-byte table of 3 rows before int64 rows would not be)."""
         n, k = self.size, len(tensors)
         rows = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
         sizes = [torch.zeros(k, dtype=torch.int64) for _ in range(n)]
         yield dist.all_gather(sizes, rows, group=self.group, async_op=True)
         row_bytes = [t.element_size() * math.prod(t.shape[1:]) for t in tensors]
-        longest = max(sum(int(r) * b for r, b in zip(sz, row_bytes, strict=True))
+        longest = max(sum(_aligned(int(r) * b) for r, b in zip(sz, row_bytes, strict=True))
                       for sz in sizes)
-        padded = torch.empty(longest, dtype=torch.uint8)
+        padded = torch.zeros(longest, dtype=torch.uint8)
         at = 0
         for t in tensors:  # this rank's bytes, copied once
-            padded[at:at + t.nbytes].copy_(t.view(-1).view(torch.uint8))
-            at += t.nbytes
-        padded[at:].zero_()
+            padded[at:at + t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            at += _aligned(t.nbytes)
         parts = list(torch.empty(n, longest, dtype=torch.uint8))
         yield dist.all_gather(parts, padded, group=self.group, async_op=True)
         out: list[list[torch.Tensor]] = [[] for _ in tensors]
@@ -135,7 +142,7 @@ class TorchCollectives(Collectives):
             for j, (t, r) in enumerate(zip(tensors, sz.tolist(), strict=True)):
                 nbytes = r * row_bytes[j]
                 out[j].append(part[at:at + nbytes].view(t.dtype).view(r, *t.shape[1:]))
-                at += nbytes
+                at += _aligned(nbytes)
         return out
 
     def alltoall(self, t: torch.Tensor, splits: list[int], name: str) -> Pending:

@@ -67,7 +67,7 @@ def run(job: Job) -> Stage:
     out = None
     if way == "omnireduce":
         assert session is not None
-        rows, vals = _summed(g)
+        rows, vals = summed(g)
         s.rows_local = int(rows.numel())
         width = math.prod(vals.shape[1:])
         flat = vals.reshape(rows.numel(), width)
@@ -216,7 +216,7 @@ def _sent(job: Job, g: torch.Tensor, nrows: int
             torch.index_select(v, 0, first, out=out[1:])
             lens = torch.diff(first, append=torch.tensor([n]))
             return line, torch.cat([torch.tensor([m]), lens]), out
-    rows, vals = _summed(g)
+    rows, vals = summed(g)
     job.stats.rows_local = int(rows.numel())
     zero = vals.new_zeros((1, *vals.shape[1:]))
     return rows, torch.zeros(1, dtype=torch.int64), torch.cat([zero, vals])
@@ -229,7 +229,7 @@ def fuse(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     an embedding's gradient holds a row per lookup, its sum only the distinct ones."""
     offsets, lines, vals = [0], [], []
     for g in grads:
-        line, v = _summed(g)
+        line, v = summed(g)
         lines.append(line + offsets[-1])
         vals.append(v)
         offsets.append(offsets[-1] + math.prod(g.shape[:g.sparse_dim()]))
@@ -254,9 +254,10 @@ def split(fused: torch.Tensor, shapes: Sequence[torch.Size], offsets: list[int]
     return out
 
 
-def _summed(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def summed(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A COO tensor's distinct rows (linearized over its sparse dimensions, sorted) and their
-    sums (a coalesced tensor's own)."""
+    sums (a coalesced tensor's own), added in float32 (float64 for float64) and rounded once:
+    ``coalesce`` adds 16-bit duplicates in 16 bits."""
     if g.is_coalesced():
         return _line(g), g._values()
     return sum_rows(_line(g), g._values().contiguous(), math.prod(g.shape[:g.sparse_dim()]))

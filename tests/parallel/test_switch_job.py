@@ -17,10 +17,15 @@ for) falls back with its reason, exactly.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import os
 
 import horovod.torch as hvd
 import pytest
+import shapes
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from ranktools import close_to, start
 
 import hvd_sparse
@@ -31,6 +36,8 @@ LAUNCHES = []  # tests/test_switch_emu.py launches it on its testbed
 NUMEL = 1 << 18
 DENSITIES = (0.0, 1e-4, 0.01, 0.3, 1.0)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+WORLD = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "4"))
+_names = itertools.count()
 
 
 def data(seed: int, dtype: torch.dtype, density: float = 0.1, block: bool = True) -> torch.Tensor:
@@ -208,3 +215,27 @@ def test_refused():
 
 def test_probe_times_the_switch(tmp_path):
     assert probed(str(tmp_path)) == ""
+
+
+@pytest.fixture
+def small_by_switch():
+    """Tensors under 64 KiB (most of those drawn) through the switch too."""
+    hvd_sparse.init(probe="off", timeout=20.0, small_bytes=0)
+    yield
+    hvd_sparse.init(probe="off", timeout=20.0)
+
+
+@pytest.mark.usefixtures("small_by_switch")
+@shapes.SETTINGS
+@given(case=shapes.blocks(WORLD, st.sampled_from([64, 256]),
+                          dtypes=("float32", "float16", "bfloat16")))
+def test_any_shape_sums_in_the_switch(case: shapes.Blocks) -> None:
+    def run():
+        t = case.tensor(hvd.rank())
+        name = f"shape.{next(_names)}"
+        out = hvd_sparse.allreduce(t, name=name, scheme="switch", op=hvd.Sum,
+                                   block_size=case.block)
+        ref, _ = case.reference(WORLD, 1.0)
+        flat = out.reshape(-1)
+        return bounded(flat, ref.reshape(-1), t.reshape(-1)) or went_through_switch(name), out
+    shapes.check(case, run, lambda o: hvd.allgather_object(o, name=f"verdict.{next(_names)}"))
