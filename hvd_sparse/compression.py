@@ -21,7 +21,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedAdasumOptimizer
 
-from . import basics, blocks, schemes, staging
+from . import blocks, schemes, staging
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
 from .sparsifiers import DGC, Sparsifier
@@ -118,21 +118,19 @@ class SparseCompressor:
         process_set = getattr(opt, "process_set", hvd.global_process_set)
         if isinstance(self.sparsifier, DGC) and opt is not None:  # before the first step
             self.sparsifier.take_momentum(opt.param_groups)
-        scheme = self.scheme
-        if self.sparsifier is not None:  # the sparsified gradient is what gets reduced
-            self.sparsifier(name, tensor, self.block_size or basics.state().config.block_size)
-            if self.sparsifier.too_small(tensor.numel()):
-                scheme = "dense"  # it went out whole: a ring allreduce ships it cheapest
         if not (blocks.supported(tensor) or staging.staged(tensor)):  # integer: Horovod's own
+            if self.sparsifier is not None:
+                self.sparsifier(name, tensor)  # refuses it, naming it
             return tensor, None
         # Horovod's optimizer replaces the gradient with the result: reduce it in place. Other
         # callers (hvd.allreduce(t, compression=...)) get a new tensor and keep theirs.
         start = allreduce_async_ if opt is not None else allreduce_async
-        handle = start(tensor, name=name, op=hvd.Sum, scheme=scheme,
-                       block_size=self.block_size, process_set=process_set)
+        handle = start(tensor, name=name, op=hvd.Sum, scheme=self.scheme,
+                       block_size=self.block_size, process_set=process_set,
+                       sparsifier=self.sparsifier)
         # A host placeholder for a GPU tensor: a CPU-only Horovod can reduce it
         placeholder = tensor.new_ones(1) if tensor.device.type == "cpu" else torch.ones(1)
-        return placeholder, (handle, name, process_set.size())
+        return placeholder, (handle, process_set.size())
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Waits for the reduction ``compress`` started and scales it as Horovod's op asks.
@@ -157,10 +155,8 @@ class SparseCompressor:
             if tensor.is_sparse:
                 warnings.warn(_SPARSE_BYPASS, stacklevel=2)
             return tensor
-        handle, name, size = ctx
+        handle, size = ctx
         total = synchronize(handle)
-        if self.sparsifier is not None:
-            self.sparsifier.observe(name, total, handle.job.block_size)
         # The placeholder reduced to 1 (Average) or the process set's size (Sum), up to rounding.
         scale = round(float(tensor.reshape(-1)[0]))
         return total.mul_(scale / size)

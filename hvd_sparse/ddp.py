@@ -39,11 +39,11 @@ from . import reduction, session
 from .comm.distributed import TorchCollectives
 from .errors import HvdSparseError
 from .job import Context, RowsPlan
+from .reduction import Part
 from .schemes import rows
 from .sparsifiers import Sparsifier
 
 __all__ = ["State", "hook"]
-Part = tuple[str, int, int]  # a parameter's gradient in a bucket: name, offset, elements
 Held = tuple[int, torch.Tensor, torch.futures.Future]  # a sparse bucket: index, gradient, result
 # what a stream's thread runs: results for the futures, in their order, from the stream's group
 Work = tuple[Callable[[TorchCollectives], list[torch.Tensor]], list[torch.futures.Future]]
@@ -355,49 +355,23 @@ class State:
             HvdSparseError: the reduction failed or timed out (naming the tensor and peer).
         """
         comm = comm or self.comm
-        sparsify = self.sparsifier is not None and bool(parts)
-        if t.device.type != "cpu" and (t.is_sparse or sparsify):
-            # rows and the sparsifiers work in host memory: such a bucket crosses whole (a
-            # dense one alone is staged by its non-zero blocks, reduction.start)
-            return self.reduce(name, t.cpu(), parts, comm).to(t.device)
-        bs = self.config.block_size
-        scheme = self.config.scheme
         if t.is_sparse:  # DDP wants a sparse result: rows, by allgather where "dense" is asked
+            if t.device.type != "cpu":  # rows work in host memory: such a bucket crosses whole
+                return self.reduce(name, t.cpu(), (), comm).to(t.device)
+            scheme = self.config.scheme
             return self._run(name, t, "allgather" if scheme == "dense" else scheme, comm)
-        flat = t.contiguous().view(-1)
-        whole: list[Part] = []
-        if sparsify:
-            for part, start, numel in parts:
-                self.sparsifier(part, flat[start:start + numel], bs)
-            # Parameters too small to sparsify went out whole: a ring allreduce ships them
-            # cheapest (an allgather of whole blocks costs ~2x), so they are reduced apart, and
-            # zeroed in the bucket, whose scheme then sends no blocks for them.
-            whole = [p for p in parts if self.sparsifier.too_small(p[2])]
-            if len(whole) == len(parts):
-                scheme = "dense"
-            if scheme == "dense":
-                whole = []
-        if whole:
-            small = torch.cat([flat[s:s + n] for _, s, n in whole])
-            for _, s, n in whole:
-                flat[s:s + n].zero_()
-            small = self._run(f"{name}.whole", small, "dense", comm)
-        out = self._run(name, flat, scheme, comm)
-        at = 0
-        for _, s, n in whole:
-            out[s:s + n] = small[at:at + n]
-            at += n
-        if sparsify:
-            for part, start, numel in parts:
-                self.sparsifier.observe(part, out[start:start + numel], bs)
-        return out.view(t.shape)
+        # a dense bucket: sparsified (by parameter) on its device, staged by its non-zero blocks
+        sparsifier = self.sparsifier if parts else None
+        return self._run(name, t.contiguous().view(-1), self.config.scheme, comm, sparsifier, parts
+                         ).view(t.shape)
 
-    def _run(self, name: str, t: torch.Tensor, scheme: str, comm: TorchCollectives
-             ) -> torch.Tensor:
+    def _run(self, name: str, t: torch.Tensor, scheme: str, comm: TorchCollectives,
+             sparsifier: Sparsifier | None = None, parts: Sequence[Part] = ()) -> torch.Tensor:
         """The average of ``t`` (dense: in place) by ``scheme``, on this thread."""
         assert self.context is not None
         h = reduction.start(t, name, comm=comm, ctx=self.context, scheme=scheme, average=True,
-                            block_size=self.config.block_size, inplace=not t.is_sparse)
+                            block_size=self.config.block_size, inplace=not t.is_sparse,
+                            sparsifier=sparsifier, parts=parts)
         return reduction.finish(h)
 
     def state_dict(self) -> dict[str, Any]:

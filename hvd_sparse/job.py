@@ -13,6 +13,7 @@ from .costmodel import NetModel
 if TYPE_CHECKING:
     from .comm import Collectives
     from .session import Session
+    from .sparsifiers import Sparsifier
 
 
 @dataclass
@@ -99,6 +100,10 @@ class Job:
     mask: torch.Tensor | None = None  # block mask, when already computed
     stats: Stats = field(default_factory=Stats)
     asked: str = "auto"  # "rows": the scheme the caller asked for, which picks how rows travel
+    sparsifier: Sparsifier | None = None  # sparsified the tensor's parts (reduction.start)
+    parts: tuple[tuple[str, int, int], ...] = ()  # its gradients: name, offset, elements
+    whole: tuple[tuple[str, int, int], ...] = ()  # those sent whole, by the dense allreduce
+    apart: torch.Tensor | None = None  # their values, one after another (reduced: the result)
 
     def op_name(self, stage: str) -> str:
         return f"hvd_sparse.{self.name}.{stage}"

@@ -10,6 +10,7 @@ from . import basics, engine, reduction, schemes
 from .comm import horovod as collectives
 from .engine import Handle
 from .errors import HvdSparseError
+from .sparsifiers import Sparsifier
 
 
 def allreduce_async(
@@ -23,6 +24,7 @@ def allreduce_async(
     process_set: hvd.ProcessSet = hvd.global_process_set,
     *,
     inplace: bool = False,
+    sparsifier: Sparsifier | None = None,
 ) -> Handle:
     """Starts reducing ``tensor`` across ranks, shipping only its non-zero parts where that pays.
 
@@ -46,6 +48,9 @@ def allreduce_async(
             schemes (omnireduce, switch) serve the global set only and reduce a tensor of
             another set dense instead, with a warning.
         inplace: ``synchronize`` writes the result into ``tensor``.
+        sparsifier: sparsifies a dense ``tensor`` in place first, on its device, with its
+            error-feedback memory kept under ``name`` (e.g. ``hvd_sparse.TopK(0.01)``); a
+            tensor it finds too small goes dense.
 
     Returns:
         A handle for ``synchronize`` or ``poll``.
@@ -53,7 +58,8 @@ def allreduce_async(
     Raises:
         HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``,
             or a reduction of the same name is in flight.
-        ValueError: ``op`` or ``scheme`` is not one of the above.
+        ValueError: ``op`` or ``scheme`` is not one of the above, or the sparsifier refuses
+            the tensor (not floating-point).
 
     Example:
         >>> h = hvd_sparse.allreduce_async(grad, name="emb.weight")
@@ -72,7 +78,8 @@ def allreduce_async(
     return reduction.start(tensor, name, comm=collectives.of(process_set), ctx=st.context,
                            scheme=scheme, average=op == hvd.Average,
                            block_size=block_size or st.config.block_size,
-                           prescale=prescale_factor, postscale=postscale_factor, inplace=inplace)
+                           prescale=prescale_factor, postscale=postscale_factor, inplace=inplace,
+                           sparsifier=sparsifier)
 
 
 def synchronize(handle: Handle) -> torch.Tensor:
@@ -155,6 +162,8 @@ def allreduce_async_(
     postscale_factor: float = 1.0,
     block_size: int | None = None,
     process_set: hvd.ProcessSet = hvd.global_process_set,
+    *,
+    sparsifier: Sparsifier | None = None,
 ) -> Handle:
     """In-place ``allreduce_async``: ``synchronize`` writes the result into ``tensor``.
 
@@ -173,6 +182,7 @@ def allreduce_async_(
         postscale_factor: multiplies the sum.
         block_size: the codec's block, in elements; None: the configured one (256).
         process_set: only its ranks take part (see ``allreduce_async``).
+        sparsifier: sparsifies ``tensor`` first (see ``allreduce_async``).
 
     Returns:
         A handle for ``synchronize`` or ``poll``.
@@ -180,14 +190,15 @@ def allreduce_async_(
     Raises:
         HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``, or
             a reduction of the same name is in flight.
-        ValueError: ``op`` or ``scheme`` is not one of the above.
+        ValueError: ``op`` or ``scheme`` is not one of the above, or the sparsifier refuses
+            the tensor.
 
     Example:
         >>> h = hvd_sparse.allreduce_async_(grad, name="fc.weight")
         >>> hvd_sparse.synchronize(h)  # grad now holds the average
     """
     return allreduce_async(tensor, name, op, scheme, prescale_factor, postscale_factor,
-                           block_size, process_set, inplace=True)
+                           block_size, process_set, inplace=True, sparsifier=sparsifier)
 
 
 def allreduce_(

@@ -17,7 +17,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import DistributedOptimizer as _HvdDistributedOptimizer
 
-from . import basics, schemes
+from . import schemes
 from .engine import Handle
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
@@ -75,19 +75,14 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._sparse.add(p)
         pre, post = ((1.0 / self._predivide, self._predivide) if self._op == hvd.Average
                      else (1.0, 1.0))
-        scheme = self._scheme
         grad = p.grad
         if self._sparse_as_dense and grad.is_sparse:
             grad = densified(grad)  # reduced by blocks, handed back sparse (as Horovod does)
-        if self._sparsifier is not None and not grad.is_sparse:
-            self._sparsifier(self._names[id(p)], grad,
-                             self._block_size or basics.state().config.block_size)
-            if self._sparsifier.too_small(grad.numel()):
-                scheme = "dense"  # it went out whole: a ring allreduce ships it cheapest
         start = allreduce_async_ if grad is p.grad and not grad.is_sparse else allreduce_async
         self._handles[p] = start(grad, name=self._names[id(p)], op=self._op,
-                                 scheme=scheme, prescale_factor=pre, postscale_factor=post,
-                                 block_size=self._block_size, process_set=self.process_set)
+                                 scheme=self._scheme, prescale_factor=pre,
+                                 postscale_factor=post, block_size=self._block_size,
+                                 process_set=self.process_set, sparsifier=self._sparsifier)
 
     def synchronize(self) -> None:
         """Waits for every gradient's reduction and writes the results into ``p.grad``."""
@@ -100,8 +95,6 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                     self._submit(p)
         for p, h in self._handles.items():
             out = synchronize(h)
-            if self._sparsifier is not None and not out.is_sparse:
-                self._sparsifier.observe(self._names[id(p)], out, h.job.block_size)
             if p.grad.is_sparse:  # reduced by rows, coalesced (or sparse_as_dense's, made
                 p.grad = out if out.is_sparse else out.to_sparse()  # sparse again)
             # dense gradients were reduced in place

@@ -1,30 +1,45 @@
-"""One tensor's reduction set up and finished, for either front end (``mpi_ops`` under Horovod,
-``ddp`` under torch.distributed): which scheme its form allows, a device tensor staged to the
-host by its non-zero blocks, the ``Job`` the schemes run, its metrics and run-file record, and
-the result taken back to the caller's form."""
+"""One tensor's reduction set up and finished, for either front end (``mpi_ops`` and the
+optimizer and compression under Horovod, ``ddp`` under torch.distributed): a sparsifier applied
+on the tensor's own device (each parameter's part with a memory of its own; parts too small to
+sparsify sent whole by the dense allreduce), which scheme its form allows, a device tensor
+staged to the host by its non-zero blocks, the ``Job`` the schemes run, its metrics and
+run-file record, and the result taken back to the caller's form, the sparsifier shown it.
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections.abc import Sequence
 
 import torch
 
 from . import blocks, engine, runfile, schemes, staging
 from .comm import Collectives
 from .engine import Handle
-from .job import Context, Job
+from .errors import HvdSparseError
+from .job import Context, Job, Stats
 from .metrics import record as record_metrics
-from .schemes import rows
+from .schemes import dense, rows
+from .sparsifiers import Sparsifier
+
+Part = tuple[str, int, int]  # a gradient in a flat tensor: its name, offset and elements
 
 
 def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, scheme: str,
           average: bool, block_size: int, prescale: float = 1.0, postscale: float = 1.0,
-          inplace: bool = False) -> Handle:
+          inplace: bool = False, sparsifier: Sparsifier | None = None,
+          parts: Sequence[Part] = ()) -> Handle:
     """Starts reducing ``tensor`` over ``comm``'s ranks by ``scheme`` (checked by the caller).
 
     A sparse COO tensor goes by rows where ``rows.supported`` (else densified); a dense one by
     ``scheme``, or by Horovod's or Gloo's dense allreduce where the codec does not take it
     (integer, empty); on an accelerator only its non-zero blocks cross to the host (staging.py).
+    With a ``sparsifier``, a dense tensor is sparsified first, in place and on its device: each
+    of ``parts`` under its own name (the whole tensor under ``name`` when none), the parts
+    the sparsifier finds ``too_small`` sent whole by the dense allreduce beside it (a ring ships
+    them cheapest) and zeroed in what the scheme reduces, every part dense when all are
+    (``finish`` shows the sparsifier each part's result).
 
     Args:
         tensor: the input, any shape; left unchanged unless ``inplace``.
@@ -37,15 +52,35 @@ def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, s
         prescale: factor applied before the sum.
         postscale: factor applied after it.
         inplace: ``finish`` writes the result into ``tensor`` (dense tensors).
+        sparsifier: sparsifies a dense ``tensor`` (contiguous, floating-point) in place first.
+        parts: the gradients in the flat ``tensor`` (name, offset, elements) the sparsifier
+            keeps apart, e.g. the parameters of a DDP bucket.
 
     Returns:
         The handle to pass to ``finish``.
 
     Raises:
         HvdSparseError: a reduction of the same name is in flight.
+        ValueError: the sparsifier refuses the tensor (not floating-point).
     """
     t = tensor.detach()
     home = to_host = None  # a staged tensor: its flat self on the device, its way to the host
+    whole: list[Part] = []
+    apart = None
+    if sparsifier is None or t.is_sparse:
+        parts = ()
+    else:
+        parts = parts or [(name, 0, t.numel())]
+        whole = _sparsify(t, name, sparsifier, parts, block_size)
+        if len(whole) == len(parts):
+            scheme = "dense"
+        if scheme == "dense":
+            whole = []
+        if whole:  # cut out (to the host: they are small), the scheme reduces the rest
+            flat = t.view(-1)
+            apart = torch.cat([flat[s:s + n] for _, s, n in whole]).cpu()
+            for _, s, n in whole:
+                flat[s:s + n].zero_()
     asked = scheme
     if t.is_sparse and scheme != "dense" and rows.supported(t):
         scheme, inplace, copied = "rows", False, False
@@ -62,11 +97,11 @@ def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, s
               postscale=postscale, block_size=block_size,
               meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme, ctx=ctx,
               comm=comm, inplace=t.numel() > 0 and (inplace or copied),
-              output=tensor if inplace else None, home=home, asked=asked)
-    if to_host is None:
-        return engine.submit(job, schemes.run(job), _record)
-    job.stats.staged = str(home.device)
-    return engine.submit(job, _staged(job, to_host), _record)
+              output=tensor if inplace else None, home=home, asked=asked,
+              sparsifier=sparsifier, parts=tuple(parts), whole=tuple(whole), apart=apart)
+    if to_host is not None:
+        job.stats.staged = str(home.device)
+    return engine.submit(job, _run(job, to_host), _record)
 
 
 def finish(handle: Handle) -> torch.Tensor:
@@ -92,15 +127,44 @@ def finish(handle: Handle) -> torch.Tensor:
     if job.output is not None:
         if out.data_ptr() != job.output.data_ptr():
             job.output.copy_(out)
-        return job.output
+        out = job.output
+    if job.parts:
+        flat = out.view(-1)
+        at = 0
+        for _, s, n in job.whole:  # the parts sent whole, back in their places
+            flat[s:s + n] = job.apart[at:at + n]
+            at += n
+        for part, s, n in job.parts:
+            job.sparsifier.observe(part, flat[s:s + n], job.block_size)
     return out
 
 
-def _staged(job: Job, to_host: staging.ToHost) -> engine.Stage:
-    """A staged tensor's reduction: its non-zero blocks reach host memory, the scheme runs on
-    the host tensor built from them (``finish`` takes the result back to the device)."""
-    job.tensor = yield "to host", to_host
-    job.mask = to_host.mask()
+def _sparsify(t: torch.Tensor, name: str, sparsifier: Sparsifier, parts: Sequence[Part],
+              block_size: int) -> list[Part]:
+    """Sparsifies each part of ``t`` in place; returns those to send whole."""
+    if not t.is_contiguous():
+        raise HvdSparseError(f"hvd_sparse: tensor {name!r}: a sparsifier works on contiguous "
+                             "tensors, in place")
+    flat = t.view(-1)
+    for part, s, n in parts:
+        sparsifier(part, flat[s:s + n], block_size)
+    return [p for p in parts if sparsifier.too_small(p[2])]
+
+
+def _run(job: Job, to_host: staging.ToHost | None) -> engine.Stage:
+    """The job's stages: the parts sent whole, by the dense allreduce (``finish`` puts them back
+    in place), a staged tensor's non-zero blocks to host memory (``finish`` takes the result
+    back to the device), the scheme."""
+    if job.apart is not None:
+        apart = dataclasses.replace(job, name=f"{job.name}.whole", tensor=job.apart,
+                                    shape=job.apart.shape, inplace=True, output=None,
+                                    home=None, stats=Stats())
+        started = time.monotonic()
+        job.apart = yield from dense.run(apart)
+        _done(apart, started)
+    if to_host is not None:
+        job.tensor = yield "to host", to_host
+        job.mask = to_host.mask()
     return (yield from schemes.run(job))
 
 
@@ -129,6 +193,11 @@ def densified(t: torch.Tensor) -> torch.Tensor:
 
 
 def _record(h: Handle) -> None:
-    seconds = time.monotonic() - h.started
-    record_metrics(h.job.name, seconds, h.job.stats)
-    runfile.record(h.job, h.started, seconds)
+    _done(h.job, h.started)
+
+
+def _done(job: Job, started: float) -> None:
+    """A reduction's (or the whole parts') metrics and run-file record."""
+    seconds = time.monotonic() - started
+    record_metrics(job.name, seconds, job.stats)
+    runfile.record(job, started, seconds)
