@@ -17,7 +17,10 @@ by ``named_parameters``). Reductions go to the state's streams in turn, each a t
 group of its own, one reduction after another on each: torch.distributed matches operations by
 the order they are issued in on a group, and DDP hands buckets to the hook in the same order on
 every rank, so every rank issues the same operations in the same order on each group, while
-backward goes on. Horovod is not needed.
+backward goes on. A dense bucket known to go dense before it is reduced (scheme "dense", a
+small bucket, or one "auto" keeps sending dense) is reduced as DDP's default hook reduces it,
+by the model's own process group, where that beats Gloo through host memory: the group is not
+Gloo (NCCL), or the bucket is on a device. Horovod is not needed.
 
 A bucket is known by its parameters, not by ``GradBucket.index()``: in DDP's first
 static-graph iteration every bucket says index 0 and none says it is the last.
@@ -26,6 +29,7 @@ static-graph iteration every bucket says index 0 and none says it is the last.
 import copy
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
@@ -35,12 +39,13 @@ import torch
 import torch.distributed as dist
 
 from . import config as _config
-from . import reduction, session
+from . import device, reduction, session
 from .comm.distributed import TorchCollectives
 from .errors import HvdSparseError
-from .job import Context, RowsPlan
+from .job import Context, RowsPlan, Stats
+from .metrics import record as record_metrics
 from .reduction import Part
-from .schemes import rows
+from .schemes import SMALL_GO_DENSE, auto, rows
 from .sparsifiers import Sparsifier
 
 __all__ = ["State", "hook"]
@@ -146,8 +151,11 @@ class State:
         timeout = timedelta(seconds=cfg.timeout * 4)
         self.streams = [TorchCollectives(dist.new_group(ranks, timeout=timeout, backend="gloo",
                                                         use_local_synchronization=True),
-                                         job_size=len(ranks))
+                                         job_size=len(ranks), route="hook streams")
                         for _ in range(self.stream_count)]
+        # a dense bucket goes to the model's own group where that is faster than Gloo through
+        # host memory: its backend is not Gloo (NCCL), or the bucket is on a device
+        self._model_gloo = dist.get_backend(pg) == "gloo"
         self.comm = self.streams[0]
         self.omni, self.switch, self.net = session.join_all(cfg, self.comm)
         self.context = Context(cfg, self.net, self.omni, self.switch, *self._learnt,
@@ -235,6 +243,38 @@ class State:
         parts = list(parts)
         self._put(lambda comm: [self.reduce(name, t, parts, comm)], [fut])
         return fut
+
+    def _goes_dense(self, name: str, t: torch.Tensor, parts: Sequence[Part]) -> bool:
+        """Whether dense bucket ``name`` goes dense this step, known before it is reduced
+        (alike on every rank): the scheme is "dense", the bucket is small (schemes.run sends
+        it dense), or "auto" keeps sending it dense (``auto.steady_dense``). Not with a
+        sparsifier at work: sparsified, it is no longer dense."""
+        if self.sparsifier is not None and parts:
+            return False
+        scheme = self.config.scheme
+        if scheme == "dense":
+            return True
+        if scheme in SMALL_GO_DENSE and t.numel() * t.element_size() < self.config.small_bytes:
+            return True
+        assert self.context is not None and self.comm is not None
+        return scheme == "auto" and auto.steady_dense(self.context,
+                                                      auto.key(name, self.comm.ranks))
+
+    def _on_model_group(self, name: str, t: torch.Tensor) -> torch.futures.Future:
+        """DDP's own allreduce of the bucket (its default hook's: divided first, then summed on
+        the model's process group), issued here, in bucket order as DDP hands them out."""
+        started = time.monotonic()
+        pg = self.process_group
+        n = dist.get_world_size(pg)
+        fut = dist.all_reduce(t.div_(n), group=pg, async_op=True).get_future()
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            ring = int(2 * (n - 1) / n * t.nbytes)  # a ring, modelled
+            record_metrics(name, time.monotonic() - started,
+                           Stats(scheme="dense", route="model group", bytes_sent=ring,
+                                 bytes_received=ring))
+            return f.value()[0]
+        return fut.then(done)
 
     def _hold(self, index: int, t: torch.Tensor) -> torch.futures.Future:
         """Sparse bucket ``index``'s average: reduced now when its last result was large (or
@@ -446,7 +486,12 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
             state._release()
     else:
         state._release()  # the sparse buckets before this one go first, in bucket order
-        fut = state._submit(name, buffer, _parts(state, bucket, name))
+        parts = _parts(state, bucket, name)
+        if (not state._model_gloo or device.on_device(buffer)) and \
+                state._goes_dense(name, buffer, parts):
+            fut = state._on_model_group(name, buffer)
+        else:
+            fut = state._submit(name, buffer, parts)
     if bucket.is_last():
         state._backward_done()
     # DDP reads a future's value as the bucket, an exception set on it included ("Unable to

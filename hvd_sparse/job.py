@@ -58,6 +58,9 @@ class Stats:
     scheme: str | None = None  # what ran ("auto": what it chose)
     reason: str | None = None  # why not the scheme asked for ("small", "non-finite", ...)
     staged: str | None = None  # a GPU tensor's device: reduced through host memory
+    # what carried it: "horovod", "hook streams" (the DDP hook's Gloo groups), "model group"
+    # (the DDP model's own process group), "aggregators", "switch"
+    route: str | None = None
     bytes_sent: int = 0  # what this rank put on the wire (ring collectives modelled)
     bytes_received: int | None = None
     nnz_local: int | None = None  # this rank's non-zero blocks ("rows": sparse entries)

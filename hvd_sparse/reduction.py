@@ -34,7 +34,9 @@ def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, s
 
     A sparse COO tensor goes by rows where ``rows.supported`` (else densified); a dense one by
     ``scheme``, or by Horovod's or Gloo's dense allreduce where the codec does not take it
-    (integer, empty); on an accelerator only its non-zero blocks cross to the host (staging.py).
+    (integer, empty); on an accelerator only its non-zero blocks cross to the host (staging.py),
+    unless it goes dense anyway and the collectives take it where it is (``Collectives.takes``:
+    Horovod built with CUDA).
     With a ``sparsifier``, a dense tensor is sparsified first, in place and on its device: each
     of ``parts`` under its own name (the whole tensor under ``name`` when none), the parts
     the sparsifier finds ``too_small`` sent whole by the dense allreduce beside it (a ring ships
@@ -90,7 +92,9 @@ def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, s
         copied = t.is_sparse or not t.is_contiguous()
         t = (densified(t) if t.is_sparse else t.contiguous()).view(-1)
         if t.numel() and staging.staged(t):
-            home, to_host, copied = t, staging.ToHost(t, block_size), True
+            # going dense anyway: the front end's own allreduce takes it where it is, if it can
+            if not (_dense_anyway(t, scheme, ctx) and comm.takes(t)):
+                home, to_host, copied = t, staging.ToHost(t, block_size), True
         elif not blocks.supported(t) or t.numel() == 0:
             scheme = "dense"
     job = Job(name=name, tensor=t, shape=tensor.shape, average=average, prescale=prescale,
@@ -137,6 +141,12 @@ def finish(handle: Handle) -> torch.Tensor:
         for part, s, n in job.parts:
             job.sparsifier.observe(part, flat[s:s + n], job.block_size)
     return out
+
+
+def _dense_anyway(t: torch.Tensor, scheme: str, ctx: Context) -> bool:
+    """Whether ``t`` goes dense whatever its blocks: asked so, or small (``schemes.run``)."""
+    return scheme == "dense" or (scheme in schemes.SMALL_GO_DENSE and
+                                 t.numel() * t.element_size() < ctx.config.small_bytes)
 
 
 def _sparsify(t: torch.Tensor, name: str, sparsifier: Sparsifier, parts: Sequence[Part],
@@ -199,5 +209,8 @@ def _record(h: Handle) -> None:
 def _done(job: Job, started: float) -> None:
     """A reduction's (or the whole parts') metrics and run-file record."""
     seconds = time.monotonic() - started
-    record_metrics(job.name, seconds, job.stats)
+    s = job.stats
+    s.route = s.route or ("aggregators" if s.scheme in ("omnireduce", "rows+omnireduce") else
+                          "switch" if s.scheme == "switch" else job.comm.route)
+    record_metrics(job.name, seconds, s)
     runfile.record(job, started, seconds)

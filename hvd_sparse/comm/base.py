@@ -7,6 +7,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from .. import device
+
 Op = Literal["sum", "average", "max", "min"]
 
 
@@ -60,6 +62,7 @@ class Collectives(ABC):
 
     rank: int
     size: int
+    route: str  # what carries a scheme's collectives, for metrics ("horovod", "hook streams")
 
     @property
     @abstractmethod
@@ -107,6 +110,11 @@ class Collectives(ABC):
     @abstractmethod
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (blocking)."""
+
+    def takes(self, t: torch.Tensor) -> bool:
+        """Whether ``allreduce`` takes ``t`` where it is (else a device tensor is staged):
+        host tensors (not those posing as a device's, ``HVD_SPARSE_CPU_AS_DEVICE``)."""
+        return not device.on_device(t)
 
     def local_size(self) -> int:
         """Ranks on this host (threads per rank follow from it)."""

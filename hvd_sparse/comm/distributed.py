@@ -65,11 +65,13 @@ def _one(work: dist.Work, then: Callable[[], Any]) -> Pending:
 
 class TorchCollectives(Collectives):
     """Collectives over ``group`` (the default group when None), a job of ``job_size`` ranks
-    (the world's by default; a DDP job over a subgroup: that subgroup's)."""
+    (the world's by default; a DDP job over a subgroup: that subgroup's), named ``route`` in
+    metrics."""
 
     def __init__(self, group: dist.ProcessGroup | None = None,
-                 job_size: int | None = None) -> None:
+                 job_size: int | None = None, route: str = "torch.distributed") -> None:
         self.group = group
+        self.route = route
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.job_size = dist.get_world_size() if job_size is None else job_size

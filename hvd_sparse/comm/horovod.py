@@ -27,6 +27,8 @@ class _Handle:
 
 
 class HorovodCollectives(Collectives):
+    route = "horovod"
+
     def __init__(self, process_set: hvd.ProcessSet = hvd.global_process_set) -> None:
         self.process_set = process_set
 
@@ -62,6 +64,9 @@ class HorovodCollectives(Collectives):
     def alltoall(self, t: torch.Tensor, splits: list[int], name: str) -> Pending:
         return _Handle(hvd.alltoall_async(t, splits=torch.tensor(splits, dtype=torch.int32),
                                           name=name, process_set=self.process_set))
+
+    def takes(self, t: torch.Tensor) -> bool:
+        return super().takes(t) or (t.is_cuda and hvd.cuda_built())
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         return hvd.broadcast_object(obj, root_rank=root, name=name,

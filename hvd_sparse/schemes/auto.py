@@ -17,7 +17,7 @@ import torch
 from .. import blocks, costmodel
 from ..comm import Pending
 from ..errors import HvdSparseError
-from ..job import Job
+from ..job import Context, Job
 from . import switch
 from .common import local_mask
 
@@ -35,10 +35,9 @@ def choose(job: Job) -> Generator[tuple[str, Pending], Any, str]:
     on every rank: so is the streak of dense choices it keeps (``STEADY``)."""
     ctx, t = job.ctx, job.tensor
     key = _key(job)
-    streak = ctx.dense_streak.get(key, 0)
-    if streak >= STEADY and streak % LOOK_AGAIN:
-        ctx.dense_streak[key] = streak + 1
+    if steady_dense(ctx, key):
         return "dense"
+    streak = ctx.dense_streak.get(key, 0)
     row = torch.tensor([[int(local_mask(job).sum()), t.numel(), blocks.DTYPE_CODES[t.dtype],
                          job.meta]])
     rows = yield "stats", job.comm.allgather(row, job.op_name("stats"))
@@ -65,6 +64,17 @@ def choose(job: Job) -> Generator[tuple[str, Pending], Any, str]:
     return choice
 
 
+def steady_dense(ctx: Context, key: tuple[str, tuple[int, ...]]) -> bool:
+    """Whether the tensor ``key`` (name, ranks) goes dense this call without asking the ranks
+    (``STEADY``), counted as such; alike on every rank. The DDP hook asks it before choosing
+    the collectives (a bucket that goes dense is its model's group's)."""
+    streak = ctx.dense_streak.get(key, 0)
+    if streak >= STEADY and streak % LOOK_AGAIN:
+        ctx.dense_streak[key] = streak + 1
+        return True
+    return False
+
+
 def learn(job: Job, choice: str, nnz: list[int]) -> None:
     """After the chosen scheme ran: its bytes with the decision's own (ring allgather of one
     stats row per rank), and the union it saw, for the next prediction of this tensor."""
@@ -80,4 +90,9 @@ def learn(job: Job, choice: str, nnz: list[int]) -> None:
 def _key(job: Job) -> tuple[str, tuple[int, ...]]:
     """What auto learns of a tensor is kept by name and ranks: a name reduced over several
     process sets is learnt apart in each, so every rank of a reduction goes by the same."""
-    return job.name, tuple(job.comm.ranks)
+    return key(job.name, job.comm.ranks)
+
+
+def key(name: str, ranks: list[int]) -> tuple[str, tuple[int, ...]]:
+    """The key ``_key`` gives the reduction of ``name`` over ``ranks``."""
+    return name, tuple(ranks)

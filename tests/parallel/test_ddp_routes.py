@@ -1,0 +1,137 @@
+"""Which collectives carry the DDP hook's buckets (torchrun, 2 ranks), read from the calls
+themselves: the model's group is "recording" (recording_pg.py: a group that is not Gloo, as
+NCCL is, and that records every call). A bucket that goes dense (scheme "dense", a small one,
+one "auto" keeps sending dense) is reduced by the model's group from the hook, as DDP's default
+hook reduces it, to DDP's own bits; sparse and sparsified buckets by the hook's streams;
+metrics name every bucket's route. Under HVD_SPARSE_CPU_AS_DEVICE the buckets pose as a
+device's and the model's group is plain Gloo: dense buckets still take the model's group, and
+a sparsified bucket crosses to the host by its non-zero blocks, not whole."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import recording_pg
+import torch
+import torch.distributed as dist
+from driver import Launch
+from recording_pg import Recording
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+
+from hvd_sparse import TopK, ddp, metrics, reset_metrics
+from hvd_sparse.schemes import auto
+
+LAUNCHES = [Launch("torchrun", np=2, timeout=300),
+            Launch("torchrun", np=2, timeout=300, id="torch-np2-device",
+                   env={"HVD_SPARSE_CPU_AS_DEVICE": "1"})]
+DEVICE = os.environ.get("HVD_SPARSE_CPU_AS_DEVICE") == "1"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    torch.set_num_threads(1)
+    recording_pg.register()
+    dist.init_process_group("gloo" if DEVICE else recording_pg.NAME)
+    yield
+    dist.destroy_process_group()
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)  # buckets of 0.1 MB: the 256x256 layer (256 KiB) is one of its own
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 1))
+
+
+class Tabled(nn.Module):
+    """``mlp()`` beside a sparse table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = mlp()
+        self.emb = nn.EmbeddingBag(5000, 16, mode="sum", sparse=True)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) + self.emb(ids).sum(1, keepdim=True)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
+    return torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g)
+
+
+def step(m: nn.Module, k: int) -> None:
+    m.zero_grad()
+    x, y = batch(k)
+    nn.functional.mse_loss(m(x), y).backward()
+
+
+def routes() -> dict[str, str]:
+    return {n: v["route"] for n, v in metrics().items() if n.startswith("ddp.bucket")}
+
+
+def backward_calls(m: nn.Module, k: int) -> list[recording_pg.Call]:
+    """The model's group's calls during one step's backward (the forward issues none)."""
+    Recording.calls.clear()
+    step(m, k)
+    return list(Recording.calls)
+
+
+@pytest.mark.parametrize("scheme", ["dense", "auto"])
+def test_dense_buckets_go_by_the_models_group(scheme: str) -> None:
+    """Every bucket of a dense model: under "dense" at once, under "auto" once it has sent
+    the bucket dense ``auto.STEADY`` times; then bit for bit DDP's own result, one allreduce
+    per bucket on the model's group from the thread running backward."""
+    ref = DDP(mlp(), bucket_cap_mb=0.1)
+    ours = DDP(copy.deepcopy(ref.module), bucket_cap_mb=0.1)
+    state = ddp.State(scheme=scheme, probe="off")
+    ours.register_comm_hook(state, ddp.hook)
+    try:
+        warm = 0 if scheme == "dense" else auto.STEADY + 1
+        for k in range(warm):
+            step(ours, k)
+        step(ref, warm)
+        reset_metrics()  # (DDP rebuilds its buckets after the first step: new numbers)
+        calls = backward_calls(ours, warm)
+        for (n, p), q in zip(ours.module.named_parameters(), ref.module.parameters(),
+                             strict=True):
+            assert torch.equal(p.grad, q.grad), n
+        assert set(routes().values()) == {"model group"}, metrics()
+        if not DEVICE:  # the recording group is the model's: one allreduce a bucket
+            sizes = [c.numel[0] for c in calls if c.op == "allreduce"]
+            assert len(sizes) == len(routes()), (calls, routes())
+            assert sum(sizes) == sum(p.numel() for p in ours.parameters()), calls
+            assert {c.thread for c in calls} == {"MainThread"}, calls
+    finally:
+        state.close()
+
+
+def test_sparse_and_sparsified_buckets_go_by_the_streams() -> None:
+    """A sparse table's bucket and the buckets a sparsifier works on are the hook's streams':
+    the model's group carries nothing of them; on a device a sparsified bucket is staged by its
+    non-zero blocks (a fraction of its bytes), not moved whole (a bucket of parameters all too
+    small to sparsify goes dense, where it is)."""
+    reset_metrics()
+    torch.manual_seed(0)
+    model = Tabled()
+    ours = DDP(model, bucket_cap_mb=0.1)
+    state = ddp.State(scheme="allgather", probe="off", sparsifier=TopK(0.01),
+                      named_parameters=model.named_parameters())
+    ours.register_comm_hook(state, ddp.hook)
+    try:
+        ids = torch.randint(0, 5000, (32, 4), generator=torch.Generator().manual_seed(1))
+        Recording.calls.clear()
+        ours.zero_grad()
+        x, y = batch(0)
+        nn.functional.mse_loss(ours(x, ids), y).backward()
+        assert not [c for c in Recording.calls if c.op in ("allreduce", "allgather")]
+        assert set(routes().values()) == {"hook streams"}, sorted(metrics())
+        if DEVICE:  # sparsified buckets staged, by their non-zero blocks (TopK 1%)
+            sparsified = [v for n, v in metrics().items()
+                          if n.startswith("ddp.bucket") and v["scheme"] == "allgather"]
+            assert sparsified and all(v.get("staged") == "cpu" for v in sparsified), metrics()
+            nbytes = sum(p.numel() * 4 for p in model.mlp.parameters())
+            assert sum(v["bytes_sent"] for v in sparsified) < 0.5 * nbytes, sparsified
+    finally:
+        state.close()
