@@ -20,7 +20,9 @@ every rank, so every rank issues the same operations in the same order on each g
 backward goes on. A dense bucket known to go dense before it is reduced (scheme "dense", a
 small bucket, or one "auto" keeps sending dense) is reduced as DDP's default hook reduces it,
 by the model's own process group, where that beats Gloo through host memory: the group is not
-Gloo (NCCL), or the bucket is on a device. Horovod is not needed.
+Gloo (NCCL), or the bucket is on a device. A device's sparse bucket is reduced by its rows
+where they are, by the model's group's allgather and a sum on the device (with "omnireduce",
+through host memory to the aggregators). Horovod is not needed.
 
 A bucket is known by its parameters, not by ``GradBucket.index()``: in DDP's first
 static-graph iteration every bucket says index 0 and none says it is the last.
@@ -38,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import blocks, device, reduction, session
 from . import config as _config
-from . import device, reduction, session
 from .comm.distributed import TorchCollectives
 from .errors import HvdSparseError
 from .job import Context, RowsPlan, Stats
@@ -118,6 +120,8 @@ class State:
         """What a state holds only while it runs in this process (not pickled)."""
         self.streams: list[TorchCollectives] = []
         self.comm: TorchCollectives | None = None
+        self._model_comm: TorchCollectives | None = None  # the model's own group
+        self._model_gloo = True
         self.omni = self.switch = None
         self.context: Context | None = None
         self._work: list[queue.Queue[Work | None]] = []
@@ -156,6 +160,7 @@ class State:
         # a dense bucket goes to the model's own group where that is faster than Gloo through
         # host memory: its backend is not Gloo (NCCL), or the bucket is on a device
         self._model_gloo = dist.get_backend(pg) == "gloo"
+        self._model_comm = TorchCollectives(pg, job_size=len(ranks), route="model group")
         self.comm = self.streams[0]
         self.omni, self.switch, self.net = session.join_all(cfg, self.comm)
         self.context = Context(cfg, self.net, self.omni, self.switch, *self._learnt,
@@ -274,6 +279,28 @@ class State:
                            Stats(scheme="dense", route="model group", bytes_sent=ring,
                                  bytes_received=ring))
             return f.value()[0]
+        return fut.then(done)
+
+    def _rows_on_model_group(self, name: str, t: torch.Tensor) -> torch.futures.Future:
+        """A device's sparse bucket by its rows, where they are: the model's group's allgather
+        (the row counts, then every rank's rows: two calls, issued from the hook in bucket
+        order) and their average summed on the device (``rows.device_sum``)."""
+        started = time.monotonic()
+        meta = blocks.meta_hash(t.shape, t.dtype)
+        ids, vals = rows.device_parts(t, meta)
+        n = dist.get_world_size(self.process_group)
+        assert self._model_comm is not None
+        fut = self._model_comm.allgather_many_here([ids, vals])
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            ids_parts, vals_parts = f.value()
+            out = rows.device_sum(t, meta, ids_parts, vals_parts, 1 / n)
+            gathered = sum(p.nbytes for p in ids_parts) + sum(v.nbytes for v in vals_parts)
+            record_metrics(name, time.monotonic() - started, Stats(
+                scheme="rows", route="model group", union=int(out._nnz()),
+                rows_local=ids.numel() - 1, bytes_sent=int(gathered * (n - 1) / n),
+                bytes_received=gathered - ids.nbytes - vals.nbytes))
+            return out
         return fut.then(done)
 
     def _hold(self, index: int, t: torch.Tensor) -> torch.futures.Future:
@@ -480,7 +507,9 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     sparse = buffer.is_sparse and buffer.dtype in rows.FLOATS
     number = state._bucket(bucket, sparse)
     name = f"ddp.bucket{number}"
-    if sparse:
+    if sparse and device.on_device(buffer) and state.config.scheme != "omnireduce":
+        fut = state._rows_on_model_group(name, buffer)
+    elif sparse:
         fut = state._hold(number, buffer)
         if state._last_sparse(number):
             state._release()

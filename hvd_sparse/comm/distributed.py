@@ -124,19 +124,20 @@ class TorchCollectives(Collectives):
         Every tensor's bytes start at a multiple of ALIGN in each rank's part (and parts are
         ALIGN bytes long), so each view is aligned for its dtype whatever the widths and row
         counts (a 2-byte table of 3 rows before int64 rows would not be)."""
-        n, k = self.size, len(tensors)
-        rows = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
-        sizes = [torch.zeros(k, dtype=torch.int64) for _ in range(n)]
+        n, k, on = self.size, len(tensors), tensors[0].device  # (NCCL: a device's tensors)
+        rows = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64, device=on)
+        sizes = [torch.zeros(k, dtype=torch.int64, device=on) for _ in range(n)]
         yield dist.all_gather(sizes, rows, group=self.group, async_op=True)
+        sizes = [sz.cpu() for sz in sizes]
         row_bytes = [t.element_size() * math.prod(t.shape[1:]) for t in tensors]
         longest = max(sum(_aligned(int(r) * b) for r, b in zip(sz, row_bytes, strict=True))
                       for sz in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=on)
         at = 0
         for t in tensors:  # this rank's bytes, copied once
             padded[at:at + t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
             at += _aligned(t.nbytes)
-        parts = list(torch.empty(n, longest, dtype=torch.uint8))
+        parts = list(torch.empty(n, longest, dtype=torch.uint8, device=on))
         yield dist.all_gather(parts, padded, group=self.group, async_op=True)
         out: list[list[torch.Tensor]] = [[] for _ in tensors]
         for part, sz in zip(parts, sizes, strict=True):
@@ -146,6 +147,23 @@ class TorchCollectives(Collectives):
                 out[j].append(part[at:at + nbytes].view(t.dtype).view(r, *t.shape[1:]))
                 at += _aligned(nbytes)
         return out
+
+    def allgather_many_here(self, tensors: list[torch.Tensor]) -> torch.futures.Future:
+        """``allgather_many``'s two operations issued from the calling thread before it
+        returns (it waits for the row counts), for a caller that must issue its group's
+        operations in its own order (the DDP hook, on the model's group); a future of the
+        value."""
+        steps = self._allgather_many([t.contiguous() for t in tensors])
+        next(steps).wait()
+        data = next(steps)
+
+        def value(_: torch.futures.Future) -> list[list[torch.Tensor]]:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+            raise AssertionError("allgather_many: more operations than two")
+        return data.get_future().then(value)
 
     def alltoall(self, t: torch.Tensor, splits: list[int], name: str) -> Pending:
         return _Chain(self._alltoall(t.contiguous(), splits))

@@ -39,6 +39,7 @@ from .. import costmodel, protocol
 from .._C import count_rows, gathered_uses, row_runs, sum_rows
 from ..costmodel import NetModel
 from ..engine import Stage
+from ..errors import HvdSparseError
 from ..job import Job, RowsPlan
 from ..session import Session
 from . import omnireduce
@@ -220,6 +221,49 @@ def _sent(job: Job, g: torch.Tensor, nrows: int
     job.stats.rows_local = int(rows.numel())
     zero = vals.new_zeros((1, *vals.shape[1:]))
     return rows, torch.zeros(1, dtype=torch.int64), torch.cat([zero, vals])
+
+
+def device_parts(g: torch.Tensor, meta: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What this rank allgathers of sparse ``g`` where it is (a device's rows, by the model's
+    process group): its distinct rows (summed in float32, float64 for float64) after a header
+    row fingerprinting the shape and dtype (``-1 - meta``), and their values after a zero row.
+    Torch operations on ``g``'s device; ``device_sum`` undoes it."""
+    k = g.sparse_dim()
+    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+    c = torch.sparse_coo_tensor(_line(g).unsqueeze(0), g._values().to(acc),
+                                (math.prod(g.shape[:k]), *g.shape[k:])).coalesce()
+    ids = torch.cat([torch.tensor([-1 - meta], device=g.device), c.indices()[0]])
+    vals = c.values().to(g.dtype)
+    return ids, torch.cat([vals.new_zeros((1, *vals.shape[1:])), vals])
+
+
+def device_sum(g: torch.Tensor, meta: int, ids_parts: Sequence[torch.Tensor],
+               vals_parts: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+    """Every rank's ``device_parts`` (in rank order) summed where they are: the coalesced sparse
+    tensor of ``g``'s shape, each row's values added in rank order in float32 (float64), times
+    ``scale``, rounded once; the same bits on every rank (a rank's rows are distinct, so each
+    ``index_add_`` adds at most one value to a row).
+
+    Raises:
+        HvdSparseError: a rank's header differs: the ranks disagree on the shape or dtype.
+    """
+    for r, ids in enumerate(ids_parts):
+        if ids.numel() == 0 or int(ids[0]) != -1 - meta:
+            raise HvdSparseError(
+                f"hvd_sparse: sparse gradient of shape {tuple(g.shape)} ({g.dtype}): tensor "
+                f"mismatch across ranks: rank {r}'s differs in shape or dtype")
+    ids = torch.cat([p[1:] for p in ids_parts])
+    out_rows, where = torch.unique(ids, sorted=True, return_inverse=True)
+    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+    k = g.sparse_dim()
+    total = torch.zeros((out_rows.numel(), *g.shape[k:]), dtype=acc, device=g.device)
+    at = 0
+    for v in vals_parts:
+        total.index_add_(0, where[at:at + v.shape[0] - 1], v[1:].to(acc))
+        at += v.shape[0] - 1
+    indices = out_rows.unsqueeze(0) if k == 1 else _unravel(out_rows, g.shape[:k])
+    return torch.sparse_coo_tensor(indices, (total * scale).to(g.dtype), g.shape,
+                                   is_coalesced=True, check_invariants=False)
 
 
 def fuse(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:

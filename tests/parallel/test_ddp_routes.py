@@ -2,10 +2,12 @@
 themselves: the model's group is "recording" (recording_pg.py: a group that is not Gloo, as
 NCCL is, and that records every call). A bucket that goes dense (scheme "dense", a small one,
 one "auto" keeps sending dense) is reduced by the model's group from the hook, as DDP's default
-hook reduces it, to DDP's own bits; sparse and sparsified buckets by the hook's streams;
-metrics name every bucket's route. Under HVD_SPARSE_CPU_AS_DEVICE the buckets pose as a
-device's and the model's group is plain Gloo: dense buckets still take the model's group, and
-a sparsified bucket crosses to the host by its non-zero blocks, not whole."""
+hook reduces it, to DDP's own bits; sparsified buckets by the hook's streams, a host's sparse
+buckets too; metrics name every bucket's route. Under HVD_SPARSE_CPU_AS_DEVICE the buckets
+pose as a device's: a sparse bucket's rows are allgathered by the model's group and summed
+where they are (equal to DDP's own within rounding), a sparsified bucket crosses to the host by
+its non-zero blocks, not whole; and with a plain Gloo model's group, dense buckets still take
+it."""
 from __future__ import annotations
 
 import copy
@@ -23,17 +25,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 from hvd_sparse import TopK, ddp, metrics, reset_metrics
 from hvd_sparse.schemes import auto
 
-LAUNCHES = [Launch("torchrun", np=2, timeout=300),
+LAUNCHES = [Launch("torchrun", np=2, timeout=300, args=("-k", "not device_rows")),
             Launch("torchrun", np=2, timeout=300, id="torch-np2-device",
-                   env={"HVD_SPARSE_CPU_AS_DEVICE": "1"})]
+                   env={"HVD_SPARSE_CPU_AS_DEVICE": "1"}),
+            Launch("torchrun", np=2, timeout=300, id="torch-np2-device-gloo",
+                   env={"HVD_SPARSE_CPU_AS_DEVICE": "1", "HVD_SPARSE_TEST_MODEL_GROUP": "gloo"})]
 DEVICE = os.environ.get("HVD_SPARSE_CPU_AS_DEVICE") == "1"
+MODEL_GROUP = os.environ.get("HVD_SPARSE_TEST_MODEL_GROUP", recording_pg.NAME)
+RECORDED = MODEL_GROUP == recording_pg.NAME
 
 
 @pytest.fixture(scope="module", autouse=True)
 def group():
     torch.set_num_threads(1)
     recording_pg.register()
-    dist.init_process_group("gloo" if DEVICE else recording_pg.NAME)
+    dist.init_process_group(MODEL_GROUP)
     yield
     dist.destroy_process_group()
 
@@ -45,15 +51,15 @@ def mlp() -> nn.Module:
 
 
 class Tabled(nn.Module):
-    """``mlp()`` beside a sparse table."""
+    """``mlp()`` beside a sparse table (in ``dtype``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.mlp = mlp()
-        self.emb = nn.EmbeddingBag(5000, 16, mode="sum", sparse=True)
+        self.emb = nn.EmbeddingBag(5000, 16, mode="sum", sparse=True, dtype=dtype)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.mlp(x) + self.emb(ids).sum(1, keepdim=True)
+        return self.mlp(x) + self.emb(ids).float().sum(1, keepdim=True)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +104,7 @@ def test_dense_buckets_go_by_the_models_group(scheme: str) -> None:
                              strict=True):
             assert torch.equal(p.grad, q.grad), n
         assert set(routes().values()) == {"model group"}, metrics()
-        if not DEVICE:  # the recording group is the model's: one allreduce a bucket
+        if RECORDED:  # one allreduce a bucket
             sizes = [c.numel[0] for c in calls if c.op == "allreduce"]
             assert len(sizes) == len(routes()), (calls, routes())
             assert sum(sizes) == sum(p.numel() for p in ours.parameters()), calls
@@ -107,11 +113,12 @@ def test_dense_buckets_go_by_the_models_group(scheme: str) -> None:
         state.close()
 
 
-def test_sparse_and_sparsified_buckets_go_by_the_streams() -> None:
-    """A sparse table's bucket and the buckets a sparsifier works on are the hook's streams':
-    the model's group carries nothing of them; on a device a sparsified bucket is staged by its
-    non-zero blocks (a fraction of its bytes), not moved whole (a bucket of parameters all too
-    small to sparsify goes dense, where it is)."""
+def test_sparse_and_sparsified_buckets() -> None:
+    """The buckets a sparsifier works on are the hook's streams', and so is a host's sparse
+    table (the model's group carries nothing of them); on a device a sparsified bucket is staged
+    by its non-zero blocks (a fraction of its bytes), not moved whole (a bucket of parameters
+    all too small to sparsify goes dense, where it is), and the table's rows go by the model's
+    group."""
     reset_metrics()
     torch.manual_seed(0)
     model = Tabled()
@@ -125,13 +132,58 @@ def test_sparse_and_sparsified_buckets_go_by_the_streams() -> None:
         ours.zero_grad()
         x, y = batch(0)
         nn.functional.mse_loss(ours(x, ids), y).backward()
-        assert not [c for c in Recording.calls if c.op in ("allreduce", "allgather")]
-        assert set(routes().values()) == {"hook streams"}, sorted(metrics())
+        table = [n for n, v in metrics().items()
+                 if n.startswith("ddp.bucket") and v["scheme"] == "rows"]
+        assert len(table) == 1, metrics()
+        assert {r for n, r in routes().items() if n not in table} == {"hook streams"}
+        assert metrics()[table[0]]["route"] == ("model group" if DEVICE else "hook streams")
+        if RECORDED:  # the model's group: the table's rows (on a device) alone
+            gathers = [c for c in Recording.calls if c.op in ("allreduce", "allgather")]
+            assert [c.op for c in gathers] == (["allgather"] * 2 if DEVICE else []), gathers
         if DEVICE:  # sparsified buckets staged, by their non-zero blocks (TopK 1%)
             sparsified = [v for n, v in metrics().items()
                           if n.startswith("ddp.bucket") and v["scheme"] == "allgather"]
             assert sparsified and all(v.get("staged") == "cpu" for v in sparsified), metrics()
             nbytes = sum(p.numel() * 4 for p in model.mlp.parameters())
             assert sum(v["bytes_sent"] for v in sparsified) < 0.5 * nbytes, sparsified
+    finally:
+        state.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_device_rows_by_the_models_group(dtype: torch.dtype) -> None:
+    """A device's sparse table, three steps: its rows allgathered by the model's group (row
+    counts, then rows: two calls from the thread running backward) and summed where they are;
+    the gradient equals DDP's own (its sparse allreduce) within rounding, alike on every rank
+    to the bit. (Its launches pose as a device: HVD_SPARSE_CPU_AS_DEVICE.)"""
+    torch.manual_seed(0)
+    net = Tabled(dtype)
+    ref = DDP(net, bucket_cap_mb=0.1)
+    ours = DDP(copy.deepcopy(net), bucket_cap_mb=0.1)
+    state = ddp.State(scheme="auto", probe="off")
+    ours.register_comm_hook(state, ddp.hook)
+    ids = torch.randint(0, 5000, (32, 4), generator=torch.Generator().manual_seed(
+        dist.get_rank()))
+    try:
+        for k in range(3):
+            x, y = batch(k)
+            ref.zero_grad()
+            nn.functional.mse_loss(ref(x, ids), y).backward()
+            Recording.calls.clear()
+            ours.zero_grad()
+            nn.functional.mse_loss(ours(x, ids), y).backward()
+            gathers = [c for c in Recording.calls if c.op == "allgather"]
+            got, want = ours.module.emb.weight.grad, ref.module.emb.weight.grad
+            assert got.is_sparse and got.is_coalesced()
+            tol = 1e-6 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got.to_dense().float(), want.to_dense().float(),
+                                       rtol=tol, atol=tol)
+            digests: list = [None] * dist.get_world_size()
+            dist.all_gather_object(digests, got.to_dense().float().sum().item())
+            assert len(set(digests)) == 1, digests
+            if RECORDED:
+                assert len(gathers) == 2 and {c.thread for c in gathers} == {"MainThread"}
+        table = [v for n, v in metrics().items() if v.get("scheme") == "rows"]
+        assert table and {v["route"] for v in table} == {"model group"}, metrics()
     finally:
         state.close()
