@@ -10,6 +10,7 @@ rank 0 is a JSON summary that tests/test_examples.py checks.
 import argparse
 import hashlib
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -45,9 +46,15 @@ def main() -> None:
     p.add_argument("--scheme", default="auto")
     args = p.parse_args()
 
-    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...
+    # One rank per GPU where there are GPUs (NCCL for DDP's own group), the CPU otherwise.
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")  # torchrun sets RANK, WORLD_SIZE, ...
     torch.manual_seed(0)
-    model = DDP(Model())  # DDP broadcasts rank 0's parameters at construction
+    # DDP broadcasts rank 0's parameters at construction
+    model = DDP(Model().to(device), device_ids=[device.index] if cuda else None)
     # Collective: every rank builds the state, in the same order as its other collectives.
     state = hvd_sparse.ddp.State(scheme=args.scheme)
     model.register_comm_hook(state, hvd_sparse.ddp.hook)
@@ -56,7 +63,7 @@ def main() -> None:
 
     losses = []
     for step in range(args.steps):
-        ids, y = batch(step, teacher)
+        ids, y = (t.to(device) for t in batch(step, teacher))
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(ids), y)
         loss.backward()  # the hook's reductions run while backward goes on; DDP waits for them
@@ -67,7 +74,7 @@ def main() -> None:
         if dist.get_rank() == 0 and step % 50 == 0:
             print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
 
-    digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes()
+    digest = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes()
                                    for p in model.parameters())).hexdigest()
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)

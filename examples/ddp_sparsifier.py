@@ -13,6 +13,7 @@ rank 0 is a JSON summary that tests/test_examples.py checks.
 import argparse
 import hashlib
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -28,12 +29,18 @@ def main() -> None:
     p.add_argument("--density", type=float, default=0.01)
     args = p.parse_args()
 
-    dist.init_process_group("gloo")
+    # One rank per GPU where there are GPUs (NCCL for DDP's own group), the CPU otherwise.
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")  # torchrun sets RANK, WORLD_SIZE, ...
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                         nn.Linear(256, 1))
     teacher = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 1))
-    model = DDP(net)
+    net, teacher = net.to(device), teacher.to(device)
+    model = DDP(net, device_ids=[device.index] if cuda else None)
     # the sparsifier's memory is kept per parameter: name them (and a checkpoint can resume it)
     state = hvd_sparse.ddp.State(sparsifier=hvd_sparse.TopK(args.density), block_size=4,
                                  named_parameters=net.named_parameters(), scheme="allgather")
@@ -43,7 +50,7 @@ def main() -> None:
     losses = []
     for step in range(args.steps):
         g = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
-        x = torch.randn(128, 64, generator=g)
+        x = torch.randn(128, 64, generator=g).to(device)
         with torch.no_grad():
             y = teacher(x)
         opt.zero_grad()
@@ -58,7 +65,7 @@ def main() -> None:
 
     sparsified = {name: m["achieved_density"] for name, m in hvd_sparse.metrics().items()
                   if "achieved_density" in m}
-    digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes()
+    digest = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes()
                                    for p in model.parameters())).hexdigest()
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)

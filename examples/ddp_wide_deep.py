@@ -13,6 +13,7 @@ printed by rank 0 is a JSON summary that tests/test_examples.py checks.
 import argparse
 import hashlib
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -56,9 +57,15 @@ def main() -> None:
     p.add_argument("--table-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args()
 
-    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...
+    # One rank per GPU where there are GPUs (NCCL for DDP's own group), the CPU otherwise.
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")  # torchrun sets RANK, WORLD_SIZE, ...
     torch.manual_seed(0)
-    model = DDP(WideDeep(getattr(torch, args.table_dtype)))
+    model = DDP(WideDeep(getattr(torch, args.table_dtype)).to(device),
+                device_ids=[device.index] if cuda else None)
     # Collective: every rank builds the state, in the same order as its other collectives.
     state = hvd_sparse.ddp.State(scheme=args.scheme)
     model.register_comm_hook(state, hvd_sparse.ddp.hook)
@@ -67,7 +74,7 @@ def main() -> None:
 
     losses = []
     for step in range(args.steps):
-        ids, clicked = batch(step, teacher)
+        ids, clicked = (t.to(device) for t in batch(step, teacher))
         opt.zero_grad()
         loss = nn.functional.binary_cross_entropy_with_logits(model(ids), clicked)
         loss.backward()  # the hook's reductions run while backward goes on; DDP waits for them
@@ -78,7 +85,7 @@ def main() -> None:
         if dist.get_rank() == 0 and step % 50 == 0:
             print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
 
-    digest = hashlib.sha1(b"".join(p.detach().view(-1).view(torch.uint8).numpy().tobytes()
+    digest = hashlib.sha1(b"".join(p.detach().cpu().view(-1).view(torch.uint8).numpy().tobytes()
                                    for p in model.parameters())).hexdigest()
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)

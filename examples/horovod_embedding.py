@@ -50,11 +50,17 @@ def main() -> None:
     args = p.parse_args()
 
     hvd.init()
+    # One rank per GPU where there are GPUs (a CPU-only Horovod build will do: hvd-sparse
+    # reduces through host memory), the CPU otherwise.
+    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else \
+        torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     # Options are keywords here or HVD_SPARSE_* variables (docs: Configuration). With no
     # aggregators configured, rank 0 starts the job's own for the omnireduce scheme.
     hvd_sparse.init(scheme=args.scheme)
     torch.manual_seed(0)  # the same initial model on every rank (or broadcast it, as below)
-    model = Model()
+    model = Model().to(device)
     teacher = torch.randn(ROWS, generator=torch.Generator().manual_seed(7))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     opt = hvd_sparse.DistributedOptimizer(opt, named_parameters=model.named_parameters())
@@ -62,17 +68,17 @@ def main() -> None:
 
     losses = []
     for step in range(args.steps):
-        ids, y = batch(step, teacher)
+        ids, y = (t.to(device) for t in batch(step, teacher))
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(ids), y)
         loss.backward()
         opt.step()  # waits for the reductions started during backward, then steps
         # the mean loss over the ranks (a dense allreduce of one number)
-        losses.append(float(hvd.allreduce(loss.detach(), name="loss")))
+        losses.append(float(hvd.allreduce(loss.detach().cpu(), name="loss")))
         if hvd.rank() == 0 and step % 50 == 0:
             print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
 
-    digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes()
+    digest = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes()
                                    for p in model.parameters())).hexdigest()
     same = len(set(hvd.allgather_object(digest))) == 1
     if hvd.rank() == 0:
