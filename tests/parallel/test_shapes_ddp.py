@@ -29,9 +29,9 @@ from hvd_sparse import ddp, metrics
 
 LAUNCHES = [Launch("torchrun", np=2, timeout=400), Launch("torchrun", np=3, timeout=400),
             Launch("torchrun", np=4, timeout=1200, extended=True,
-                   env={"HVD_SPARSE_PROPERTY_EXAMPLES": "60"}),
+                   env={"HVD_SPARSE_PROPERTY_EXAMPLES": "40"}),
             Launch("torchrun", np=2, timeout=1200, extended=True, id="torch-np2-many",
-                   env={"HVD_SPARSE_PROPERTY_EXAMPLES": "150"})]
+                   env={"HVD_SPARSE_PROPERTY_EXAMPLES": "100"})]
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 ROWS_SCHEMES = ["auto", "allgather", "omnireduce", "dense"]  # "dense": rows by allgather
 BLOCK_SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]

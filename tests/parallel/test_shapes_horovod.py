@@ -29,9 +29,9 @@ from shapes import Blocks, Rows
 import hvd_sparse
 
 LAUNCHES = [Launch(np=2, timeout=400), Launch(np=3, timeout=400),
-            Launch(np=4, timeout=1200, extended=True, env={"HVD_SPARSE_PROPERTY_EXAMPLES": "60"}),
+            Launch(np=4, timeout=1200, extended=True, env={"HVD_SPARSE_PROPERTY_EXAMPLES": "40"}),
             Launch(np=2, timeout=1200, extended=True, id="gloo-np2-many",
-                   env={"HVD_SPARSE_PROPERTY_EXAMPLES": "150"})]
+                   env={"HVD_SPARSE_PROPERTY_EXAMPLES": "100"})]
 WORLD = int(os.environ.get("HOROVOD_SIZE", "2"))
 ROWS_SCHEMES = ["auto", "allgather", "omnireduce", "dense"]  # "dense": densified, reduced
 BLOCK_SCHEMES = ["dense", "allgather", "zen", "omnireduce", "auto"]
