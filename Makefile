@@ -11,7 +11,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 .PHONY: setup build install test test-extended test-fast test-compose demo lint bench clean cuda-check \
-	sanitize sanitize-ext docs
+	sanitize sanitize-ext docs fuzz
 
 setup:
 	@bash scripts/setup.sh
@@ -156,6 +156,30 @@ sanitize-ext: build
 	  echo "sanitize-ext: findings above"; exit 1; fi; \
 	  [ $$rc = 0 ] || { cat $(SANITIZE_EXT)/stderr; echo "sanitize-ext: tests failed"; exit $$rc; }
 	@echo "sanitize-ext: no findings"
+
+# Coverage-guided fuzzing of every parser that reads bytes from the network or from disk
+# (docs/testing.md, "Fuzzing"): libFuzzer targets (fuzz/*.cpp, clang under ASan and UBSan)
+# for the aggregator's, the switch's and the worker's packet decoders, protocol.h's checks and
+# the DPDK frame parser; atheris targets (fuzz/*.py) for the dissector, the run file reader,
+# the analyzer and the config parser. Each runs FUZZ_SECONDS on a scratch copy of its corpus
+# (fuzz/corpus/, never written; FUZZ_TARGETS=a,b: those alone) and prints executions, coverage
+# and new inputs; a finding fails, its reproducer left in build/fuzz/crashes/. clang and
+# atheris (pinned in scripts/versions.env) are installed when missing. 9 targets x 60 s: about
+# 11 minutes. `make test` replays the corpora without either (tests/test_fuzz_corpus.py).
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?=
+fuzz: build
+	@source scripts/versions.env; missing=(); for p in $$FUZZ_APT_PACKAGES; do \
+	  dpkg-query -W -f='$${Status}' "$$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$$p"); \
+	  done; if [ $${#missing[@]} -gt 0 ]; then echo "[fuzz] apt-get install $${missing[*]}"; \
+	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; $$SUDO apt-get update -qq; \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
+	  "$${missing[@]}" >/dev/null || exit 1; fi
+	@source scripts/versions.env; $(PY) -c 'import sys, importlib.metadata as m; \
+	  sys.exit(m.version("atheris") != sys.argv[1])' "$$ATHERIS_VERSION" 2>/dev/null || { \
+	  echo "[fuzz] pip install atheris==$$ATHERIS_VERSION (into $(VENV))"; \
+	  $(PY) -m pip install -q --disable-pip-version-check "atheris==$$ATHERIS_VERSION"; }
+	@$(PY) fuzz/run.py --seconds $(FUZZ_SECONDS) $(if $(FUZZ_TARGETS),--targets $(FUZZ_TARGETS))
 
 # On a 4-host netns testbed at 1 Gbit/s when run as root, else on loopback (scripts/demo.py).
 # DEMO_ON=compose: on the compose cluster (docker/), images built first (cached), torn down

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -114,8 +116,8 @@ class Config:
             raise ValueError(f"block_size must be in [1, 2**24], got {self.block_size}")
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {self.timeout}")
+        if not _finite_positive(self.timeout):  # NaN and inf too: no wait could end at them
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {self.timeout}")
         if self.aggregator_layout not in LAYOUTS:
             raise ValueError(f"aggregator_layout must be one of {LAYOUTS}, "
                              f"got {self.aggregator_layout!r}")
@@ -123,12 +125,18 @@ class Config:
             raise ValueError(f"probe must be 'auto', 'force' or 'off', got {self.probe!r}")
         if self.fallback not in ("error", "dense"):
             raise ValueError(f"fallback must be 'error' or 'dense', got {self.fallback!r}")
-        if not 1 <= self.slots <= 4096 or self.payload_bytes < 1 or self.rto <= 0:
-            raise ValueError("slots must be in [1, 4096], payload_bytes >= 1 and rto > 0")
+        if not 1 <= self.slots <= 4096 or self.payload_bytes < 1 or not _finite_positive(self.rto):
+            raise ValueError(f"slots must be in [1, 4096], payload_bytes >= 1 and rto finite and "
+                             f"> 0, got {self.slots}, {self.payload_bytes}, {self.rto}")
         if self.metrics_records < 1:
             raise ValueError(f"metrics_records must be >= 1, got {self.metrics_records}")
+        # what logs.configure sets the logger to: a level logging knows by name
+        if not isinstance(logging.getLevelName(str(self.log_level).upper()), int):
+            raise ValueError(f"log_level must be a logging level name (DEBUG, INFO, WARNING, "
+                             f"ERROR, CRITICAL), got {self.log_level!r}")
         if self.link_rate:
             parse_rate(self.link_rate)
+        self.aggregator_list()
         self.switch_address()
         self.port_range()
         return self
@@ -185,10 +193,18 @@ class Config:
         return _address("switch", self.switch.strip()) if self.switch.strip() else None
 
 
+def _finite_positive(x: float) -> bool:
+    try:
+        return math.isfinite(x) and x > 0
+    except OverflowError:  # an int beyond the floats
+        return False
+
+
 def _address(option: str, item: str) -> tuple[str, int]:
     host, _, port = item.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"{option}: expected host:port, got {item!r}")
+    # ASCII digits (str.isdigit takes "²", which int() refuses), a port a socket can reach
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{option}: expected host:port with a port in 1..65535, got {item!r}")
     return host, int(port)
 
 
@@ -224,9 +240,13 @@ def from_env_and_kwargs(**kwargs: object) -> Config:
     """
     values: dict[str, object] = {}
     for f in dataclasses.fields(Config):
-        env = os.environ.get(f"HVD_SPARSE_{f.name.upper()}")
+        var = f"HVD_SPARSE_{f.name.upper()}"
+        env = os.environ.get(var)
         if env is not None:
-            values[f.name] = _parse(env, type(f.default))
+            try:
+                values[f.name] = _parse(env, type(f.default))
+            except ValueError as e:  # int() and float() name neither the option nor the variable
+                raise ValueError(f"{var} ({f.name}): {e}") from None
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
         raise TypeError(f"unknown hvd_sparse option(s): {sorted(unknown)}")

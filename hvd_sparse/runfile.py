@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import collections
 import json
+import math
 import os
 import re
 import threading
@@ -38,15 +39,20 @@ def parse_rate(value: str | float | int) -> float:
     than guessed.
     """
     if isinstance(value, int | float):
-        rate = float(value)
+        try:
+            rate = float(value)
+        except OverflowError:  # an int beyond the floats
+            rate = math.inf
     else:
-        m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+        # a decimal number (not "1.2.3", which float() refuses naming no option), a unit
+        m = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*",
+                         value.lower())
         if m is None or m.group(2) not in _UNITS:
             raise ValueError(f"link_rate: expected bit/s as a number or with a unit among "
                              f"kbit, mbit, gbit, tbit (e.g. '10gbit'), got {value!r}")
         rate = float(m.group(1)) * _UNITS[m.group(2)]
-    if not rate > 0:
-        raise ValueError(f"link_rate must be > 0, got {value!r}")
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"link_rate must be a finite rate > 0, got {value!r}")
     return rate
 
 
@@ -152,11 +158,25 @@ def flush() -> Path | None:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """A run file's document; ValueError when it is not one this version reads."""
-    doc = json.loads(Path(path).read_text())
+    """A run file's document: an object of this format and a version this one reads, whose
+    ``records`` are a list of objects (what each field of them holds is its reader's to check:
+    ``hvd_sparse.tools.analyze.check_run``).
+
+    Raises:
+        ValueError: naming the file, when it is not such a run file (not JSON, undecodable
+            bytes, nested deeper than the JSON parser goes, another format or version).
+        OSError: it cannot be read.
+    """
+    try:
+        doc = json.loads(Path(path).read_bytes())
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting past the parser's depth
+        raise ValueError(f"{path}: not a JSON run file: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not an hvd-sparse run file (no \"format\": \"{FORMAT}\")")
     if doc.get("version") not in READS:
         raise ValueError(f"{path}: run file version {doc.get('version')}, this hvd-sparse "
                          f"reads versions {READS}")
+    records = doc.get("records")
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"{path}: \"records\" is not a list of objects")
     return doc

@@ -16,6 +16,9 @@ FILE_TIERS = {
     "test_sparsifiers.py": "unit", "test_sparsify_ops.py": "unit",
     "test_switch_pipeline.py": "unit", "test_switch_program.py": "unit",
     "test_protocol_doc.py": "unit", "test_parallel_driver.py": "unit", "test_auth.py": "unit",
+    "test_config.py": "unit",
+    # its Python targets are unit tests; its C++ replays (compiler, processes) say integration
+    "test_fuzz_corpus.py": "unit",
     "test_aggregator_sums.py": "integration", "test_aggregator_cli.py": "integration",
     "test_aggregator_loss.py": "integration", "test_aggregator_junk.py": "integration",
     "test_aggregator_jobs.py": "integration", "test_docker.py": "integration",

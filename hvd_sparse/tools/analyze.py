@@ -32,6 +32,111 @@ SEARCH = (1e6, 1e13)  # link rates searched for "dense is enough", bit/s
 Record = dict[str, Any]
 
 
+# What check_run() takes: ranks (a run's world size, a record's ranks) up to this many (the cost
+# model's terms are per rank: far beyond, one analysis takes minutes), tensors of up to
+# 2**62 elements (torch's numel is an int64), elements of at most 16 bytes.
+MAX_RANKS = 1 << 16
+MAX_NUMEL = 1 << 62
+MAX_ESIZE = 16
+MAX_BLOCK = 1 << 32  # the protocol's block_size and the cost model's layout take 32 bits
+
+
+def _is_int(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_number(v: Any, lo: float = -math.inf, positive: bool = False) -> bool:
+    """A finite JSON number (not a boolean) of at least ``lo``; above 0 with ``positive``."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        x = float(v)
+    except OverflowError:  # an integer beyond the floats
+        return False
+    return math.isfinite(x) and x >= lo and (x > 0 or not positive)
+
+
+def _is_numbers(v: Any, n: int, lo: float = 0.0) -> bool:
+    return isinstance(v, list | tuple) and len(v) == n and all(_is_number(x, lo) for x in v)
+
+
+def _check_net(d: Any) -> None:
+    """``net``: what NetModel is built from (net_model), every term a finite number."""
+    if not isinstance(d, dict):
+        raise ValueError("run file: \"net\" is not an object")
+    terms = {"allreduce": 2, "allgather": 2, "alltoall": 2}
+    for k, n in terms.items():
+        if not _is_numbers(d.get(k), n):
+            raise ValueError(f"run file: net.{k} is not {n} non-negative numbers")
+    for k in ("decode_bps", "local_bps"):
+        if not _is_number(d.get(k), positive=True):
+            raise ValueError(f"run file: net.{k} is not a positive number")
+    for k in ("omnireduce", "switch"):
+        if d.get(k) is not None and not _is_numbers(d[k], 3):
+            raise ValueError(f"run file: net.{k} is neither null nor 3 non-negative numbers")
+    for k in ("omni_layout", "switch_layout"):  # (payload bytes, slots)
+        v = d.get(k)
+        if v is not None and not (isinstance(v, list) and len(v) == 2
+                                  and _is_int(v[0], 0, MAX_NUMEL) and _is_int(v[1], 1, 1 << 32)):
+            raise ValueError(f"run file: net.{k} is not [payload bytes >= 0, slots >= 1]")
+    if d.get("link_bps") is not None and not _is_number(d["link_bps"], positive=True):
+        raise ValueError("run file: net.link_bps is neither null nor a positive number")
+    if "aggregator_hosts" in d and not _is_int(d["aggregator_hosts"], 0, MAX_RANKS):
+        raise ValueError("run file: net.aggregator_hosts is not a count of hosts")
+
+
+# A record's fields that analyze reads: name -> (what it must be, the check)
+_RECORD = {
+    "name": ("a string", lambda v: isinstance(v, str)),
+    "scheme": ("a string", lambda v: isinstance(v, str)),
+    "requested": ("any value", lambda v: True),  # reported as it is
+    "step": ("an integer >= 0", lambda v: _is_int(v, 0, MAX_NUMEL)),
+    "numel": (f"an integer in [0, {MAX_NUMEL}]", lambda v: _is_int(v, 0, MAX_NUMEL)),
+    "esize": (f"an integer in [1, {MAX_ESIZE}]", lambda v: _is_int(v, 1, MAX_ESIZE)),
+    "block_size": (f"an integer in [1, {MAX_BLOCK - 1}]", lambda v: _is_int(v, 1, MAX_BLOCK - 1)),
+    "ranks": (f"an integer in [1, {MAX_RANKS}]", lambda v: _is_int(v, 1, MAX_RANKS)),
+    "t": ("a finite number", _is_number),
+    "seconds": ("a finite number >= 0", lambda v: _is_number(v, 0.0)),
+    "bytes_sent": ("null or a number >= 0", lambda v: v is None or _is_number(v, 0.0)),
+    "bytes_received": ("null or a number >= 0", lambda v: v is None or _is_number(v, 0.0)),
+    "block_density": ("null or a number >= 0", lambda v: v is None or _is_number(v, 0.0)),
+    "union": ("null or a number >= 0", lambda v: v is None or _is_number(v, 0.0)),
+}
+
+
+def check_run(run: dict[str, Any]) -> None:
+    """What analyze() reads of a run file's document (as runfile.load returns it), checked
+    before it reads any of it: the run's world size, link rate, aggregators and network model,
+    and each record's fields.
+
+    Raises:
+        ValueError: naming the first field that is missing, of another type or out of range.
+    """
+    if not _is_int(run.get("world_size"), 1, MAX_RANKS):
+        raise ValueError(f"run file: \"world_size\" is not an integer in [1, {MAX_RANKS}]")
+    rate = run.get("link_rate_bps")
+    if rate is not None and not _is_number(rate, positive=True):
+        raise ValueError("run file: \"link_rate_bps\" is neither null nor a positive number")
+    for k in ("aggregator_hosts", "aggregators"):
+        if run.get(k) is not None and not _is_int(run[k], 0, MAX_RANKS):
+            raise ValueError(f"run file: \"{k}\" is neither null nor a count")
+    config = run.get("config", {})
+    if not isinstance(config, dict) or not _is_int(config.get("slots", 64), 1, 1 << 32):
+        raise ValueError("run file: \"config\" is not an object whose slots are >= 1")
+    _check_net(run.get("net"))
+    if not isinstance(run.get("records"), list):
+        raise ValueError("run file: \"records\" is not a list")
+    for i, r in enumerate(run["records"]):
+        if not isinstance(r, dict):
+            raise ValueError(f"run file: record {i} is not an object")
+        for k, (what, ok) in _RECORD.items():
+            if k not in r:  # null or not, the writer writes every field (runfile.FIELDS)
+                raise ValueError(f"run file: record {i} has no \"{k}\"")
+            if not ok(r[k]):
+                raise ValueError(f"run file: record {i}: \"{k}\" is not {what}, got "
+                                 f"{str(r[k])[:40]}")
+
+
 def net_model(d: dict[str, Any]) -> costmodel.NetModel:
     """The run's NetModel from its JSON (lists back to tuples; fields this version lacks are
     dropped, so run files of a newer cost model still load)."""
@@ -176,7 +281,12 @@ class WhatIf:
 def analyze(run: dict[str, Any], rates: Sequence[float] = RATES,
             workers: Sequence[int] = WORKERS, fraction: float = FRACTION,
             link_rate: float | None = None) -> dict[str, Any]:
-    """The whole analysis as a JSON-able dict (what ``--json`` writes)."""
+    """The whole analysis as a JSON-able dict (what ``--json`` writes).
+
+    Raises:
+        ValueError: ``run`` is not a run file's document it can analyze (``check_run``).
+    """
+    check_run(run)
     rate = link_rate or run.get("link_rate_bps")
     records = run["records"]
     ts = tensors(records, rate)
@@ -414,7 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     if not run["records"]:
         print(f"hvd-sparse analyze: {args.run}: no reductions recorded", file=sys.stderr)
         return 1
-    a = analyze(run, rates, workers, args.fraction, link)
+    try:
+        a = analyze(run, rates, workers, args.fraction, link)
+    except ValueError as e:  # a run file this analyzer cannot read (check_run)
+        print(f"hvd-sparse analyze: {args.run}: {e}", file=sys.stderr)
+        return 2
     print_report(a, args.max_steps)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

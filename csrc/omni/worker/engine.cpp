@@ -486,6 +486,10 @@ void Engine::abandon(TensorW& t, const std::string& why) {
 void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, double now) {
   c_.rx_packets++;
   c_.rx_bytes += len;
+  if (len < kHeaderBytes) {  // no header to read: a read of one ran past the datagram
+    c_.malformed++;
+    return;
+  }
   Header h = load_header(p);
   const bool mac = h.flags & kFlagAuth;  // the structure is that of the packet less its trailer
   if (mac) len = len >= kHeaderBytes + kAuthBytes ? len - kAuthBytes : 0;

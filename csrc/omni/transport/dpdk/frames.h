@@ -63,11 +63,19 @@ struct Udp {
 };
 
 // The UDP checksum of a datagram whose payload's one's-complement sum (rte_raw_cksum) is
-// `payload_sum`: callers that send one payload to many sum it once.
+// `payload_sum`: callers that send one payload to many sum it once. The pseudo-header's
+// length is the UDP length (RFC 768), not what the IP total leaves after the IP header, as
+// rte_ipv4_phdr_cksum takes it: the two differ when the IP payload holds padding, and
+// such a datagram's valid checksum failed (fuzz/corpus/dpdk_frames/regress-*).
 inline uint16_t udp_checksum(const rte_ipv4_hdr* ip, const rte_udp_hdr* udp, uint32_t payload_sum) {
   rte_udp_hdr h = *udp;
   h.dgram_cksum = 0;
-  uint32_t sum = payload_sum + rte_raw_cksum(&h, sizeof h) + rte_ipv4_phdr_cksum(ip, 0);
+  struct {
+    uint32_t src, dst;
+    uint8_t zero, proto;
+    uint16_t len;
+  } pseudo{ip->src_addr, ip->dst_addr, 0, IPPROTO_UDP, udp->dgram_len};
+  uint32_t sum = payload_sum + rte_raw_cksum(&h, sizeof h) + rte_raw_cksum(&pseudo, sizeof pseudo);
   while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
   const uint16_t c = uint16_t(~sum);
   return c == 0 ? 0xffff : c;  // 0 would mean "no checksum"

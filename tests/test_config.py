@@ -1,0 +1,74 @@
+"""hvd_sparse.config read from HVD_SPARSE_* variables: a value it cannot take is refused at
+``from_env_and_kwargs`` with a ValueError naming the option (docs/configuration.md), never
+accepted to fail later where the runtime uses it. Each case below is a finding of the
+config_env fuzz target (fuzz/config_env.py; its reproducers: fuzz/corpus/config_env/regress-*)."""
+from __future__ import annotations
+
+import pytest
+
+from hvd_sparse import config
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def no_variables(monkeypatch):
+    import os
+    for k in list(os.environ):
+        if k.startswith("HVD_SPARSE_"):
+            monkeypatch.delenv(k)
+
+
+def refused(monkeypatch, **env: str) -> str:
+    for k, v in env.items():
+        monkeypatch.setenv(f"HVD_SPARSE_{k.upper()}", v)
+    with pytest.raises(ValueError) as e:
+        config.from_env_and_kwargs()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("option,value", [
+    ("rto", "0._level"), ("timeout", "soon"), ("slots", "8.5"), ("block_size", "²"),
+    ("auth", "maybe"), pytest.param("threads", "9" * 5000, id="threads-5000-digits")])
+def test_a_value_that_does_not_parse_names_its_variable(monkeypatch, option, value):
+    """int() and float() say "could not convert string to float: ..." and nothing more."""
+    assert f"HVD_SPARSE_{option.upper()}" in refused(monkeypatch, **{option: value})
+
+
+@pytest.mark.parametrize("option", ["timeout", "rto"])
+@pytest.mark.parametrize("value", ["nan", "inf", "1e999", "-inf"])
+def test_timeouts_must_be_finite(monkeypatch, option, value):
+    """NaN passed `<= 0` checks, and no timer or wait ends at infinity."""
+    assert option in refused(monkeypatch, **{option: value})
+
+
+@pytest.mark.parametrize("value", ["101.5.3gbit", ".", "1.2.3", "1e999", "1e999gbit"])
+def test_a_link_rate_is_a_finite_number_named_when_refused(monkeypatch, value):
+    assert "link_rate" in refused(monkeypatch, link_rate=value)
+
+
+@pytest.mark.parametrize("option,value", [
+    ("aggregators", "10.0.0.1:99999"), ("aggregators", "10.0.0.1:0"),
+    ("aggregators", "10.0.0.1:9999,10.0.0.2:²"), ("aggregators", "10link_rate=9"),
+    ("switch", "10.0.0.9:65536")])
+def test_addresses_are_checked_up_front_with_ports_a_socket_takes(monkeypatch, option, value):
+    """A port beyond 65535 was accepted and wrapped to 16 bits where the worker resolves it;
+    the aggregator list was only parsed at init."""
+    assert option in refused(monkeypatch, **{option: value})
+
+
+@pytest.mark.parametrize("value", ["DEBU$G", "10", "verbose"])
+def test_log_level_is_a_level_name(monkeypatch, value):
+    """logging.setLevel refused it at init, naming no option."""
+    assert "log_level" in refused(monkeypatch, log_level=value)
+
+
+def test_what_is_valid_still_parses(monkeypatch):
+    for k, v in {"TIMEOUT": "60", "RTO": "0.01", "LINK_RATE": "10gbit", "LOG_LEVEL": "debug",
+                 "AGGREGATORS": "10.0.0.1:9999, 10.0.0.2:1", "SWITCH": "10.0.0.9:65535",
+                 "AUTH": "off", "PORTS": "20000-20100"}.items():
+        monkeypatch.setenv(f"HVD_SPARSE_{k}", v)
+    cfg = config.from_env_and_kwargs()
+    assert (cfg.timeout, cfg.rto, cfg.auth, cfg.log_level) == (60.0, 0.01, False, "debug")
+    assert cfg.aggregator_list() == [("10.0.0.1", 9999), ("10.0.0.2", 1)]
+    assert cfg.switch_address() == ("10.0.0.9", 65535) and cfg.port_range() == (20000, 20100)
