@@ -19,7 +19,7 @@ from .errors import HvdSparseError
 from .metrics import metrics, reset_metrics
 
 if TYPE_CHECKING:
-    from .basics import init, is_initialized, shutdown
+    from .basics import HvdSparseInternalError, init, is_initialized, shutdown
     from .compression import Compression, SparseCompressor
     from .mpi_ops import (
         allreduce,
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 # public name -> the submodule that defines it
 _EXPORTS = {
     "init": "basics", "is_initialized": "basics", "shutdown": "basics",
+    "HvdSparseInternalError": "basics",
     "Compression": "compression", "SparseCompressor": "compression",
     "allreduce": "mpi_ops", "allreduce_": "mpi_ops", "allreduce_async": "mpi_ops",
     "allreduce_async_": "mpi_ops", "poll": "mpi_ops", "synchronize": "mpi_ops",
@@ -44,10 +45,10 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "DGC", "Compression", "DistributedOptimizer", "ExDyna", "HvdSparseError", "SparseCompressor",
-    "Sparsifier", "Threshold", "TopK", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "init", "is_initialized", "metrics", "poll", "reset_metrics", "shutdown",
-    "synchronize",
+    "DGC", "Compression", "DistributedOptimizer", "ExDyna", "HvdSparseError",
+    "HvdSparseInternalError", "SparseCompressor", "Sparsifier", "Threshold", "TopK",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "init", "is_initialized",
+    "metrics", "poll", "reset_metrics", "shutdown", "synchronize",
 ]
 __version__ = "0.1.0"
 

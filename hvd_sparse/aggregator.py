@@ -66,12 +66,12 @@ class LocalAggregators:
             for i in range(count):
                 port_file = self.dir / f"agg{i}.port"
                 port_file.unlink(missing_ok=True)
-                log = open(self.dir / f"agg{i}.log", "w")  # noqa: SIM115 - lives with the process
-                self.procs.append(subprocess.Popen(
-                    [str(binary()), "--bind", f"{bind}:0", "--workers", str(workers),
-                     "--parent-pid", str(os.getpid()), "--port-file", str(port_file), *extra,
-                     *args],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                with open(self.dir / f"agg{i}.log", "w") as out:  # (the child keeps its own)
+                    self.procs.append(subprocess.Popen(
+                        [str(binary()), "--bind", f"{bind}:0", "--workers", str(workers),
+                         "--parent-pid", str(os.getpid()), "--port-file", str(port_file),
+                         *extra, *args],
+                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
                 self.ports.append(self._wait_port(port_file, self.procs[-1], i))
         except BaseException:
             self.stop()

@@ -104,6 +104,9 @@ class SparseCompressor:
             HvdSparseError: ``tensor`` is sparse (Horovod's grouped path hands sparse
                 gradients over), the optimizer's op is ``hvd.Adasum``, hvd_sparse is not
                 initialized, or a reduction of the same name is in flight.
+            HvdSparseInternalError: Horovod is shut down, or the join of the ranks (under
+                Horovod elastic, at the first reduction after init or a reset) failed with
+                Horovod.
             ValueError: the sparsifier refuses the tensor (not floating-point) or, for DGC,
                 the optimizer's momentum.
         """
@@ -147,7 +150,9 @@ class SparseCompressor:
             allgather reduced it, not hvd_sparse).
 
         Raises:
-            HvdSparseError: the reduction failed or timed out.
+            HvdSparseInternalError: the reduction failed or timed out (a peer left, an
+                aggregator timed out, Horovod shut down under it): an ``HvdSparseError`` and
+                Horovod's ``HorovodInternalError``, which ``hvd.elastic.run`` recovers from.
         """
         if ctx is None:  # Horovod reduced it itself: a tensor handed back by compress, or a
             # sparse gradient (sparse_as_dense=False), which Horovod's optimizer sends to its own

@@ -385,6 +385,42 @@ def load_or_probe(comm: Collectives, mode: str, cache_dir: str,
     return model
 
 
+# Device-host copies where none was probed: a PCIe 4.0 x16 link's pageable copies, about.
+BUS_BPS = 10e9
+
+
+@dataclass(frozen=True)
+class DeviceRoute:
+    """A device tensor's two ways under the DDP hook: dense by the model's own process group,
+    where the tensor is (NCCL's allreduce on a GPU), or its non-zero blocks staged across the
+    bus to the host's schemes and the result's back (staging.py)."""
+
+    dense: tuple[float, float]  # the group's allreduce: alpha (s), beta (s per byte)
+    bus_bps: float  # bytes per second of a device-host copy
+    source: str = "default"
+
+
+def probe_route(allreduce: Callable[[int], object], to_host: Callable[[int], object],
+                agree: Callable[[list[float]], list[float]]) -> DeviceRoute:
+    """Times a device group's allreduce at two sizes and a device-host copy (collective over
+    that group, like ``probe``).
+
+    Args:
+        allreduce: runs the group's allreduce of that many float32 elements to completion.
+        to_host: copies that many float32 elements from the device to the host.
+        agree: the slowest rank's times, alike on every rank (an allreduce of the maximum).
+
+    Returns:
+        The route, alike on every rank.
+    """
+    small, big = 256, 1 << 20
+    times = agree([_median_time(lambda: allreduce(small), 3),
+                   _median_time(lambda: allreduce(big), 3),
+                   _median_time(lambda: to_host(big), 3)])
+    return DeviceRoute(_fit((small * 4, times[0]), (big * 4, times[1])),
+                       big * 4 / max(times[2], 1e-9), "probe")
+
+
 @dataclass(frozen=True)
 class Prediction:
     """What the model expects of each scheme for one tensor."""
@@ -394,12 +430,15 @@ class Prediction:
 
 
 def predict(
-    m: NetModel, numel: int, esize: int, bs: int, nnz: Sequence[int], union: float | None
+    m: NetModel, numel: int, esize: int, bs: int, nnz: Sequence[int], union: float | None,
+    route: DeviceRoute | None = None,
 ) -> Prediction:
     """Predicted cost of each scheme for a tensor whose ranks hold ``nnz`` non-zero blocks.
 
     ``union`` is the expected number of distinct non-zero blocks over all ranks; when unknown it
-    is estimated as if blocks were placed independently at random.
+    is estimated as if blocks were placed independently at random. With a device ``route`` (a
+    device tensor under the DDP hook), dense is its group's allreduce where the tensor is, and
+    every other scheme pays for the busiest rank's blocks across the bus and the union's back.
     """
     n = len(nnz)
     nblocks = max(1, blocks.num_blocks(numel, bs))
@@ -410,6 +449,8 @@ def predict(
 
     nbytes = numel * esize
     dense = m.allreduce[0] + m.allreduce[1] * nbytes
+    if route is not None:
+        dense = route.dense[0] + route.dense[1] * nbytes
     local = nbytes / m.local_bps  # scan and output zeroing: every sparse scheme pays it
 
     gathered = sum(SEGMENT + c * (4 + block) for c in nnz)
@@ -458,6 +499,11 @@ def predict(
         p.seconds["switch"] = (local + m.allreduce[0] + latency * rounds + packet * packets
                                + per_byte * busiest)
         p.received["switch"] = sback * sb * 4
+    if route is not None:
+        staged = (max(nnz, default=0) + union) * (4 + block) / route.bus_bps
+        for k in p.seconds:
+            if k != "dense":
+                p.seconds[k] += staged
     return p
 
 

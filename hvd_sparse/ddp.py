@@ -29,6 +29,7 @@ static-graph iteration every bucket says index 0 and none says it is the last.
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 import copy
+import dataclasses
 import queue
 import threading
 import time
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import blocks, device, reduction, session
+from . import blocks, costmodel, device, reduction, session
 from . import config as _config
 from .comm.distributed import TorchCollectives
 from .errors import HvdSparseError
@@ -135,6 +136,7 @@ class State:
         self._pass: list[tuple[int, bool]] = []  # this backward pass: (bucket, sparse)
         self._sparse_after: dict[int, bool] = {}  # last pass: whether a sparse bucket followed
         self._dense_streak: dict[tuple[str, tuple[int, ...]], int] = {}  # "auto"'s, relearnt
+        self._routes: dict[str, costmodel.DeviceRoute] = {}  # a device's, probed at its first
 
     def _join(self) -> None:
         """Collective over the process group: the streams' groups, the aggregators and switch
@@ -164,7 +166,7 @@ class State:
         self.comm = self.streams[0]
         self.omni, self.switch, self.net = session.join_all(cfg, self.comm)
         self.context = Context(cfg, self.net, self.omni, self.switch, *self._learnt,
-                               self._dense_streak)
+                               self._dense_streak, routes=self._routes)
         if self.sparsifier is not None:
             self.sparsifier.join(self.comm.rank, self.comm.size)
         self._work = [queue.Queue() for _ in self.streams]
@@ -264,6 +266,40 @@ class State:
         assert self.context is not None and self.comm is not None
         return scheme == "auto" and auto.steady_dense(self.context,
                                                       auto.key(name, self.comm.ranks))
+
+    def _route(self, t: torch.Tensor) -> None:
+        """What "auto" weighs for a device's dense buckets (``costmodel.DeviceRoute``): the
+        model's group's allreduce where they are, and the bus that staging crosses; probed at
+        the device's first dense bucket (from the hook, in bucket order: collective over the
+        group, alike on every rank), unless the probe is off (the host model's allreduce and
+        ``costmodel.BUS_BPS`` then)."""
+        key = str(t.device)
+        if key in self._routes or self.config.scheme != "auto":
+            return
+        if self.config.probe == "off":
+            self._routes[key] = costmodel.DeviceRoute(self.net.allreduce, costmodel.BUS_BPS)
+            return
+        pg = self.process_group
+        xs = {k: torch.zeros(k, device=t.device) for k in (256, 1 << 20)}
+
+        def done() -> None:
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
+
+        def allreduce(k: int) -> None:
+            dist.all_reduce(xs[k], group=pg)
+            done()
+
+        def to_host(k: int) -> None:
+            xs[k].to("cpu", copy=True)
+            done()
+
+        def agree(times: list[float]) -> list[float]:
+            slowest = torch.tensor(times, dtype=torch.float64, device=t.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=pg)
+            return slowest.tolist()
+
+        self._routes[key] = costmodel.probe_route(allreduce, to_host, agree)
 
     def _on_model_group(self, name: str, t: torch.Tensor) -> torch.futures.Future:
         """DDP's own allreduce of the bucket (its default hook's: divided first, then summed on
@@ -445,12 +481,16 @@ class State:
         """What the hook learnt in training, to save with a checkpoint.
 
         Returns:
-            The sparsifier's memory and what ``auto`` learnt of each bucket; pass it to
+            The sparsifier's memory and what ``auto`` learnt of each bucket (its choices'
+            streaks included), in tensors and plain Python types only (``torch.load`` reads it
+            with its default ``weights_only=True``); pass it to
             ``load_state_dict`` of the resumed job's state (or pickle the state itself).
         """
         union_ratio, plans = self._learnt
         return {"sparsifier": self.sparsifier.state_dict() if self.sparsifier else None,
-                "union_ratio": dict(union_ratio), "rows_plans": copy.deepcopy(plans)}
+                "union_ratio": dict(union_ratio),
+                "rows_plans": {n: dataclasses.asdict(p) for n, p in plans.items()},
+                "dense_streak": dict(self._dense_streak)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what ``state_dict`` returned.
@@ -473,7 +513,12 @@ class State:
         # by (name, ranks); an older checkpoint's, by name alone, is relearnt
         union_ratio.update((k, v) for k, v in state["union_ratio"].items() if isinstance(k, tuple))
         plans.clear()
-        plans.update(copy.deepcopy(state.get("rows_plans", {})))
+        plans.update((n, p if isinstance(p, RowsPlan) else RowsPlan(**p))  # (older: objects)
+                     for n, p in copy.deepcopy(state.get("rows_plans", {})).items())
+        # the streaks too: a resumed job asks the ranks when the saved one would have, so
+        # it makes the same choices (and the same sums) as a run never interrupted
+        self._dense_streak.clear()
+        self._dense_streak.update(state.get("dense_streak", {}))
 
     def close(self) -> None:
         """Fails the buckets still held, stops the streams' threads and leaves the aggregators
@@ -516,6 +561,8 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     else:
         state._release()  # the sparse buckets before this one go first, in bucket order
         parts = _parts(state, bucket, name)
+        if device.on_device(buffer):
+            state._route(buffer)
         if (not state._model_gloo or device.on_device(buffer)) and \
                 state._goes_dense(name, buffer, parts):
             fut = state._on_model_group(name, buffer)

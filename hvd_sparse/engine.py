@@ -60,6 +60,7 @@ class Handle:
             self._fail(e)
         except Exception as e:  # noqa: BLE001 - any failure must surface as the tensor's error
             self._fail(HvdSparseError(f"hvd_sparse: tensor {self.job.name!r}: {e}"))
+            _lost(self, e)
         self.stage_started = time.monotonic()
         times[host] = times.get(host, 0.0) + (self.stage_started - now) * 1e3
         if self.result is not None:
@@ -106,9 +107,19 @@ def progress() -> None:
                     value = h.pending.value()
                 except Exception as e:  # noqa: BLE001 - collectives report peer errors this way
                     h._fail(HvdSparseError(f"hvd_sparse: tensor {h.job.name!r}: {e}"))
+                    _lost(h, e)
                     break
                 h._step(value)
             _reap(h)
+
+
+def _lost(h: Handle, e: BaseException) -> None:
+    """``h``'s collectives failed with ``e``; where that says none of them can complete any
+    more (``Collectives.lost``: Horovod shut down), every other reduction in flight fails with
+    it now, rather than one waiting out its timeout at the aggregators for a peer that left."""
+    lost = getattr(h.job.comm, "lost", None)
+    if lost is not None and lost(e):
+        abandon(str(e))
 
 
 def poll(h: Handle) -> bool:
@@ -149,7 +160,7 @@ def abandon(why: str) -> int:
     """Fails every reduction in flight with ``why`` (at shutdown); returns how many. A scheme's
     clean-up (its ``finally``) runs now, before what it used goes away."""
     with _lock:
-        handles = list(_inflight.values())
+        handles = [h for h in _inflight.values() if not h.done]  # (the done: their outcome)
         _inflight.clear()
         for h in handles:
             h._fail(HvdSparseError(f"hvd_sparse: tensor {h.job.name!r}: {why}"))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import Config
-from .costmodel import NetModel
+from .costmodel import DeviceRoute, NetModel
 
 if TYPE_CHECKING:
     from .comm import Collectives
@@ -48,6 +48,12 @@ class Context:
     # (name, ranks) -> calls in a row that "auto" sent dense (schemes/auto.py: past a few, it stops
     # asking the ranks until its next look)
     dense_streak: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
+    # which join of the ranks this is (the Horovod front end joins again after an elastic
+    # reset): the sparsifier is told it with the reduction's ranks (``Sparsifier.join``)
+    joined: int = 0
+    # a device's (str(device)) route of the DDP hook: its dense allreduce by the model's group,
+    # against staging (costmodel.DeviceRoute), for "auto" to weigh; set at its first bucket
+    routes: dict[str, DeviceRoute] = field(default_factory=dict)
 
 
 @dataclass

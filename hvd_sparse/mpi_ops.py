@@ -58,6 +58,9 @@ def allreduce_async(
     Raises:
         HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``,
             or a reduction of the same name is in flight.
+        HvdSparseInternalError: Horovod is shut down, or (under Horovod elastic, where the
+            first reduction after ``init`` or a reset joins the ranks) the join failed with
+            Horovod; an ``HvdSparseError`` and Horovod's ``HorovodInternalError``.
         ValueError: ``op`` or ``scheme`` is not one of the above, or the sparsifier refuses
             the tensor (not floating-point).
 
@@ -93,10 +96,16 @@ def synchronize(handle: Handle) -> torch.Tensor:
         sparse input reduced by its rows); for an in-place reduction, the input itself.
 
     Raises:
-        HvdSparseError: the reduction failed (naming the tensor and why) or one of its stages
-            (a collective, an aggregation) took longer than the ``timeout`` option.
+        HvdSparseInternalError: the reduction failed (naming the tensor and why: a peer that
+            left or timed out, an aggregator or the switch that timed out, Horovod shut down
+            under it) or one of its stages (a collective, an aggregation) took longer than the
+            ``timeout`` option. It is an ``HvdSparseError`` and Horovod's
+            ``HorovodInternalError``, the error ``hvd.elastic.run`` recovers from.
     """
-    return reduction.finish(handle)
+    try:
+        return reduction.finish(handle)
+    except HvdSparseError as e:
+        raise basics.failure(e, handle.job.ctx.joined) from e
 
 
 def poll(handle: Handle) -> bool:
@@ -142,8 +151,10 @@ def allreduce(
         tensor for a sparse input reduced by its rows).
 
     Raises:
-        HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``, a
-            reduction of the same name is in flight, or the reduction failed or timed out.
+        HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``, or
+            a reduction of the same name is in flight.
+        HvdSparseInternalError: the reduction failed or timed out, or Horovod is shut down
+            (see ``synchronize``): also Horovod's ``HorovodInternalError``.
         ValueError: ``op`` or ``scheme`` is not one of the above.
 
     Example:
@@ -190,6 +201,8 @@ def allreduce_async_(
     Raises:
         HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``, or
             a reduction of the same name is in flight.
+        HvdSparseInternalError: Horovod is shut down, or the join under elastic failed with
+            Horovod (see ``allreduce_async``).
         ValueError: ``op`` or ``scheme`` is not one of the above, or the sparsifier refuses
             the tensor.
 
@@ -229,8 +242,10 @@ def allreduce_(
         coalesced sparse tensor).
 
     Raises:
-        HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``, a
-            reduction of the same name is in flight, or the reduction failed or timed out.
+        HvdSparseError: hvd_sparse is not initialized, this rank is not in ``process_set``, or
+            a reduction of the same name is in flight.
+        HvdSparseInternalError: the reduction failed or timed out, or Horovod is shut down
+            (see ``synchronize``): also Horovod's ``HorovodInternalError``.
         ValueError: ``op`` or ``scheme`` is not one of the above.
 
     Example:

@@ -85,22 +85,32 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                                  process_set=self.process_set, sparsifier=self._sparsifier)
 
     def synchronize(self) -> None:
-        """Waits for every gradient's reduction and writes the results into ``p.grad``."""
+        """Waits for every gradient's reduction and writes the results into ``p.grad``.
+
+        A failure (``HvdSparseInternalError``, which ``hvd.elastic.run`` recovers from)
+        leaves nothing in flight here: the step's other reductions are forgotten (the engine
+        abandons them when hvd_sparse joins the ranks again), so the step can run anew."""
         if not self.process_set.included():
             self._synchronized = True
             return
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.requires_grad and p not in self._handles:
-                    self._submit(p)
-        for p, h in self._handles.items():
-            out = synchronize(h)
-            if p.grad.is_sparse:  # reduced by rows, coalesced (or sparse_as_dense's, made
-                p.grad = out if out.is_sparse else out.to_sparse()  # sparse again)
-            # dense gradients were reduced in place
+        try:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.requires_grad and p not in self._handles:
+                        self._submit(p)
+            for p, h in self._handles.items():
+                out = synchronize(h)
+                if p.grad.is_sparse:  # reduced by rows, coalesced (or sparse_as_dense's, made
+                    p.grad = out if out.is_sparse else out.to_sparse()  # sparse again)
+                # dense gradients were reduced in place
+        finally:
+            self._forget()
+        self._synchronized = True
+
+    def _forget(self) -> None:
+        """Nothing of this step in flight any more (after it, or after a failure)."""
         self._handles.clear()
         self._passes.clear()
-        self._synchronized = True
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -129,6 +139,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return d
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # a restore (hvd.elastic's, after a failure mid-step): that step's reductions are gone
+        # (as Horovod's own optimizer resets its handles here)
+        self._forget()
+        self._synchronized, self._should_synchronize = False, True
         state_dict = dict(state_dict)
         sparsifier = state_dict.pop(SPARSIFIER_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
@@ -213,6 +227,12 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
 
     Returns:
         An optimizer of the wrapped one's class with the contract above.
+
+    Under Horovod elastic (``hvd.elastic.TorchState(model=model, optimizer=opt, ...)`` and a
+    training function under ``@hvd.elastic.run``), a reduction that fails in ``backward()`` or
+    ``step()`` raises ``hvd_sparse.HvdSparseInternalError``, a ``HorovodInternalError``:
+    Horovod restores the last commit (the sparsifier's memory, this rank's own, with it: the
+    state_dict carries it) and resets, and the next reduction joins the new ranks.
 
     Raises:
         ValueError: an unsupported ``op``, ``scheme``, ``sparsifier``, factor or pass count, or

@@ -37,7 +37,8 @@ def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, s
     (integer, empty); on an accelerator only its non-zero blocks cross to the host (staging.py),
     unless it goes dense anyway and the collectives take it where it is (``Collectives.takes``:
     Horovod built with CUDA).
-    With a ``sparsifier``, a dense tensor is sparsified first, in place and on its device: each
+    With a ``sparsifier``, a dense tensor is sparsified first, in place and on its device (told
+    ``comm``'s rank and size and ``ctx.joined`` first: ``Sparsifier.join``): each
     of ``parts`` under its own name (the whole tensor under ``name`` when none), the parts
     the sparsifier finds ``too_small`` sent whole by the dense allreduce beside it (a ring ships
     them cheapest) and zeroed in what the scheme reduces, every part dense when all are
@@ -72,6 +73,7 @@ def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, s
     if sparsifier is None or t.is_sparse:
         parts = ()
     else:
+        sparsifier.join(comm.rank, comm.size, ctx.joined)  # the ranks it selects among now
         parts = parts or [(name, 0, t.numel())]
         whole = _sparsify(t, name, sparsifier, parts, block_size)
         if len(whole) == len(parts):

@@ -389,14 +389,22 @@ def join_all(cfg: Config, comm: Collectives
     joined, the network model, and the run file (``metrics_file``)."""
     logs.configure(cfg.log_level, comm.ranks[comm.rank])
     set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // comm.local_size()))
-    omni = start(cfg, comm)
-    switch = join_switch(cfg, comm)
-    net = costmodel.load_or_probe(
-        comm, cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
-        layout=omni.layout() if omni else (0, 0), aggregators=omni.describe() if omni else "",
-        switch=switch.probe_time if switch else None,
-        switch_layout=switch.layout() if switch else (0, 0),
-        switch_name=switch.describe() if switch else "")
+    omni = switch = None
+    try:
+        omni = start(cfg, comm)
+        switch = join_switch(cfg, comm)
+        net = costmodel.load_or_probe(
+            comm, cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
+            layout=omni.layout() if omni else (0, 0),
+            aggregators=omni.describe() if omni else "",
+            switch=switch.probe_time if switch else None,
+            switch_layout=switch.layout() if switch else (0, 0),
+            switch_name=switch.describe() if switch else "")
+    except BaseException:  # (a collective failed: the caller may join again, e.g. elastic)
+        for joined in (omni, switch):
+            if joined is not None:
+                joined.close()
+        raise
     log.debug("hvd_sparse: network model (%s): %s", net.source, net)
     _start_run_file(cfg, comm, net, omni)
     return omni, switch, net

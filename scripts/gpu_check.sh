@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of hvd-sparse, on a host with a CUDA GPU, CUDA torch and nvcc but neither
 # Horovod nor a network: builds this package (hvd_sparse._cuda included) and, alongside it,
-# Horovod from its sdist (Gloo, CPU operations); runs the kernel tests and the codec benchmark
-# on the device while Horovod builds, then the gpu tests under horovodrun.
+# Horovod from its sdist (Gloo, CPU operations); runs the kernel tests, the codec benchmark and
+# the staging profile on the device while Horovod builds, then the gpu tests under horovodrun
+# and torchrun (the DDP hook on CUDA models: NCCL where each rank has a GPU, Gloo on CUDA
+# tensors where ranks share one).
 #
 #   scripts/gpu_check.sh HOROVOD_SDIST OUT_DIR [WHEELHOUSE]
 #
@@ -50,17 +52,20 @@ MAX_JOBS=$(nproc) "$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 \
 
 status=0
 log "gpu tests of the kernels, staging and sparsifiers"
-"$PY" -m pytest -q -rs -m gpu tests/test_gpu.py -k "not horovodrun" 2>&1 \
+"$PY" -m pytest -q -rs -m gpu tests/test_gpu.py -k "not launcher" 2>&1 \
   | tee "$OUT/gpu_tests.log" || status=1
 log "codec benchmark on the GPU"
 "$PY" scripts/bench_codec.py --device cuda --out-dir "$OUT" 2>&1 | tee "$OUT/bench_codec.log" \
+  || status=1
+log "staging on the GPU: a sparse gradient's round trip against the dense copies across the bus"
+"$PY" scripts/profile_staging.py --out-dir "$OUT" 2>&1 | tee "$OUT/profile_staging.log" \
   || status=1
 if [ -n "$horovod_pid" ]; then
   log "waiting for Horovod's build"
   wait "$horovod_pid" || { tail -40 "$OUT/horovod_build.log"; exit 1; }
 fi
-log "gpu tests under horovodrun (2 and 4 ranks share the GPU)"
-"$PY" -m pytest -q -rs -m gpu tests/test_gpu.py -k horovodrun 2>&1 \
+log "gpu tests under horovodrun and torchrun (the DDP hook; 2 and 4 ranks share the GPU)"
+"$PY" -m pytest -q -rs -m gpu tests/test_gpu.py -k launcher 2>&1 \
   | tee "$OUT/gpu_tests_horovodrun.log" || status=1
 log "done ($status): $OUT"
 exit $status

@@ -185,3 +185,37 @@ def test_alone_blocks_limits_and_what_predict_makes_of_them():
                           BS, nnz, union)
     back = union - d * NBLOCKS * (1 - d) ** (n - 1)
     assert math.isclose(p.received["omnireduce"], back * BS * 4, rel_tol=1e-9)
+
+
+def test_a_device_route_weighs_the_models_group_against_staging():
+    """A device tensor under the DDP hook: dense is its group's allreduce where it is, every
+    sparse scheme pays its blocks across the bus and the union's back. Over NVLink-like links
+    (100 GB/s) dense wins at 10% (staging alone costs more); over a group as slow as the host's
+    network, a 1% tensor still goes sparse; the terms are those of the docstring."""
+    m = costmodel.NetModel.default()
+    nnz = [round(0.1 * NBLOCKS)] * 4
+    plain = costmodel.predict(m, NUMEL, 4, BS, nnz, None)
+    fast = costmodel.DeviceRoute(dense=(2e-5, 1e-11), bus_bps=10e9)
+    p = costmodel.predict(m, NUMEL, 4, BS, nnz, None, fast)
+    assert p.seconds["dense"] == 2e-5 + 1e-11 * NUMEL * 4
+    union = NBLOCKS * (1 - (1 - 0.1) ** 4)
+    staged = (nnz[0] + union) * (4 + BS * 4) / 10e9
+    for k in ("allgather", "zen"):
+        assert math.isclose(p.seconds[k] - plain.seconds[k], staged, rel_tol=1e-3), k
+    assert costmodel.choose(plain) != "dense" and costmodel.choose(p) == "dense"
+    slow = costmodel.DeviceRoute(dense=m.allreduce, bus_bps=10e9)
+    sparse = [round(0.01 * NBLOCKS)] * 4
+    assert costmodel.choose(costmodel.predict(m, NUMEL, 4, BS, sparse, None, slow)) != "dense"
+
+
+def test_probe_route_fits_the_slowest_ranks_times():
+    """probe_route fits the agreed (slowest) times: alpha and beta from the two sizes, the bus
+    from the copy; what each rank measured locally is only what it proposes."""
+    calls: list[str] = []
+    route = costmodel.probe_route(lambda k: calls.append(f"ar{k}"), lambda k: calls.append("cp"),
+                                  lambda times: [1e-4, 1e-4 + 4 * ((1 << 20) - 256) * 1e-10,
+                                                 4 * (1 << 20) / 5e9])
+    assert math.isclose(route.dense[1], 1e-10, rel_tol=1e-6)
+    assert math.isclose(route.dense[0], 1e-4 - 256 * 4 * 1e-10, rel_tol=1e-6)
+    assert math.isclose(route.bus_bps, 5e9) and route.source == "probe"
+    assert calls.count("ar256") == calls.count(f"ar{1 << 20}") == 4 and calls.count("cp") == 4

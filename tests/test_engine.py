@@ -79,6 +79,33 @@ def test_abandoned_reductions_fail_by_name_and_run_their_clean_up():
         engine.synchronize(h, timeout=5)
 
 
+class Lost:
+    """Collectives whose failures say none of them can complete any more (Horovod shut down)."""
+
+    def lost(self, error: BaseException) -> bool:
+        return "shut down" in str(error)
+
+
+def test_collectives_lost_fail_every_reduction_in_flight_at_once():
+    # one reduction waits at the aggregators (forever: a peer left); another's collective
+    # says the front end is gone: both fail now, not at the timeout
+    waiting = engine.submit(job("at.aggregators"), stages(Pending(10**9)), lambda h: None)
+    gone = Job(**{**job("dense").__dict__, "comm": Lost()})
+    h = engine.submit(gone, stages(Pending(fail="Horovod has been shut down")), lambda h: None)
+    with pytest.raises(HvdSparseError, match=r"tensor 'dense': Horovod has been shut down"):
+        engine.synchronize(h, timeout=5)
+    with pytest.raises(HvdSparseError, match=r"tensor 'at.aggregators': Horovod has been shut"):
+        engine.synchronize(waiting, timeout=60)
+    assert engine.inflight() == 0
+    # a failure that does not say so fails its own tensor only
+    waiting = engine.submit(job("at.aggregators"), stages(Pending(3)), lambda h: None)
+    other = Job(**{**job("other").__dict__, "comm": Lost()})
+    h = engine.submit(other, stages(Pending(fail="mismatched shapes")), lambda h: None)
+    with pytest.raises(HvdSparseError, match="mismatched shapes"):
+        engine.synchronize(h, timeout=5)
+    assert torch.equal(engine.synchronize(waiting, timeout=5), torch.full((3,), 2.0))
+
+
 @pytest.mark.parametrize("numel,tail", [(256 * 7, False), (256 * 7 + 100, True),
                                         (256 * 7 + 100, False), (50, True)])
 def test_backup_restores_an_overwritten_tensor(numel: int, tail: bool) -> None:

@@ -1,8 +1,9 @@
 """GPU workers (marked ``gpu``): the codec, staging and the sparsifiers on a CUDA device against
 the CPU codec and kernels; every scheme, the sparsifiers and training on CUDA tensors under
-horovodrun against Horovod's CPU allreduce of the same tensors (the ``cuda-np*`` launches of
-tests/parallel/test_allreduce.py, test_sparsify_schemes.py and test_training.py, run from here:
-the driver leaves them out there). Where torch sees no CUDA device (this project's machine)
+horovodrun against Horovod's CPU allreduce of the same tensors, and the DDP hook on CUDA models
+under torchrun (the ``cuda`` launches of tests/parallel/test_allreduce.py,
+test_sparsify_schemes.py, test_training.py and test_ddp_routes.py, run from here: the driver
+leaves them out there). Where torch sees no CUDA device (this project's machine)
 they are skipped, with the reason; scripts/gpu_check.sh runs them on a GPU host."""
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def test_sparsifiers_on_cuda_select_what_the_cpu_kernels_select(kind, dtype):
 
 @pytest.mark.parametrize("module,launch", GPU_LAUNCHES,
                          ids=[f"{m.stem}[{la.name}]" for m, la in GPU_LAUNCHES])
-def test_on_cuda_tensors_under_horovodrun(module, launch, tmp_path):
+def test_on_cuda_tensors_under_a_launcher(module, launch, tmp_path):
     """A tests/parallel module's cuda launch: every scheme, dtype and density (in place and
     out of place, async, scaled, Compression.sparse); every sparsifier under every scheme and
     API; training parity (the hvd_sparse model on the GPU, the dense Horovod one on the CPU).

@@ -253,6 +253,55 @@ def test_exdyna_selects_elements_in_its_partition_and_takes_the_largest():
     assert float(g[sel].abs().min()) >= float(g[rest].abs().max())
 
 
+def test_the_ranks_are_each_reductions_and_the_ones_given_stay():
+    """The seam tells the sparsifier the ranks of each reduction (``join``): under Horovod
+    elastic they change; a rank and size given to the constructor are kept."""
+    sp = TopK(0.1)
+    sp.join(1, 4)
+    assert (sp.rank, sp.size) == (1, 4)
+    sp.join(0, 2, epoch=1)  # the job shrank
+    assert (sp.rank, sp.size) == (0, 2)
+    fixed = ExDyna(0.1, rank=3, size=8)
+    fixed.join(0, 2)
+    assert (fixed.rank, fixed.size) == (3, 8)
+
+
+def test_exdyna_cuts_its_partitions_anew_when_the_ranks_change():
+    g = torch.from_numpy(np.random.default_rng(7).standard_normal(8192)).float()
+    sp = ExDyna(0.01, min_numel=0)
+    sp.join(1, 4, epoch=1)
+    for _ in range(3):
+        sp("w", g.clone(), 16)
+    assert sp.states["w"].bounds.numel() == 5 and sp.states["w"].step == 3
+    memory = sp.memory.state_dict()
+    saved = sp.state_dict()  # a commit at 4 ranks
+
+    sp.join(0, 2, epoch=2)  # joined again after a reset: 2 ranks left
+    assert sp.states == {}, "partitions of the old ranks must go, alike on every rank"
+    for kind, bufs in memory.items():  # the memory is this rank's own: it stays
+        for name, t in bufs.items():
+            assert torch.equal(getattr(sp.memory, kind)[name], t)
+    sp("w", g.clone(), 16)
+    assert sp.states["w"].bounds.numel() == 3 and sp.states["w"].step == 1
+
+    # a state restored from the commit (4 ranks), then used at 2 ranks in the same join: the
+    # partitions are cut for 2; the memory comes back as it was committed
+    sp.load_state_dict(saved)
+    sp("w", g.clone(), 16)
+    assert sp.states["w"].bounds.numel() == 3
+
+    # the same size, another join (ranks replaced): forgotten too, since the ranks that
+    # restored a commit and those just started must cut the same partitions
+    sp.join(0, 2, epoch=3)
+    assert sp.states == {}
+    same = ExDyna(0.01, min_numel=0)  # a rank just started
+    same.join(1, 2, epoch=1)
+    sp("w", g.clone(), 16)
+    same("w", g.clone(), 16)
+    assert torch.equal(sp.states["w"].bounds, same.states["w"].bounds)
+    assert sp.states["w"].step == same.states["w"].step == 1
+
+
 # ---- bad input and special values ----------------------------------------------------------
 
 @pytest.mark.parametrize("make", [

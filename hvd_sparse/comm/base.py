@@ -111,6 +111,12 @@ class Collectives(ABC):
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (blocking)."""
 
+    def lost(self, error: BaseException) -> bool:
+        """Whether ``error``, raised by one of these collectives, says that none of them can
+        complete any more (the engine then fails every reduction in flight at once, rather
+        than leave one waiting out its timeout at the aggregators for a peer that left)."""
+        return False
+
     def takes(self, t: torch.Tensor) -> bool:
         """Whether ``allreduce`` takes ``t`` where it is (else a device tensor is staged):
         host tensors (not those posing as a device's, ``HVD_SPARSE_CPU_AS_DEVICE``)."""

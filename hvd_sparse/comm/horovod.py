@@ -2,15 +2,18 @@
 name (ranks may submit tensors in any order)."""
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
 
 from .base import Collectives, Op, Pending
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max, "min": hvd.Min}
+SHUT_DOWN = "Horovod has been shut down"  # Horovod's message for every operation after
 
 
 class _Handle:
@@ -64,6 +67,12 @@ class HorovodCollectives(Collectives):
     def alltoall(self, t: torch.Tensor, splits: list[int], name: str) -> Pending:
         return _Handle(hvd.alltoall_async(t, splits=torch.tensor(splits, dtype=torch.int32),
                                           name=name, process_set=self.process_set))
+
+    def lost(self, error: BaseException) -> bool:
+        """Horovod's session is over: it was shut down (a rank left, or failed), or, under
+        elastic, any of its operations failed (``hvd.elastic.run`` resets Horovod after it)."""
+        return isinstance(error, HorovodInternalError) and (
+            SHUT_DOWN in str(error) or bool(int(os.environ.get("HOROVOD_ELASTIC", "0") or 0)))
 
     def takes(self, t: torch.Tensor) -> bool:
         return super().takes(t) or (t.is_cuda and hvd.cuda_built())

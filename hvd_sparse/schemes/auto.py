@@ -49,8 +49,10 @@ def choose(job: Job) -> Generator[tuple[str, Pending], Any, str]:
                 f"dtype={t.dtype} (or the shapes differ)")
     nnz = job.stats.nnz = rows[:, 0].tolist()
     ratio = ctx.union_ratio.get(key)
+    # a staged device tensor of the DDP hook: dense where it is, by the model's group
+    route = ctx.routes.get(job.stats.staged) if job.stats.staged else None
     predicted = costmodel.predict(ctx.net, t.numel(), t.element_size(), job.block_size, nnz,
-                                  None if ratio is None else ratio * sum(nnz))
+                                  None if ratio is None else ratio * sum(nnz), route)
     if not job.comm.is_global:
         predicted.seconds.pop("omnireduce", None)
     if switch.unsupported(job, ctx.switch):

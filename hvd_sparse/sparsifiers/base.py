@@ -59,8 +59,10 @@ class Sparsifier:
             (default 16) go out whole.
         min_numel: tensors under this many elements (default 16,384) go out whole; both 0:
             sparsify every tensor.
-        rank: this rank; None: Horovod's (or the DDP state's), read at first use.
-        size: the number of ranks; None: as ``rank``.
+        rank: this rank; None: that of each reduction's ranks, as the front end tells it
+            (``join``), else Horovod's.
+        size: the number of ranks; None: as ``rank`` (under Horovod elastic it follows the
+            job as it shrinks and grows).
 
     Raises:
         ValueError: ``warmup``, ``min_selected`` or ``min_numel`` is not an int >= 0.
@@ -68,6 +70,10 @@ class Sparsifier:
 
     density: float | None = None  # requested fraction of elements; None when not fixed
     STATE: tuple[str, ...] = ("_steps",)  # attributes training changes: what state_dict saves
+    # the ranks of the reductions (rank, size) and which join of them, as ``join`` was last
+    # told (class defaults: sparsifiers pickled before these existed load without them)
+    _joined: tuple[int, int] | None = None
+    _joined_epoch: int | None = None
 
     def __init__(self, error_feedback: bool = True, *, warmup: int = 0,
                  min_selected: int = MIN_SELECTED, min_numel: int = MIN_NUMEL,
@@ -137,31 +143,49 @@ class Sparsifier:
         for k in self.STATE:
             setattr(self, k, copy.deepcopy(state[k]))
 
-    def join(self, rank: int, size: int) -> None:
-        """The ranks, from a front end that knows them (DDP); ones already set are kept.
+    def join(self, rank: int, size: int, epoch: int = 0) -> None:
+        """The ranks of the reduction about to run, told by the front end at each call
+        (``reduction.start``); a rank or size given to the constructor is kept.
 
         Args:
-            rank: this rank.
-            size: the number of ranks.
+            rank: this rank among the reduction's ranks.
+            size: how many ranks take part.
+            epoch: which join of the ranks the front end is at (the Horovod front end joins
+                again after an elastic reset): a new one means the ranks may be others
+                (``rejoined``).
         """
-        self._rank = rank if self._rank is None else self._rank
-        self._size = size if self._size is None else self._size
+        self._joined = (rank, size)
+        if epoch != self._joined_epoch:
+            first = self._joined_epoch is None
+            self._joined_epoch = epoch
+            if not first:
+                self.rejoined()
+
+    def rejoined(self) -> None:
+        """Called when the front end has joined the ranks again (after a Horovod elastic
+        reset: other ranks, perhaps another size). Here nothing: the error-feedback memory is
+        this rank's own and stays (it rolls back with the optimizer's state_dict); ExDyna
+        forgets its partitions, which must be alike on every rank."""
 
     @property
     def rank(self) -> int:
-        """This rank: as given or joined, else Horovod's (read at first use)."""
-        if self._rank is None:
-            import horovod.torch as hvd
-            self._rank = hvd.rank()
-        return self._rank
+        """This rank: as given, else as last joined, else Horovod's."""
+        if self._rank is not None:
+            return self._rank
+        if self._joined is not None:
+            return self._joined[0]
+        import horovod.torch as hvd
+        return hvd.rank()
 
     @property
     def size(self) -> int:
-        """The number of ranks: as given or joined, else Horovod's (read at first use)."""
-        if self._size is None:
-            import horovod.torch as hvd
-            self._size = hvd.size()
-        return self._size
+        """The number of ranks: as given, else as last joined, else Horovod's."""
+        if self._size is not None:
+            return self._size
+        if self._joined is not None:
+            return self._joined[1]
+        import horovod.torch as hvd
+        return hvd.size()
 
     def select(self, name: str, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
         """What to send of ``x``: the one method a subclass implements.

@@ -2,7 +2,9 @@
 
 The tensor is cut into fine blocks, the blocks into ``size`` contiguous partitions. At step t,
 rank r selects only in partition (t + r) mod size, so no index is chosen by two ranks and the
-union of the selections is just the sum of their counts (no "build-up"). Inside its partition a
+union of the selections is just the sum of their counts (no "build-up"). ``size`` and ``rank``
+are those of each reduction (``Sparsifier.join``): when the ranks change (a Horovod elastic job
+that shrank or grew) the partitions are cut anew, alike on every rank. Inside its partition a
 rank selects every element with |x| >= threshold, as the paper does: blocks only draw the
 partitions. ``per_element=False`` selects whole blocks instead (score: mean |x| over the block),
 exactly what the block codec ships, at a cost in accuracy: 4 ranks, MLP 64-256-256-10, SGD
@@ -113,11 +115,21 @@ class ExDyna(Sparsifier):
                                     "local": None if d["local"] is None else tuple(d["local"])})
                        for n, d in state["states"].items()}
 
+    def rejoined(self) -> None:
+        """The front end joined the ranks again (a Horovod elastic reset): every tensor's
+        partitions, step and threshold are forgotten, on every rank alike, since the ranks that
+        survived restored them from the last commit and those just started have none; each
+        is cut anew for the ranks there are now. The error-feedback memory stays."""
+        self.states.clear()
+
     def _state(self, name: str, numel: int, block_size: int) -> _State:
         bs = self.block_size or block_size
         st = self.states.get(name)
         nblocks = -(-numel // bs)
-        if st is None or st.block_size != bs or int(st.bounds[-1]) != nblocks:
+        # new partitions for another block, tensor or number of ranks (a job that shrank or
+        # grew, a checkpoint of another size)
+        if (st is None or st.block_size != bs or int(st.bounds[-1]) != nblocks
+                or st.bounds.numel() != self.size + 1):
             edges = [round(i * nblocks / self.size) for i in range(self.size + 1)]
             st = self.states[name] = _State(torch.tensor(edges, dtype=torch.int64), bs)
         return st

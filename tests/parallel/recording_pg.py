@@ -2,7 +2,8 @@
 with ``torch.distributed.Backend.register_backend``, a Python ``ProcessGroup`` over a Gloo one
 made from the same store. As the model's group of a DDP job (``init_process_group
 ("recording")``) it stands for NCCL on a machine without GPUs: a group that is not Gloo, whose
-calls (operation, tensor sizes, devices, calling thread) the tests read back."""
+calls (operation, tensor sizes, devices, calling thread) the tests read back. Gloo takes CUDA
+tensors too (through host memory), so it records a CUDA model's group as well."""
 from __future__ import annotations
 
 import dataclasses
@@ -58,4 +59,4 @@ class Recording(dist.ProcessGroup):
 
 def register() -> None:
     if NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(NAME, Recording, devices=["cpu"])
+        dist.Backend.register_backend(NAME, Recording, devices=["cpu", "cuda"])

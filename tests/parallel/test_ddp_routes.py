@@ -7,7 +7,9 @@ buckets too; metrics name every bucket's route. Under HVD_SPARSE_CPU_AS_DEVICE t
 pose as a device's: a sparse bucket's rows are allgathered by the model's group and summed
 where they are (equal to DDP's own within rounding), a sparsified bucket crosses to the host by
 its non-zero blocks, not whole; and with a plain Gloo model's group, dense buckets still take
-it."""
+it. The ``cuda`` launches (gpu: scripts/gpu_check.sh) run the same on CUDA models, one rank
+per GPU where there are enough, else two ranks on one: the recording group over Gloo's CUDA
+collectives, then the native group (NCCL with a GPU per rank, else Gloo)."""
 from __future__ import annotations
 
 import copy
@@ -25,12 +27,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 from hvd_sparse import TopK, ddp, metrics, reset_metrics
 from hvd_sparse.schemes import auto
 
-LAUNCHES = [Launch("torchrun", np=2, timeout=300, args=("-k", "not device_rows")),
+LAUNCHES = [Launch("torchrun", np=2, timeout=300, args=("-k", "not device_")),
             Launch("torchrun", np=2, timeout=300, id="torch-np2-device",
                    env={"HVD_SPARSE_CPU_AS_DEVICE": "1"}),
             Launch("torchrun", np=2, timeout=300, id="torch-np2-device-gloo",
-                   env={"HVD_SPARSE_CPU_AS_DEVICE": "1", "HVD_SPARSE_TEST_MODEL_GROUP": "gloo"})]
-DEVICE = os.environ.get("HVD_SPARSE_CPU_AS_DEVICE") == "1"
+                   env={"HVD_SPARSE_CPU_AS_DEVICE": "1", "HVD_SPARSE_TEST_MODEL_GROUP": "gloo"}),
+            Launch("torchrun", np=2, timeout=600, id="torch-np2-cuda", gpu=True,
+                   env={"HVD_SPARSE_TEST_DEVICE": "cuda"}),
+            Launch("torchrun", np=2, timeout=600, id="torch-np2-cuda-native", gpu=True,
+                   env={"HVD_SPARSE_TEST_DEVICE": "cuda", "HVD_SPARSE_TEST_MODEL_GROUP": "native"})]
+DEV = torch.device(os.environ.get("HVD_SPARSE_TEST_DEVICE", "cpu"))
+DEVICE = DEV.type != "cpu" or os.environ.get("HVD_SPARSE_CPU_AS_DEVICE") == "1"
 MODEL_GROUP = os.environ.get("HVD_SPARSE_TEST_MODEL_GROUP", recording_pg.NAME)
 RECORDED = MODEL_GROUP == recording_pg.NAME
 
@@ -39,7 +46,14 @@ RECORDED = MODEL_GROUP == recording_pg.NAME
 def group():
     torch.set_num_threads(1)
     recording_pg.register()
-    dist.init_process_group(MODEL_GROUP)
+    backend = MODEL_GROUP
+    if DEV.type == "cuda":
+        gpus = torch.cuda.device_count()
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local % gpus)  # two ranks on one GPU where there is one
+        if backend == "native":  # NCCL takes one GPU per rank
+            backend = "nccl" if gpus >= int(os.environ["LOCAL_WORLD_SIZE"]) else "gloo"
+    dist.init_process_group(backend)
     yield
     dist.destroy_process_group()
 
@@ -47,7 +61,7 @@ def group():
 def mlp() -> nn.Module:
     torch.manual_seed(0)  # buckets of 0.1 MB: the 256x256 layer (256 KiB) is one of its own
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 1))
+                         nn.Linear(256, 1)).to(DEV)
 
 
 class Tabled(nn.Module):
@@ -57,6 +71,7 @@ class Tabled(nn.Module):
         super().__init__()
         self.mlp = mlp()
         self.emb = nn.EmbeddingBag(5000, 16, mode="sum", sparse=True, dtype=dtype)
+        self.to(DEV)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.mlp(x) + self.emb(ids).float().sum(1, keepdim=True)
@@ -64,7 +79,7 @@ class Tabled(nn.Module):
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
-    return torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g)
+    return torch.randn(32, 64, generator=g).to(DEV), torch.randn(32, 1, generator=g).to(DEV)
 
 
 def step(m: nn.Module, k: int) -> None:
@@ -127,7 +142,7 @@ def test_sparse_and_sparsified_buckets() -> None:
                       named_parameters=model.named_parameters())
     ours.register_comm_hook(state, ddp.hook)
     try:
-        ids = torch.randint(0, 5000, (32, 4), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(0, 5000, (32, 4), generator=torch.Generator().manual_seed(1)).to(DEV)
         Recording.calls.clear()
         ours.zero_grad()
         x, y = batch(0)
@@ -143,7 +158,8 @@ def test_sparse_and_sparsified_buckets() -> None:
         if DEVICE:  # sparsified buckets staged, by their non-zero blocks (TopK 1%)
             sparsified = [v for n, v in metrics().items()
                           if n.startswith("ddp.bucket") and v["scheme"] == "allgather"]
-            assert sparsified and all(v.get("staged") == "cpu" for v in sparsified), metrics()
+            assert sparsified and all(
+                str(v.get("staged")).split(":")[0] == DEV.type for v in sparsified), metrics()
             nbytes = sum(p.numel() * 4 for p in model.mlp.parameters())
             assert sum(v["bytes_sent"] for v in sparsified) < 0.5 * nbytes, sparsified
     finally:
@@ -163,7 +179,7 @@ def test_device_rows_by_the_models_group(dtype: torch.dtype) -> None:
     state = ddp.State(scheme="auto", probe="off")
     ours.register_comm_hook(state, ddp.hook)
     ids = torch.randint(0, 5000, (32, 4), generator=torch.Generator().manual_seed(
-        dist.get_rank()))
+        dist.get_rank())).to(DEV)
     try:
         for k in range(3):
             x, y = batch(k)
@@ -185,5 +201,36 @@ def test_device_rows_by_the_models_group(dtype: torch.dtype) -> None:
                 assert len(gathers) == 2 and {c.thread for c in gathers} == {"MainThread"}
         table = [v for n, v in metrics().items() if v.get("scheme") == "rows"]
         assert table and {v["route"] for v in table} == {"model group"}, metrics()
+    finally:
+        state.close()
+
+
+def test_device_route_is_probed_on_the_models_group(tmp_path_factory) -> None:
+    """Under "auto", a device's first dense bucket probes the model's group from the hook (its
+    allreduce at two sizes, the bus by a device-host copy, the slowest rank's times agreed on
+    the group): the route is alike on every rank, and "auto" predicts a staged bucket's dense
+    by it (the route's allreduce of the bucket's bytes)."""
+    reset_metrics()
+    model = DDP(mlp())  # one bucket: DDP's first holds 1 MB
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    state = ddp.State(scheme="auto", probe="force", cache_dir=str(tmp_path_factory.mktemp("c")))
+    model.register_comm_hook(state, ddp.hook)
+    try:
+        Recording.calls.clear()
+        step(model, 0)
+        assert state.context is not None
+        route = state.context.routes[str(next(model.parameters()).device)]
+        assert route.source == "probe" and route.dense[1] > 0 and route.bus_bps > 0, route
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, route)
+        assert all(r == route for r in everyone), everyone
+        if RECORDED:  # on the model's group, from the thread running backward
+            probes = [c for c in Recording.calls if c.op == "allreduce"]
+            assert {256, 1 << 20, 3} <= {c.numel[0] for c in probes}, probes
+            assert {c.thread for c in probes} == {"MainThread"}, probes
+        (m,) = [v for n, v in metrics().items() if n.startswith("ddp.bucket")]
+        assert m.get("staged") and "predicted_ms" in m, m
+        want = (route.dense[0] + route.dense[1] * nbytes) * 1e3
+        assert abs(m["predicted_ms"]["dense"] - want) <= 1e-3, (m, want)
     finally:
         state.close()
