@@ -470,7 +470,8 @@ def test_runtime_image_has_no_key_no_test_tools_and_a_non_root_user() -> None:
         assert tool not in text and tool not in json.dumps(runtime.env), tool
     users = [a for w, a in instructions(DOCKER / "Dockerfile") if w == "USER"]
     assert users[0] == "1000:1000", users  # the runtime stage's; Kubernetes' runAsUser
-    assert "--uid 1000" in text
+    # uid 1000 (the manifests' runAsUser), an account sshd without PAM does not read as locked
+    assert "--uid 1000" in text and "--password '*'" in text
     assert runtime.cmd[:1] == ["/usr/sbin/sshd"] and not runtime.entrypoint, runtime
     conf = repo_path(runtime, runtime.cmd[runtime.cmd.index("-f") + 1])
     assert conf == DOCKER / "sshd_config", conf
