@@ -538,6 +538,31 @@ def test_operators_rules() -> None:
             assert rs["restartPolicy"] in ("Never", "OnFailure")
 
 
+def test_operator_hostfile_is_what_horovodrun_reads(tmp_path: Path) -> None:
+    """The hostfile the MPI Operator writes for its OpenMPI implementation (a line "POD.SERVICE
+    .NAMESPACE.svc slots=N" per worker), read by horovodrun's own parser, gives -np ranks; the
+    Intel implementation's "POD:N" lines are not readable by it (hence OpenMPI, the default)."""
+    from horovod.runner.common.util.hosts import parse_host_files
+
+    for name, kind in JOBS.items():
+        if kind != "MPIJob":
+            continue
+        doc = one(name, kind)
+        job, spec = doc["metadata"]["name"], doc["spec"]
+        assert spec.get("mpiImplementation", "OpenMPI") == "OpenMPI", name
+        workers = spec["mpiReplicaSpecs"]["Worker"]["replicas"]
+        hostfile = tmp_path / f"{job}.hostfile"
+        hostfile.write_text("".join(f"{job}-worker-{i}.{job}.default.svc slots="
+                                    f"{spec['slotsPerWorker']}\n" for i in range(workers)))
+        hosts = parse_host_files(str(hostfile)).split(",")
+        (launcher,) = templates(doc)["Launcher"]["spec"]["containers"]
+        assert len(hosts) == workers
+        assert sum(int(h.rsplit(":", 1)[1]) for h in hosts) == int(flag(argv(launcher), "-np"))
+        hostfile.write_text(f"{job}-worker-0.{job}:{spec['slotsPerWorker']}\n")
+        with pytest.raises(IndexError):
+            parse_host_files(str(hostfile))
+
+
 def test_docs_state_the_operators_minimum_versions() -> None:
     """The fields and behaviours the manifests rely on are the operators' since a release the
     docs name: PyTorchJob's nprocPerNode and PET_* variables, MPIJob v2beta1's hostfile with
