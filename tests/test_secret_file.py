@@ -12,7 +12,9 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -91,8 +93,19 @@ def python_reads(path: Path, uid: int, gid: int, groups: list[int]) -> tuple[boo
         finally:
             os._exit(code)
     os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
+    chunks, deadline = [], time.monotonic() + 30  # a child that hangs is killed, not awaited
+    with os.fdopen(r, "rb", buffering=0) as f:
+        while True:
+            ready, _, _ = select.select([f], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the reader's child did not answer within 30 s")
+            data = f.read(65536)
+            if not data:
+                break
+            chunks.append(data)
+    out = b"".join(chunks).decode()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0 and out[:3] in ("ok ", "no "), out
     return out.startswith("ok "), out[3:]
