@@ -40,4 +40,29 @@ if [ -n "${SECRET_FILE:-}" ]; then
     sleep 0.5
   done
 fi
+
+# The compose testbed's ssh key for horovodrun (the dev image: no key is made at build time).
+# The container with SSH_KEY_MAKE=1 (the launcher) makes one in the volume at SSH_KEY_DIR, the
+# others wait for it; each then installs it for root and makes its own sshd host keys.
+if [ -n "${SSH_KEY_DIR:-}" ]; then
+  if [ "${SSH_KEY_MAKE:-0}" = 1 ] && [ ! -s "$SSH_KEY_DIR/id_ed25519.pub" ]; then
+    tmp=$(mktemp -d "$SSH_KEY_DIR/.new.XXXXXX")
+    ssh-keygen -q -t ed25519 -N "" -C hvd-sparse-compose -f "$tmp/id_ed25519"
+    # the public half last: the others take its presence for a whole key pair
+    mv "$tmp/id_ed25519" "$SSH_KEY_DIR/id_ed25519"
+    mv "$tmp/id_ed25519.pub" "$SSH_KEY_DIR/id_ed25519.pub"
+    rmdir "$tmp"
+    echo "netcap: made the cluster's ssh key in $SSH_KEY_DIR" >&2
+  fi
+  i=0
+  until [ -s "$SSH_KEY_DIR/id_ed25519.pub" ]; do
+    i=$((i + 1))
+    [ "$i" -le 120 ] || { echo "netcap: no ssh key in $SSH_KEY_DIR after 60 s" >&2; exit 1; }
+    sleep 0.5
+  done
+  mkdir -p -m 700 /root/.ssh
+  install -m 600 "$SSH_KEY_DIR/id_ed25519" /root/.ssh/id_ed25519
+  install -m 600 "$SSH_KEY_DIR/id_ed25519.pub" /root/.ssh/authorized_keys
+  ssh-keygen -A > /dev/null
+fi
 exec "$@"

@@ -8,9 +8,11 @@ Torch-free: aggregator hosts and the testbed read and write secrets with it.
 """
 from __future__ import annotations
 
+import grp
 import hashlib
 import hmac
 import os
+import pwd
 import stat
 from collections.abc import Collection
 from pathlib import Path
@@ -30,8 +32,23 @@ SHARD_SECRET_BYTES = 32  # a job's own secret for the aggregators its hosts star
 
 
 def read_secret_file(path: str | Path) -> bytes:
-    """The secret in ``path``, read as the aggregator reads it: the file's bytes less trailing
-    whitespace, at least 16, from a regular file only its owner may read."""
+    """The secret in ``path``, read as the aggregator reads it (csrc/omni/auth.cpp).
+
+    The file must be a regular file, not a symbolic link, with at least 16 bytes of secret
+    (trailing whitespace is not part of it), which no one but its owner may read, or which its
+    group may read where that group is private to this process (``group_refusal``): the
+    rules of docs/security.md, "Secrets".
+
+    Args:
+        path: the secret file.
+
+    Returns:
+        The secret, trailing whitespace removed.
+
+    Raises:
+        HvdSparseError: the file cannot be opened, is not a regular file, is open to others,
+            or holds fewer than 16 bytes of secret; the message says which.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -40,14 +57,57 @@ def read_secret_file(path: str | Path) -> bytes:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise HvdSparseError(f"hvd_sparse: secret file {path}: not a file")
-        if st.st_mode & 0o077:
+        if st.st_mode & 0o037:  # others may do anything, or the group more than read
             raise HvdSparseError(f"hvd_sparse: secret file {path}: readable by others "
                                  "(chmod 600 it)")
+        if st.st_mode & 0o040:
+            why = group_refusal(st.st_uid, st.st_gid)
+            if why:
+                raise HvdSparseError(f"hvd_sparse: secret file {path}: readable by its group "
+                                     f"{st.st_gid}, {why} (chmod 600 it, or see "
+                                     "docs/security.md)")
         secret = f.read(1 << 20).rstrip(b" \t\r\n")
     if len(secret) < MIN_SECRET_BYTES:
         raise HvdSparseError(f"hvd_sparse: secret file {path}: fewer than "
                              f"{MIN_SECRET_BYTES} bytes of secret")
     return secret
+
+
+def group_refusal(uid: int, gid: int) -> str:
+    """Why a secret file owned by ``uid`` that group ``gid`` may read is not safe for this
+    process, or "" where it is: its owner is root or this process's effective user (nobody
+    else can widen its mode), ``gid`` is this process's effective or a supplementary group,
+    and no other user belongs to it, as far as the user and group databases say (no member
+    listed but this process's user, no other user with it as primary group). A Kubernetes
+    pod's fsGroup that the image does not name, or a user-private group, passes. The C++
+    aggregator applies the same rule (csrc/omni/auth.cpp).
+
+    Args:
+        uid: the file's owner.
+        gid: the file's group.
+
+    Returns:
+        The reason, worded to follow "readable by its group GID, ", or "".
+    """
+    me = os.geteuid()
+    if uid not in (0, me):
+        return f"and owned by uid {uid}, neither this process's user nor root"
+    if gid != os.getegid() and gid not in os.getgroups():
+        return "which this process is not in"
+    try:
+        my_name = pwd.getpwuid(me).pw_name
+    except KeyError:  # a uid the image does not name (Kubernetes' runAsUser): no name
+        my_name = None
+    try:
+        others = [m for m in grp.getgrgid(gid).gr_mem if m != my_name]
+    except KeyError:  # a gid no group entry names: it lists no members
+        others = []
+    if others:
+        return f"which has other members ({', '.join(others)})"
+    primary = sorted({p.pw_name for p in pwd.getpwall() if p.pw_gid == gid and p.pw_uid != me})
+    if primary:
+        return f"the primary group of other users ({', '.join(primary)})"
+    return ""
 
 
 def write_secret_file(path: str | Path, secret: bytes | None = None) -> bytes:

@@ -35,7 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker" / "docker-compose.yml"
-IMAGES = ("hvd-sparse-worker", "hvd-sparse-aggregator")
+# the worker image's dev target (docker/Dockerfile) and the aggregator image
+IMAGES = ("hvd-sparse-worker-dev", "hvd-sparse-aggregator")
 # Fixed, so the build argument (and with it the build cache) is the same from run to run.
 WHEEL_PORT = int(os.environ.get("HVD_SPARSE_WHEEL_PORT", "18765"))
 BUILD_TIMEOUT_S = 3600

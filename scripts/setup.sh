@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # Installs everything hvd-sparse needs on a fresh machine, idempotently:
 #   Debian packages (Open MPI, cmake), a venv at .venv with torch, Horovod built from its
-#   sdist with the C++17 fix, test/bench tools, and this package's C++ extension.
+#   sdist with the C++17 fix, test/bench tools (not with HVD_SPARSE_SETUP=runtime), and
+#   this package's C++ extension.
 # A second run with everything in place takes a few seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 source scripts/versions.env
+# HVD_SPARSE_SETUP=runtime (docker/Dockerfile's runtime image): what building and running
+# hvd-sparse needs, without the test and lint tools or the Debian packages only tests use.
+MODE=${HVD_SPARSE_SETUP:-full}
+case "$MODE" in
+  full) ;;
+  runtime) APT_PACKAGES=$APT_RUNTIME_PACKAGES; PY_TEST_DEPS="" ;;
+  *) echo "setup.sh: HVD_SPARSE_SETUP=$MODE: expected full or runtime" >&2; exit 2 ;;
+esac
 VENV=$ROOT/.venv
 PY=$VENV/bin/python
-STAMP=$VENV/.hvd-sparse-setup-$(cat scripts/versions.env scripts/setup.sh | sha1sum | cut -c1-12)
+STAMP=$VENV/.hvd-sparse-setup-$MODE-$(cat scripts/versions.env scripts/setup.sh | sha1sum | cut -c1-12)
 log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*"; }
 
 # --- Debian packages -------------------------------------------------------------------------

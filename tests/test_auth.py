@@ -86,7 +86,7 @@ def test_secret_file_rules(tmp_path, problem):
     path = tmp_path / "bad"
     if problem == "mode":
         path.write_bytes(SECRET)
-        path.chmod(0o640)
+        path.chmod(0o644)  # (group read alone: tests/test_secret_file.py)
     elif problem == "short":
         path.write_bytes(b"0123456789abcde \n")
         path.chmod(0o600)

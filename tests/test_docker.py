@@ -9,6 +9,7 @@ the launcher assumes.
 from __future__ import annotations
 
 import ast
+import copy
 import fnmatch
 import json
 import os
@@ -98,7 +99,14 @@ def parse(dockerfile: Path, context: Path) -> list[Stage]:
             continue
         if word == "FROM":
             parts = re.sub(r"\$\{(\w+)\}", lambda m: args_before_from[m.group(1)], args).split()
-            stages.append(Stage(parts[2] if len(parts) > 2 else str(len(stages)), parts[0]))
+            name = parts[2] if len(parts) > 2 else str(len(stages))
+            parent = [st for st in stages if st.name == parts[0]]
+            if parent:  # FROM an earlier stage: everything it has, on its base
+                stage = copy.deepcopy(parent[-1])
+                stage.name = name
+                stages.append(stage)
+            else:
+                stages.append(Stage(name, parts[0]))
             continue
         st = stages[-1]
         if word == "ARG":
@@ -200,7 +208,13 @@ def images(compose: dict) -> dict[str, list[Stage]]:
         context = (COMPOSE.parent / svc["build"]["context"]).resolve()
         dockerfile = context / svc["build"].get("dockerfile", "Dockerfile")
         assert dockerfile.is_file(), f"{name}: {dockerfile} does not exist"
-        out[name] = parse(dockerfile, context)
+        stages = parse(dockerfile, context)
+        target = svc["build"].get("target")
+        if target:  # the build stops at that stage
+            names = [st.name for st in stages]
+            assert target in names, f"{name}: target {target} not among {names}"
+            stages = stages[:names.index(target) + 1]
+        out[name] = stages
     return out
 
 
@@ -432,3 +446,79 @@ def test_cluster_shares_one_secret(compose: dict) -> None:
 def test_readme_says_how_it_is_tested() -> None:
     text = (DOCKER / "README.md").read_text()
     assert "tests/test_compose.py" in text and "statically" not in text
+
+
+# ------------------------------------------------------------------- runtime, dev and GPU images
+
+def versions() -> dict[str, str]:
+    text = (ROOT / "scripts" / "versions.env").read_text()
+    return dict(re.findall(r'^(\w+)="?([^"\n]*)"?$', text, re.M))
+
+
+def test_runtime_image_has_no_key_no_test_tools_and_a_non_root_user() -> None:
+    """docker/Dockerfile's default target (its last stage), what the manifests deploy: no key
+    made at build time (keys are mounted at run time), sshd's package-made host keys removed,
+    scripts/setup.sh in its runtime mode (no pytest, ruff, ...), and a numeric non-root USER
+    whose sshd configuration exists."""
+    stages = parse(DOCKER / "Dockerfile", ROOT)
+    runtime = stages[-1]
+    text = " ".join(runtime.runs)
+    assert "ssh-keygen" not in text and "authorized_keys" not in text
+    assert "rm -f /etc/ssh/ssh_host_*" in text
+    assert re.search(r"HVD_SPARSE_SETUP=runtime .*bash scripts/setup\.sh", text), text
+    for tool in ("pytest", "ruff", "hypothesis", "PY_TEST_DEPS", "OMPI_ALLOW_RUN_AS_ROOT"):
+        assert tool not in text and tool not in json.dumps(runtime.env), tool
+    users = [a for w, a in instructions(DOCKER / "Dockerfile") if w == "USER"]
+    assert users[0] == "1000:1000", users  # the runtime stage's; Kubernetes' runAsUser
+    # uid 1000 (the manifests' runAsUser), an account sshd without PAM does not read as locked
+    assert "--uid 1000" in text and "--password '*'" in text
+    assert runtime.cmd[:1] == ["/usr/sbin/sshd"] and not runtime.entrypoint, runtime
+    conf = repo_path(runtime, runtime.cmd[runtime.cmd.index("-f") + 1])
+    assert conf == DOCKER / "sshd_config", conf
+    settings = dict(ln.split(None, 1) for ln in conf.read_text().splitlines()
+                    if ln.strip() and not ln.startswith("#"))
+    assert int(settings["Port"]) > 1024 and settings["HostKey"].startswith("/home/hvd/.ssh/")
+    # setup.sh's runtime mode drops the test tools and the test-only Debian packages
+    v = versions()
+    assert set(v["APT_RUNTIME_PACKAGES"].split()) < set(v["APT_PACKAGES"].split())
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert 'runtime) APT_PACKAGES=$APT_RUNTIME_PACKAGES; PY_TEST_DEPS=""' in setup
+
+
+def test_dev_image_is_the_runtime_plus_tools_with_keys_made_at_run_time(compose: dict) -> None:
+    """The compose testbed builds the dev target: the runtime stage plus the test tools, root
+    and docker/netcap.sh; the ssh key is made by one container at start into a volume every
+    worker mounts (netcap.sh, SSH_KEY_DIR), never at build time."""
+    stages = parse(DOCKER / "Dockerfile", ROOT)
+    (dev,) = [st for st in stages if st.name == "dev"]
+    assert "pytest" in versions()["PY_TEST_DEPS"] and "$PY_TEST_DEPS" in " ".join(dev.runs)
+    assert not any("ssh-keygen" in r for r in dev.runs)
+    services = compose["services"]
+    workers, _, launcher = roles(compose)
+    for name in [*workers, launcher]:
+        assert services[name]["build"].get("target") == "dev", name
+        assert services[name]["environment"]["SSH_KEY_DIR"] == "/run/ssh", name
+        assert any(v.split(":")[:2] == ["ssh", "/run/ssh"] for v in services[name]["volumes"])
+    makers = [n for n, s in services.items() if s["environment"].get("SSH_KEY_MAKE") == "1"]
+    assert makers == [launcher], makers
+    assert "ssh:/run/ssh" in services[launcher]["volumes"], "the maker writes the volume"
+    assert "ssh" in compose["volumes"]
+    netcap = (DOCKER / "netcap.sh").read_text()
+    assert 'ssh-keygen -q -t ed25519 -N "" -C hvd-sparse-compose -f "$tmp/id_ed25519"' in netcap
+    assert "ssh-keygen -A" in netcap  # sshd's host keys, per container
+
+
+def test_gpu_dockerfile_takes_its_base_as_an_argument() -> None:
+    """docker/Dockerfile.gpu (not built here): BASE is an ARG the FROM uses, a CUDA base by
+    default; torch's CUDA index an ARG too; no key, no test tools, the runtime's user."""
+    gpu = DOCKER / "Dockerfile.gpu"
+    ins = instructions(gpu)
+    assert ins[0][0] == "ARG" and ins[0][1].startswith("BASE=") and "cuda" in ins[0][1]
+    assert ("FROM", "${BASE}") in ins
+    (stage,) = parse(gpu, ROOT)
+    text = " ".join(stage.runs)
+    assert "ssh-keygen" not in text and "pytest" not in text
+    assert "HVD_SPARSE_SETUP=runtime" in text and "rm -f /etc/ssh/ssh_host_*" in text
+    assert any(w == "ARG" and a.startswith("TORCH_INDEX_URL=") and "/cu" in a for w, a in ins)
+    assert ("USER", "1000:1000") in ins and stage.cmd == parse(DOCKER / "Dockerfile", ROOT)[-1].cmd
+    assert "not built" in gpu.read_text().lower()

@@ -35,12 +35,16 @@ IMAGE_HOME = "/opt/hvd-sparse"  # the checkout's place in the worker image (dock
 REGISTRY = "registry.example.com"
 FILES = {
     "secret.yaml": ["Secret"],
-    "aggregators.yaml": ["Service", "StatefulSet"],
+    "aggregators.yaml": ["Service", "StatefulSet", "PodDisruptionBudget"],
     "networkpolicy.yaml": ["NetworkPolicy", "NetworkPolicy"],
     "mpijob-horovod.yaml": ["MPIJob"],
     "pytorchjob-ddp.yaml": ["PyTorchJob"],
+    # one rank per GPU (nvidia.com/gpu); not run on a GPU here
+    "mpijob-horovod-gpu.yaml": ["MPIJob"],
+    "pytorchjob-ddp-gpu.yaml": ["PyTorchJob"],
 }
-CORE = {"Secret", "Service", "StatefulSet", "NetworkPolicy"}
+CORE = {"Secret", "Service", "StatefulSet", "NetworkPolicy", "PodDisruptionBudget"}
+JOBS = {name: kinds[0] for name, kinds in FILES.items() if kinds[0] in ("MPIJob", "PyTorchJob")}
 # kind -> (CRD file, version, its replica specs' field)
 KUBEFLOW = {
     "MPIJob": ("kubeflow.org_mpijobs.yaml", "v2beta1", "mpiReplicaSpecs"),
@@ -160,7 +164,7 @@ def test_core_kinds_validate_strictly(name: str, i: int) -> None:
     assert kubernetes_validate.validate(doc, K8S, strict=True) == K8S.rsplit(".", 1)[0]
 
 
-@pytest.mark.parametrize("name", ["mpijob-horovod.yaml", "pytorchjob-ddp.yaml"])
+@pytest.mark.parametrize("name", sorted(JOBS))
 def test_kubeflow_kinds_validate_against_their_crds(name: str) -> None:
     (doc,) = load(name)
     file, version, _ = KUBEFLOW[doc["kind"]]
@@ -217,6 +221,15 @@ def _typo_service(d: dict) -> None:
     d["spec"]["clusterIp"] = d["spec"].pop("clusterIP")
 
 
+def _typo_pdb(d: dict) -> None:
+    d["spec"]["maxUnavailabe"] = d["spec"].pop("maxUnavailable")
+
+
+def _typo_security_context(d: dict) -> None:  # the GPU job's pod security, misspelt
+    pod = d["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    pod["securityContext"]["runAsNonroot"] = pod["securityContext"].pop("runAsNonRoot")
+
+
 @pytest.mark.parametrize("name,kind,breaks", [
     ("mpijob-horovod.yaml", "MPIJob", _typo_mpijob),
     ("mpijob-horovod.yaml", "MPIJob", _typo_mpijob_pod),
@@ -224,6 +237,8 @@ def _typo_service(d: dict) -> None:
     ("pytorchjob-ddp.yaml", "PyTorchJob", _wrong_type_pytorchjob),
     ("aggregators.yaml", "StatefulSet", _typo_statefulset),
     ("aggregators.yaml", "Service", _typo_service),
+    ("aggregators.yaml", "PodDisruptionBudget", _typo_pdb),
+    ("pytorchjob-ddp-gpu.yaml", "PyTorchJob", _typo_security_context),
     ("networkpolicy.yaml", "NetworkPolicy", _typo_networkpolicy),
 ], ids=lambda x: x.__name__.strip("_") if callable(x) else None)
 def test_a_broken_manifest_fails(name: str, kind: str, breaks) -> None:
@@ -266,7 +281,7 @@ def test_port_range_is_what_the_network_policy_opens() -> None:
     """Every pod that runs ranks binds in HVD_SPARSE_PORTS (MPIJob: the launcher's env goes
     to every rank), a range hvd-sparse accepts, and the job's policy opens exactly it."""
     ranges = set()
-    for kind, name in (("MPIJob", "mpijob-horovod.yaml"), ("PyTorchJob", "pytorchjob-ddp.yaml")):
+    for name, kind in JOBS.items():
         doc = one(name, kind)
         roles = ["Launcher"] if kind == "MPIJob" else ["Master", "Worker"]
         for role, t in templates(doc).items():
@@ -330,27 +345,49 @@ def test_aggregators_agree_on_their_port_and_names() -> None:
         shown = re.findall(r"HVD_SPARSE_AGGREGATORS=(\S+)", text) + re.findall(
             r"name: HVD_SPARSE_AGGREGATORS\n\s*#?\s*value: (\S+)", text)
         assert shown and set(shown) == {names}, f"{file}: {shown} vs {names}"
-    assert names in (ROOT / "docs" / "cluster.md").read_text()
+    assert names in (ROOT / "docs" / "kubernetes.md").read_text()
 
 
-def world_sizes() -> dict[str, int]:
-    mpi, pt = one("mpijob-horovod.yaml", "MPIJob"), one("pytorchjob-ddp.yaml", "PyTorchJob")
-    specs = pt["spec"]["pytorchReplicaSpecs"]
-    return {
-        "mpijob": mpi["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"]
-        * mpi["spec"]["slotsPerWorker"],
-        "pytorchjob": sum(s["replicas"] for s in specs.values()) * int(pt["spec"]["nprocPerNode"]),
-    }
+def world_size(name: str) -> int:
+    """Ranks of a job manifest: MPIJob workers x slots, PyTorchJob pods x nprocPerNode."""
+    doc = one(name, JOBS[name])
+    if JOBS[name] == "MPIJob":
+        return doc["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] * doc["spec"]["slotsPerWorker"]
+    specs = doc["spec"]["pytorchReplicaSpecs"]
+    return sum(sp["replicas"] for sp in specs.values()) * int(doc["spec"]["nprocPerNode"])
+
+
+def gpus(container: dict) -> int:
+    return int(container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
 
 
 def test_sizes_agree() -> None:
-    """horovodrun's -np is the hostfile's slots; the aggregators serve jobs of that size."""
-    sizes = world_sizes()
-    mpi = one("mpijob-horovod.yaml", "MPIJob")
-    (launcher,) = templates(mpi)["Launcher"]["spec"]["containers"]
-    assert int(flag(argv(launcher), "-np")) == sizes["mpijob"]
+    """horovodrun's -np is the hostfile's slots; the GPU jobs run one rank per GPU; the
+    aggregators are held to no size (no --workers: they serve jobs of any size at once)."""
+    for name, kind in JOBS.items():
+        doc = one(name, kind)
+        if kind == "MPIJob":
+            (launcher,) = templates(doc)["Launcher"]["spec"]["containers"]
+            assert int(flag(argv(launcher), "-np")) == world_size(name), name
+        ranks_per_pod = doc["spec"]["slotsPerWorker"] if kind == "MPIJob" \
+            else int(doc["spec"]["nprocPerNode"])
+        for role, t in templates(doc).items():
+            if role == "Launcher":
+                continue
+            (c,) = t["spec"]["containers"]
+            assert gpus(c) == (ranks_per_pod if "-gpu" in name else 0), f"{name} {role}"
+    assert {world_size(n) for n in JOBS} == {4, 8}
     (c,) = one("aggregators.yaml", "StatefulSet")["spec"]["template"]["spec"]["containers"]
-    assert {int(flag(argv(c), "--workers"))} == set(sizes.values()), sizes
+    assert "--workers" not in argv(c)
+    assert "any size" in (DEPLOY / "aggregators.yaml").read_text()
+
+
+def test_aggregators_have_a_disruption_budget() -> None:
+    """Voluntary evictions may take no aggregator: a running job would lose its sums."""
+    pdb = one("aggregators.yaml", "PodDisruptionBudget")
+    sts = one("aggregators.yaml", "StatefulSet")
+    assert pdb["spec"]["selector"] == sts["spec"]["selector"]
+    assert pdb["spec"] == {"maxUnavailable": 0, "selector": sts["spec"]["selector"]}
 
 
 def secret_mounts() -> list[tuple[str, str, dict, dict, dict]]:
@@ -371,26 +408,56 @@ def test_secret_is_mounted_read_only_mode_0400_as_a_file() -> None:
     mounts = secret_mounts()
     where = {(f, r) for f, r, *_ in mounts}
     # rank 0's pod (any MPIJob worker; the PyTorchJob's Master) and the aggregators; no other
-    assert where == {("mpijob-horovod.yaml", "Worker"), ("pytorchjob-ddp.yaml", "Master"),
-                     ("aggregators.yaml", "aggregator")}, where
+    assert where == {(n, "Worker" if k == "MPIJob" else "Master") for n, k in JOBS.items()} | {
+        ("aggregators.yaml", "aggregator")}, where
     for file, role, _, m, vol in mounts:
         what = f"{file} {role}"
         assert vol["secret"]["defaultMode"] == 0o400, what
         assert m["readOnly"] is True, what
         # the key itself (a Secret volume's keys are symbolic links, which hvd-sparse refuses)
         assert m["subPath"] == key, what
-    for file, role, t in pods():
-        assert "fsGroup" not in t["spec"].get("securityContext", {}), f"{file} {role}: " \
-            "fsGroup would make the secret group-readable"
+        # the jobs read it only with dedicated aggregators: they start without the Secret
+        # (the colocated default); the aggregators always read it
+        assert vol["secret"].get("optional", False) is (file != "aggregators.yaml"), what
     # the path each reader is given is the mount
     (agg,) = [(c, m) for f, _, c, m, _ in mounts if f == "aggregators.yaml"]
     assert flag(argv(agg[0]), "--secret-file") == agg[1]["mountPath"]
-    mpi = one("mpijob-horovod.yaml", "MPIJob")
-    (launcher,) = templates(mpi)["Launcher"]["spec"]["containers"]
-    (worker_mount,) = [m for f, r, _, m, _ in mounts if f == "mpijob-horovod.yaml"]
-    assert env(launcher)["HVD_SPARSE_SECRET_FILE"] == worker_mount["mountPath"]
-    (master,) = [(c, m) for f, _, c, m, _ in mounts if f == "pytorchjob-ddp.yaml"]
-    assert env(master[0])["HVD_SPARSE_SECRET_FILE"] == master[1]["mountPath"]
+    for name, kind in JOBS.items():
+        if kind == "MPIJob":
+            (launcher,) = templates(one(name, kind))["Launcher"]["spec"]["containers"]
+            (worker_mount,) = [m for f, r, _, m, _ in mounts if f == name]
+            assert env(launcher)["HVD_SPARSE_SECRET_FILE"] == worker_mount["mountPath"]
+        else:
+            (master,) = [(c, m) for f, _, c, m, _ in mounts if f == name]
+            assert env(master[0])["HVD_SPARSE_SECRET_FILE"] == master[1]["mountPath"]
+
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+
+
+def test_pods_meet_pod_security_restricted() -> None:
+    """Every pod passes Pod Security's "restricted" profile: non-root (a uid the worker image
+    runs as), seccomp RuntimeDefault, no privilege escalation, every capability dropped, no
+    host namespaces or host paths; and an fsGroup, through which the non-root user reads the
+    Secret (a group the image names for no user: docs/security.md)."""
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    uid = int(re.search(r"useradd .*--uid (\d+)", dockerfile).group(1))
+    for file, role, t in pods():
+        what, spec = f"{file} {role}", t["spec"]
+        sc = spec["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert sc["runAsUser"] == sc["runAsGroup"] == uid, what
+        assert sc["fsGroup"] not in (0, uid), what
+        assert str(sc["fsGroup"]) not in dockerfile, f"{what}: the image names the fsGroup"
+        assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), what
+        for v in spec.get("volumes", []):
+            assert set(v) - {"name"} <= RESTRICTED_VOLUMES, f"{what}: volume {v}"
+        for c in spec["containers"]:
+            csc = c["securityContext"]
+            assert csc["allowPrivilegeEscalation"] is False, what
+            assert csc["capabilities"] == {"drop": ["ALL"]}, what
+            assert not csc.get("privileged") and csc.get("runAsUser", uid) != 0, what
 
 
 def kubelet_secret_volume(root: Path, key: str, data: bytes, mode: int) -> Path:
@@ -408,14 +475,15 @@ def kubelet_secret_volume(root: Path, key: str, data: bytes, mode: int) -> Path:
 def test_why_the_secret_is_mounted_by_subpath(tmp_path: Path) -> None:
     """hvd-sparse (and the C++ aggregator, with the same O_NOFOLLOW) refuses the key of a
     plain Secret volume mount, a symbolic link; a subPath mount is the file itself, which it
-    reads at mode 0400 and refuses at the 0440 an fsGroup would give."""
+    reads at mode 0400 and refuses when others may read it. (The 0440 an fsGroup gives, read
+    by a non-root user: tests/test_secret_file.py.)"""
     _, key = secret_key()
     secret = os.urandom(32).hex().encode()
     real = kubelet_secret_volume(tmp_path / "vol", key, secret + b"\n", 0o400)
     with pytest.raises(HvdSparseError, match="symbolic links"):
         read_secret_file(tmp_path / "vol" / key)
     assert read_secret_file(real) == secret
-    os.chmod(real, 0o440)
+    os.chmod(real, 0o444)
     with pytest.raises(HvdSparseError, match="readable by others"):
         read_secret_file(real)
 
@@ -434,49 +502,114 @@ def test_secret_template_is_refused_until_replaced(tmp_path: Path) -> None:
 
 
 def test_operators_rules() -> None:
-    """What the operators' webhooks and controllers demand beyond their schemas."""
-    mpi = one("mpijob-horovod.yaml", "MPIJob")["spec"]
-    assert mpi["mpiReplicaSpecs"]["Launcher"]["replicas"] == 1
-    # the operator mounts its per-job ssh keys there (a Secret volume), which sshd's
-    # StrictModes refuses; horovodrun --gloo skips host-key checks itself
-    assert mpi["sshAuthMountPath"] == "/root/.ssh"
-    (worker,) = mpi["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
-    assert argv(worker)[0] == "/usr/sbin/sshd" and "StrictModes=no" in argv(worker)
-    (launcher,) = mpi["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"]
-    assert argv(launcher)[0] == "horovodrun" and "--gloo" in argv(launcher)
-    pt = one("pytorchjob-ddp.yaml", "PyTorchJob")["spec"]["pytorchReplicaSpecs"]
-    assert set(pt) == {"Master", "Worker"} and pt["Master"]["replicas"] == 1
-    for spec in [*mpi["mpiReplicaSpecs"].values(), *pt.values()]:
-        assert spec["restartPolicy"] in ("Never", "OnFailure")
-    for role, spec in pt.items():
-        assert "pytorch" in [c["name"] for c in spec["template"]["spec"]["containers"]], role
-    (master,) = pt["Master"]["template"]["spec"]["containers"]
-    (port,) = [p for p in master["ports"] if p["name"] == "pytorchjob-port"]
-    assert port["containerPort"] == 29500
+    """What the operators' webhooks and controllers demand beyond their schemas, and what the
+    worker image's non-root sshd needs from the MPIJob."""
+    sshd = dict(ln.split(None, 1) for ln in (ROOT / "docker" / "sshd_config").read_text()
+                .splitlines() if ln.strip() and not ln.startswith("#"))
+    for name, kind in JOBS.items():
+        spec = one(name, kind)["spec"]
+        if kind == "MPIJob":
+            assert spec["mpiReplicaSpecs"]["Launcher"]["replicas"] == 1
+            # the operator mounts its per-job key there; the image's sshd reads its host key
+            # and authorized keys from it (StrictModes off: a Secret volume's layout)
+            assert sshd["HostKey"].startswith(spec["sshAuthMountPath"] + "/")
+            assert sshd["AuthorizedKeysFile"].startswith(spec["sshAuthMountPath"] + "/")
+            assert sshd["StrictModes"] == "no"
+            (worker,) = spec["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+            assert argv(worker)[0] == "/usr/sbin/sshd"
+            assert flag(argv(worker), "-f") == f"{IMAGE_HOME}/docker/sshd_config"
+            (port,) = worker["ports"]
+            (launcher,) = spec["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"]
+            assert argv(launcher)[0] == "horovodrun" and "--gloo" in argv(launcher)
+            assert int(flag(argv(launcher), "--ssh-port")) == port["containerPort"] \
+                == int(sshd["Port"]) > 1024, name
+            assert worker["readinessProbe"]["tcpSocket"]["port"] == port["name"]
+            replicas = spec["mpiReplicaSpecs"].values()
+        else:
+            pt = spec["pytorchReplicaSpecs"]
+            assert set(pt) == {"Master", "Worker"} and pt["Master"]["replicas"] == 1
+            for rs in pt.values():
+                assert "pytorch" in [c["name"] for c in rs["template"]["spec"]["containers"]]
+            (master,) = pt["Master"]["template"]["spec"]["containers"]
+            (port,) = [p for p in master["ports"] if p["name"] == "pytorchjob-port"]
+            assert port["containerPort"] == 29500
+            replicas = pt.values()
+        for rs in replicas:
+            assert rs["restartPolicy"] in ("Never", "OnFailure")
+
+
+def test_operator_hostfile_is_what_horovodrun_reads(tmp_path: Path) -> None:
+    """The hostfile the MPI Operator writes for its OpenMPI implementation (a line "POD.SERVICE
+    .NAMESPACE.svc slots=N" per worker), read by horovodrun's own parser, gives -np ranks; the
+    Intel implementation's "POD:N" lines are not readable by it (hence OpenMPI, the default)."""
+    from horovod.runner.common.util.hosts import parse_host_files
+
+    for name, kind in JOBS.items():
+        if kind != "MPIJob":
+            continue
+        doc = one(name, kind)
+        job, spec = doc["metadata"]["name"], doc["spec"]
+        assert spec.get("mpiImplementation", "OpenMPI") == "OpenMPI", name
+        workers = spec["mpiReplicaSpecs"]["Worker"]["replicas"]
+        hostfile = tmp_path / f"{job}.hostfile"
+        hostfile.write_text("".join(f"{job}-worker-{i}.{job}.default.svc slots="
+                                    f"{spec['slotsPerWorker']}\n" for i in range(workers)))
+        hosts = parse_host_files(str(hostfile)).split(",")
+        (launcher,) = templates(doc)["Launcher"]["spec"]["containers"]
+        assert len(hosts) == workers
+        assert sum(int(h.rsplit(":", 1)[1]) for h in hosts) == int(flag(argv(launcher), "-np"))
+        hostfile.write_text(f"{job}-worker-0.{job}:{spec['slotsPerWorker']}\n")
+        with pytest.raises(IndexError):
+            parse_host_files(str(hostfile))
+
+
+def test_docs_state_the_operators_minimum_versions() -> None:
+    """The fields and behaviours the manifests rely on are the operators' since a release the
+    docs name: PyTorchJob's nprocPerNode and PET_* variables, MPIJob v2beta1's hostfile with
+    "slots=" lines and launcherCreationPolicy."""
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    m = re.search(r"^\*\*Operator versions\.\*\*(.*?)\n\n", text, re.M | re.S)
+    assert m, "docs/kubernetes.md: no Operator versions paragraph"
+    para = " ".join(m.group(1).split())
+    for word in ("MPI Operator v0.4.0", "slots=", "launcherCreationPolicy",
+                 "Training Operator v1.7.0", "PET_NNODES", "nprocPerNode"):
+        assert word in para, word
+
+
+# the image each Dockerfile builds, by the name the docs and manifests push it under
+IMAGES = {"docker/Dockerfile": "hvd-sparse-worker",
+          "docker/Dockerfile.aggregator": "hvd-sparse-aggregator",
+          "docker/Dockerfile.gpu": "hvd-sparse-worker-gpu"}
+
+
+def dockerfile_of(file: str, role: str) -> str:
+    if role == "aggregator":
+        return "docker/Dockerfile.aggregator"
+    return "docker/Dockerfile.gpu" if "-gpu" in file else "docker/Dockerfile"
 
 
 def test_images_are_the_docker_images() -> None:
-    """Workers, launcher and master run docker/Dockerfile's image, the aggregators
-    docker/Dockerfile.aggregator's, by the names docker-compose.yml gives them, at the
-    package's version; the docs build and name the same."""
+    """Workers, launcher and master run docker/Dockerfile's runtime image (docker/Dockerfile.gpu's
+    in the GPU manifests), the aggregators docker/Dockerfile.aggregator's, at the package's
+    version; the compose testbed builds the same names (the worker image's dev target as
+    NAME-dev); the docs and each manifest build what they run."""
     compose = yaml.safe_load((ROOT / "docker" / "docker-compose.yml").read_text())
-    built = {s["build"]["dockerfile"]: s["image"] for s in compose["services"].values()
-             if "build" in s}
+    for s in compose["services"].values():
+        name = IMAGES[s["build"]["dockerfile"]]
+        want = f"{name}-{s['build']['target']}" if "target" in s["build"] else name
+        assert s["image"] == want, s
     v = hvd_sparse.__version__
-    want = {dockerfile: f"{REGISTRY}/{image}:{v}" for dockerfile, image in built.items()}
-    assert set(want) == {"docker/Dockerfile", "docker/Dockerfile.aggregator"}, want
+    want = {dockerfile: f"{REGISTRY}/{image}:{v}" for dockerfile, image in IMAGES.items()}
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "docker/Dockerfile.gpu" in docs
     for file, role, t in pods():
         (c,) = t["spec"]["containers"]
-        image = want["docker/Dockerfile.aggregator" if role == "aggregator"
-                     else "docker/Dockerfile"]
-        assert c["image"] == image, f"{file} {role}"
-    docs = (ROOT / "docs" / "cluster.md").read_text()
-    for file, role, _ in pods():
-        dockerfile = "docker/Dockerfile.aggregator" if role == "aggregator" \
-            else "docker/Dockerfile"
+        dockerfile = dockerfile_of(file, role)
+        assert c["image"] == want[dockerfile], f"{file} {role}"
         build = f"docker build -f {dockerfile} -t {want[dockerfile]} ."
-        assert build in docs, f"docs/cluster.md: {build}"
         assert build in (DEPLOY / file).read_text(), f"{file}: {build}"
+        if dockerfile != "docker/Dockerfile.gpu":  # built with arguments: its header says
+            assert build in docs, f"docs/kubernetes.md: {build}"
 
 
 def test_commands_exist_in_their_images() -> None:
@@ -524,9 +657,7 @@ def test_job_scripts_are_in_the_worker_image() -> None:
 
 
 def test_docs_describe_every_manifest() -> None:
-    text = (ROOT / "docs" / "cluster.md").read_text()
-    m = re.search(r"^## Kubernetes\n(.*?)(?=^## )", text, re.M | re.S)
-    assert m, "docs/cluster.md: no Kubernetes section"
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
     for name in FILES:
-        assert f"`{name}`" in m.group(1), name
-    assert "kubernetes-validate" in m.group(1) and "no cluster" in m.group(1).lower()
+        assert f"`{name}`" in text, name
+    assert "kubernetes-validate" in text and "no cluster" in text.lower()

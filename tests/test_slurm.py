@@ -1,8 +1,11 @@
 """deploy/slurm/*.sbatch under a real Slurm: a slurmctld and a slurmd (Debian's slurm-wlm, with a
-munged of their own) started here on one node of 2 CPUs, each script submitted unchanged with
-sbatch (only its node count overridden, to this one node) and its output checked as
-tests/test_examples.py checks the examples': the loss went down, every rank ends with the same
-parameters, and for the dedicated aggregators both of them summed packets, all authenticated.
+munged of their own) started here on one node of 2 CPUs, tasks bound to their CPUs
+(task/affinity, as task/affinity or task/cgroup bind them on a cluster), each script submitted
+unchanged with sbatch (only its node count overridden, to this one node) and its output checked
+as tests/test_examples.py checks the examples': the loss went down, every rank ends with the
+same parameters, and for the dedicated aggregators both of them summed packets, all
+authenticated; and the CPUs the DDP script asks for reach its ranks. The GPU scripts (no GPU
+here) and every script's shell and #SBATCH lines are checked statically.
 
 Skipped, with the daemons' own words, where Slurm is not installed (scripts/setup.sh installs
 it) or its daemons cannot start here. Everything started is stopped by pid and the temporary
@@ -117,9 +120,10 @@ SlurmdPidFile={d}/slurmd.pid
 SlurmctldLogFile={d}/log/slurmctld.log
 SlurmdLogFile={d}/log/slurmd.log
 MailProg=/bin/true
-# No cgroups: processes tracked by their process group, tasks not bound, nothing measured.
+# No cgroups: processes tracked by their process group, nothing measured. Tasks bound to the
+# CPUs their step was given (sched_setaffinity): a step that gets one CPU runs on one CPU.
 ProctrackType=proctrack/pgid
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
@@ -182,13 +186,14 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     # -- jobs -----------------------------------------------------------------------------------
     def submit(self, script: str, *options: str, timeout: float = JOB_TIMEOUT,
-               **env: str) -> str:
+               script_args: tuple[str, ...] = (), **env: str) -> str:
         """Submits deploy/slurm/``script`` from the checkout (the scripts' default root is the
-        submit directory) with sbatch, waits for it and returns its output; fails with the
-        output when it does not complete (cancelling it when it overruns)."""
+        submit directory) with sbatch, ``options`` for sbatch and ``script_args`` for the
+        script, waits for it and returns its output; fails with the output when it does not
+        complete (cancelling it when it overruns)."""
         out = self.dir / f"{script}.out"
         p = subprocess.run(["sbatch", "--parsable", f"--output={out}", *options,
-                            str(SCRIPTS / script)], cwd=ROOT, env=self.env(**env),
+                            str(SCRIPTS / script), *script_args], cwd=ROOT, env=self.env(**env),
                            capture_output=True, text=True, timeout=30)
         assert p.returncode == 0, p.stdout + p.stderr
         job = p.stdout.strip().split(";")[0]
@@ -298,10 +303,38 @@ def test_horovod_srun(slurm: Cluster) -> None:
 
 
 def test_ddp_torchrun(slurm: Cluster) -> None:
-    """One torchrun on the one node, its two ranks meeting at the c10d rendezvous."""
-    s = summary(slurm.submit("ddp.sbatch", "--nodes=1", STEPS="20",
-                             RDZV_PORT=str(free_port())))
+    """One torchrun on the one node, its two ranks meeting at the c10d rendezvous, on the port
+    the script picked for this job in RDZV_PORTS."""
+    out = slurm.submit("ddp.sbatch", "--nodes=1", STEPS="20")
+    s = summary(out)
     assert {"rows", "rows+omnireduce"} & set(s["schemes"]), s
+    port = int(re.search(r"rendezvous \S+:(\d+),", out).group(1))
+    assert 29400 <= port <= 29499, out[-2000:]
+
+
+CPU_PROBE = """import json, os
+print("cpus " + json.dumps({"rank": int(os.environ["RANK"]),
+                            "cpus": sorted(os.sched_getaffinity(0))}), flush=True)
+"""
+
+
+def test_ddp_ranks_get_the_cpus_sbatch_asked_for(slurm: Cluster) -> None:
+    """ddp.sbatch asks for 2 CPUs for its one task a node, and its ranks run on both. Since
+    Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: a step asks for one CPU a task
+    unless told (SRUN_CPUS_PER_TASK, which the script sets). Slurm 22.05 still gives a
+    one-task step every CPU of the job on the node unless the step is exact (--exact, which
+    sites set for everyone with SLURM_EXACT=1, or any --cpus-per-task); the job runs exact
+    here, and under task/affinity a script that does not pass its CPUs on puts torchrun and
+    both ranks on one CPU."""
+    probe = slurm.dir / "cpu_probe.py"
+    probe.write_text(CPU_PROBE)
+    out = slurm.submit("ddp.sbatch", "--nodes=1", script_args=(str(probe),), SLURM_EXACT="1")
+    ranks = [json.loads(m) for m in re.findall(r"^cpus (\{.*\})$", out, re.M)]
+    assert sorted(r["rank"] for r in ranks) == [0, 1], out[-3000:]
+    asked = int(sbatch_options(SCRIPTS / "ddp.sbatch")["cpus-per-task"])
+    assert asked == 2
+    for r in ranks:
+        assert len(r["cpus"]) == asked, f"rank {r['rank']} runs on CPUs {r['cpus']}: {out[-2000:]}"
 
 
 def test_dedicated_aggregators(slurm: Cluster) -> None:
@@ -321,3 +354,65 @@ def test_dedicated_aggregators(slurm: Cluster) -> None:
     assert all(st["rx_packets"] > 0 for st in stats), stats
     assert all(st.get("unauthenticated", 0) == st.get("bad_mac", 0) == 0 for st in stats), stats
     assert not list(shared.iterdir()), list(shared.iterdir())
+
+
+# ------------------------------------------------------------------------------------------
+# Statically: every script, the GPU ones included (no GPU here to run them on)
+# ------------------------------------------------------------------------------------------
+
+def sbatch_options(script: Path) -> dict[str, str]:
+    """The active #SBATCH options of a script (``##SBATCH`` lines are comments to sbatch)."""
+    out = {}
+    for line in script.read_text().splitlines():
+        m = re.match(r"#SBATCH --([\w-]+)(?:=(\S+))?", line)
+        if m:
+            out[m.group(1)] = m.group(2) or ""
+    return out
+
+
+ALL_SCRIPTS = sorted(SCRIPTS.glob("*.sbatch"))
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS, ids=[p.name for p in ALL_SCRIPTS])
+def test_scripts_parse_and_hand_their_cpus_to_srun(script: Path) -> None:
+    """bash -n; strict mode; the CPUs per task reach srun; no fixed rendezvous port."""
+    p = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    text = script.read_text()
+    assert "set -euo pipefail" in text
+    opts = sbatch_options(script)
+    assert {"job-name", "nodes", "ntasks-per-node", "cpus-per-task", "time"} <= set(opts), opts
+    assert "export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}" in text, script.name
+    assert "29500" not in text.split("set -euo pipefail", 1)[1], "a fixed rendezvous port"
+    # under set -u, every variable read without a default is set by the script or by Slurm
+    # (an unset $IFACE would end the job)
+    body = text.split("set -euo pipefail", 1)[1]
+    assigned = set(re.findall(r"\b([A-Z_][A-Z0-9_]*)=", body))
+    for var in set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)\b(?!:?-)", body)):
+        assert var.startswith("SLURM_") or var in assigned or var in ("PATH", "PWD"), \
+            f"{script.name}: ${var} is read but never set"
+
+
+GPU_SCRIPTS = [p for p in ALL_SCRIPTS if p.stem.endswith("-gpu")]
+
+
+def test_gpu_scripts_run_one_rank_per_gpu() -> None:
+    """Each GPU script asks for GPUs on every node and runs one rank per GPU: Horovod one
+    task per GPU, each seeing the node's GPUs (the examples take cuda:local_rank), DDP one
+    torchrun per node with a rank per GPU."""
+    assert sorted(p.name for p in GPU_SCRIPTS) == ["ddp-gpu.sbatch", "horovod-gpu.sbatch"]
+    for script in GPU_SCRIPTS:
+        opts, text = sbatch_options(script), script.read_text()
+        gpus = int(opts["gpus-per-node"])
+        assert gpus >= 1 and "not run on a gpu" in text.lower(), script.name
+        if script.name == "horovod-gpu.sbatch":
+            assert int(opts["ntasks-per-node"]) == gpus
+            srun = [ln for ln in text.splitlines() if ln.startswith("srun ")]
+            assert srun and not any("--gpus-per-task" in ln for ln in srun), srun
+        else:
+            assert int(opts["ntasks-per-node"]) == 1
+            assert 'NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-' in text
+        # the same steps as the CPU script it follows, which runs under Slurm above
+        cpu = (SCRIPTS / script.name.replace("-gpu", "")).read_text()
+        steps = [[ln for ln in t.splitlines() if ln.startswith("srun ")] for t in (cpu, text)]
+        assert steps[0] and steps[0] == steps[1], script.name

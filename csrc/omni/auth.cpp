@@ -6,13 +6,17 @@
 #include <openssl/hmac.h>
 
 #include <fcntl.h>
+#include <grp.h>
+#include <pwd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <ctime>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "protocol.h"
 
@@ -30,19 +34,81 @@ std::string derive_job_key(const std::string& secret, uint64_t token) {
   return std::string(reinterpret_cast<char*>(out), kKeyBytes);
 }
 
+namespace {
+
+// The name of user `uid` in the user database, or "" where it has none.
+std::string user_name(uid_t uid) {
+  std::vector<char> buf(16384);
+  struct passwd pw {};
+  struct passwd* found = nullptr;
+  if (getpwuid_r(uid, &pw, buf.data(), buf.size(), &found) != 0 || !found) return "";
+  return pw.pw_name;
+}
+
+}  // namespace
+
+// Python's auth.group_refusal, word for word: why group `gid` reading a secret file owned by
+// `uid` is unsafe for this process, or "" when that group is private to it.
+std::string secret_group_refusal(uid_t uid, gid_t gid) {
+  const uid_t me = geteuid();
+  if (uid != 0 && uid != me)
+    return "and owned by uid " + std::to_string(uid) + ", neither this process's user nor root";
+  bool in_group = gid == getegid();
+  const int n = getgroups(0, nullptr);
+  std::vector<gid_t> groups(size_t(n > 0 ? n : 0));
+  if (n > 0 && getgroups(n, groups.data()) == n)
+    for (gid_t g : groups) in_group = in_group || g == gid;
+  if (!in_group) return "which this process is not in";
+  const std::string mine = user_name(me);
+  std::string others;
+  std::vector<char> buf(1 << 16);
+  struct group gr {};
+  struct group* found = nullptr;
+  if (getgrgid_r(gid, &gr, buf.data(), buf.size(), &found) == 0 && found)
+    for (char** m = gr.gr_mem; *m; ++m)
+      if (mine.empty() || mine != *m) others += (others.empty() ? "" : ", ") + std::string(*m);
+  if (!others.empty()) return "which has other members (" + others + ")";
+  // getpwent: the same enumeration Python's pwd.getpwall() makes; sorted, without repeats,
+  // as Python's set is
+  std::vector<std::string> primary;
+  setpwent();
+  while (struct passwd* p = getpwent())
+    if (p->pw_gid == gid && p->pw_uid != me) primary.emplace_back(p->pw_name);
+  endpwent();
+  std::sort(primary.begin(), primary.end());
+  primary.erase(std::unique(primary.begin(), primary.end()), primary.end());
+  if (primary.empty()) return "";
+  std::string names;
+  for (const auto& u : primary) names += (names.empty() ? "" : ", ") + u;
+  return "the primary group of other users (" + names + ")";
+}
+
 std::string read_secret_file(const std::string& path) {
   const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) throw std::runtime_error("secret file " + path + ": " + std::strerror(errno));
   struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    throw std::runtime_error("secret file " + path + ": " + std::strerror(err));
+  }
+  // The same checks, in the same order, with the same words as Python's read_secret_file.
+  std::string refusal;
+  if (!S_ISREG(st.st_mode)) refusal = "not a file";
+  else if (st.st_mode & 037) refusal = "readable by others (chmod 600 it)";
+  else if (st.st_mode & 040) {
+    const std::string why = secret_group_refusal(st.st_uid, st.st_gid);
+    if (!why.empty())
+      refusal = "readable by its group " + std::to_string(st.st_gid) + ", " + why +
+                " (chmod 600 it, or see docs/security.md)";
+  }
   std::string s;
   char buf[4096];
   ssize_t n = 0;
-  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && !(st.st_mode & 077))
+  if (refusal.empty())
     while ((n = read(fd, buf, sizeof buf)) > 0 && s.size() < (1 << 20)) s.append(buf, size_t(n));
   close(fd);
-  if (!S_ISREG(st.st_mode)) throw std::runtime_error("secret file " + path + ": not a file");
-  if (st.st_mode & 077)
-    throw std::runtime_error("secret file " + path + ": readable by others (chmod 600 it)");
+  if (!refusal.empty()) throw std::runtime_error("secret file " + path + ": " + refusal);
   while (!s.empty() && std::strchr(" \t\r\n", s.back())) s.pop_back();
   if (s.size() < 16)
     throw std::runtime_error("secret file " + path + ": fewer than 16 bytes of secret");

@@ -9,6 +9,8 @@
 #include <memory>
 #include <string>
 
+#include <sys/types.h>
+
 namespace hvd_sparse::omni {
 
 constexpr size_t kKeyBytes = 16;  // AES-128
@@ -19,9 +21,15 @@ constexpr size_t kKeyBytes = 16;  // AES-128
 std::string derive_job_key(const std::string& secret, uint64_t token);
 
 // The deployment's secret from a file: its bytes less trailing whitespace, at least 16 of them,
-// in a regular file no one but its owner may read (hvd_sparse/auth.py reads it the same way).
-// Throws std::runtime_error saying what is wrong.
+// in a regular file no one but its owner may read, or that its group may read where that group
+// is private to this process (secret_group_refusal; docs/security.md, "Secrets").
+// hvd_sparse/auth.py reads it the same way. Throws std::runtime_error saying what is wrong.
 std::string read_secret_file(const std::string& path);
+
+// Why group `gid` reading a secret file owned by `uid` is not safe for this process, or "":
+// the owner is root or this process's effective user, `gid` is its effective or a
+// supplementary group, and the user and group databases name no other user in it.
+std::string secret_group_refusal(uid_t uid, gid_t gid);
 
 // GMAC with a 96-bit nonce (sender id, sequence number): unique as long as each sender id is
 // used by one sender per key and its sequence numbers never repeat (a sender draws them from
