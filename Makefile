@@ -1,5 +1,8 @@
 # hvd-sparse: `make demo` runs the main job, `make test` runs the tests. Both install what they
 # need first (scripts/setup.sh: Debian packages, .venv with torch and Horovod, idempotent).
+# `make build` installs what a training host needs and no more (setup.sh's runtime mode: no
+# Slurm, munge, DPDK, nftables, test or docs tools); the targets that test, benchmark or run the
+# testbeds add the rest first (`dev`).
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,10 +13,13 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup build install test test-extended test-fast test-compose demo lint bench clean cuda-check \
+.PHONY: setup setup-dev dev wheel build install test test-extended test-fast test-compose demo lint bench clean cuda-check \
 	sanitize sanitize-ext docs fuzz
 
 setup:
+	@HVD_SPARSE_SETUP=runtime bash scripts/setup.sh
+
+setup-dev:
 	@bash scripts/setup.sh
 
 $(EXT): setup.py $(shell find csrc -name '*.cpp' -o -name '*.h') | setup
@@ -36,17 +42,29 @@ install: $(EXT)
 
 build: setup $(EXT) install
 
-lint: build
+# build, and the development set-up: test and lint tools, Slurm and munge (tests/test_slurm.py),
+# DPDK (the switch), nftables and libpcap (testbeds)
+dev: setup-dev build
+
+# A wheel of this checkout, built against the installed torch (which its requirements pin),
+# into dist/: the extension, the protocol module and the aggregator binary.
+wheel: build
+	@mkdir -p dist
+	@$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist . > build.log 2>&1 \
+	  || { tail -40 build.log; exit 1; }
+	@ls dist/hvd_sparse-*.whl
+
+lint: dev
 	@$(VENV)/bin/ruff check hvd_sparse tests scripts
 
 # tests/test_compose.py is `make test-compose` (a CI step of its own): a cold image build
 # alone takes about as long as the rest of the tests.
 # The default tier; `make test-extended` has the 4-rank reruns of the same paths and the long
 # trainings (marker "extended"): CI runs both.
-test: build lint $(if $(NVCC),cuda-check)
+test: dev lint $(if $(NVCC),cuda-check)
 	@$(PY) -m pytest -q -rs --durations=25 -m "not extended" tests --ignore=tests/test_compose.py
 
-test-extended: build
+test-extended: dev
 	@$(PY) -m pytest -q -rs --durations=25 -m extended tests --ignore=tests/test_compose.py
 
 # The compose cluster for real (tests/test_compose.py): a Docker engine started where none
@@ -56,11 +74,11 @@ test-extended: build
 # machine, 59 beside a 4-rank training job, 90 at load 13-16 (docs/BENCHMARKS.md, Test time):
 # longer than pytest's default timeout, so tests/test_compose.py sets its own; -s shows the
 # build's progress as it comes.
-test-compose: build
+test-compose: dev
 	@$(PY) -m pytest -q -rs -s tests/test_compose.py
 
 # The unit tier only: in-process tests, no other process, socket or Horovod job (under a minute).
-test-fast: build
+test-fast: dev
 	@$(PY) -m pytest -q -m unit tests
 
 # Compiles every CUDA source for sm_80 and sm_90 and links the kernels into one library, then
@@ -92,7 +110,7 @@ SANITIZE := build/sanitize/hvd-sparse-aggregator
 SANITIZE_SWITCH := build/sanitize/hvd-sparse-switch
 SANITIZE_FLAGS := -O1 -g -std=c++17 -march=x86-64-v2 -Wall -pthread -fno-omit-frame-pointer \
 	-fsanitize=address,undefined -fno-sanitize-recover=all -Icsrc
-sanitize: build
+sanitize: dev
 	@mkdir -p build/sanitize
 	@echo "[c++] $(SANITIZE) (-fsanitize=address,undefined)"
 	@$${CXX:-c++} $(SANITIZE_FLAGS) csrc/omni/aggregator/main.cpp csrc/omni/aggregator/core.cpp \
@@ -134,7 +152,7 @@ SANITIZE_EXT_TESTS := -m "unit or integration" $(addprefix tests/,test_codec.py 
 	test_aggregator_core.py test_switch_pipeline.py test_dissect.py test_aggregator_sums.py \
 	test_aggregator_junk.py test_aggregator_loss.py test_aggregator_jobs.py) \
 	--deselect tests/test_aggregator_sums.py::test_worker_processes  # its workers: other processes
-sanitize-ext: build
+sanitize-ext: dev
 	@echo "[c++] hvd_sparse._C (-fsanitize=address,undefined) into $(SANITIZE_EXT)"
 	@# the links first: a build must never write through one into this checkout's files
 	@find $(SANITIZE_EXT)/hvd_sparse -maxdepth 1 -type l -delete 2>/dev/null || true
@@ -168,7 +186,7 @@ sanitize-ext: build
 # 11 minutes. `make test` replays the corpora without either (tests/test_fuzz_corpus.py).
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?=
-fuzz: build
+fuzz: dev
 	@source scripts/versions.env; missing=(); for p in $$FUZZ_APT_PACKAGES; do \
 	  dpkg-query -W -f='$${Status}' "$$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$$p"); \
 	  done; if [ $${#missing[@]} -gt 0 ]; then echo "[fuzz] apt-get install $${missing[*]}"; \
@@ -185,7 +203,7 @@ fuzz: build
 # DEMO_ON=compose: on the compose cluster (docker/), images built first (cached), torn down
 # after; a Docker engine is started for it where none runs, and stopped after.
 DEMO_ON ?= testbed
-demo: build
+demo: dev
 ifeq ($(DEMO_ON),compose)
 	@$(PY) scripts/dockerd.py start
 	@$(PY) scripts/compose.py run; rc=$$?; $(PY) scripts/dockerd.py stop; exit $$rc
@@ -205,7 +223,7 @@ docs:
 	  || $(PY) -m pip install -q --disable-pip-version-check $(DOCS_DEPS)
 	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
 
-bench: build
+bench: dev
 	@$(PY) scripts/bench_codec.py
 	@$(PY) scripts/bench_sync.py
 

@@ -156,10 +156,11 @@ setup(
     description="Sparse gradient synchronization for Horovod and PyTorch DDP",
     packages=find_packages(include=["hvd_sparse", "hvd_sparse.*"]),
     python_requires=">=3.10",
-    # torch is not listed: the extension is built against the torch already installed (pip
-    # --no-build-isolation). Horovod only for its front end; the DDP front end, the
-    # aggregator and the tools run without it.
-    install_requires=["psutil"],
+    # The extension is built against the torch already installed (pip --no-build-isolation)
+    # and runs with that release only (its C++ ABI): the wheel requires it, whatever its local
+    # label (+cpu, +cu124). Horovod only for its front end; the DDP front end, the aggregator
+    # and the tools run without it.
+    install_requires=["psutil", f"torch=={torch.__version__.split('+')[0]}"],
     extras_require={"horovod": ["horovod>=0.28.1"]},
     ext_modules=[
         CppExtension(

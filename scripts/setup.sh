@@ -18,7 +18,10 @@ case "$MODE" in
 esac
 VENV=$ROOT/.venv
 PY=$VENV/bin/python
-STAMP=$VENV/.hvd-sparse-setup-$MODE-$(cat scripts/versions.env scripts/setup.sh | sha1sum | cut -c1-12)
+HASH=$(cat scripts/versions.env scripts/setup.sh | sha1sum | cut -c1-12)
+STAMP=$VENV/.hvd-sparse-setup-$MODE-$HASH
+# the full set-up holds the runtime one: `make build` after `make test` installs nothing
+[ "$MODE" = runtime ] && [ -f "$VENV/.hvd-sparse-setup-full-$HASH" ] && STAMP=$VENV/.hvd-sparse-setup-full-$HASH
 log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*"; }
 
 # --- Debian packages -------------------------------------------------------------------------
@@ -49,7 +52,7 @@ if [ ! -f "$STAMP" ]; then
     rm -rf "$tmp"
   fi
   "$PY" -c "import horovod.torch as hvd; assert hvd.gloo_built() and hvd.mpi_built()"
-  rm -f "$VENV"/.hvd-sparse-setup-*
+  find "$VENV" -maxdepth 1 -name '.hvd-sparse-setup-*' ! -name "*-$HASH" -delete  # stale pins
   touch "$STAMP"
 fi
 log "environment ready (.venv: torch $TORCH_VERSION, horovod $HOROVOD_VERSION)"

@@ -124,6 +124,13 @@ def test_wheel_installs_and_runs_in_another_venv(tmp_path: Path, wheel: Path) ->
     for b in BINARIES:
         assert f"hvd_sparse/bin/{b}" in names, f"{b} missing from the wheel: {names}"
     assert not any(n.startswith(("csrc/", "tests/", "scripts/")) for n in names)
+    # built against this torch, it requires this torch's release (any local label)
+    import torch
+    (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    requires = [ln.split(":", 1)[1].strip() for ln in
+                zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+                if ln.startswith("Requires-Dist:")]
+    assert f"torch=={torch.__version__.split('+')[0]}" in requires, requires
 
     # torch and Horovod come from the site-packages they are installed in
     deps = {str(Path(importlib.util.find_spec(m).origin).parents[1])
