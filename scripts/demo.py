@@ -33,7 +33,7 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
-from _demo_report import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, fmt_bytes, report
+from _demo_report import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, fmt_bytes, plot, report
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
@@ -292,11 +292,9 @@ def main() -> int:
     hvd_sparse.init()
     rank = hvd.rank()
 
-    # Only rank 0 talks. Under horovodrun stdout is a pipe: rich would fall back to 80 columns
-    # and draw no live bar.
-    console = Console(quiet=rank != 0)
-    if not console.is_terminal:
-        console = Console(quiet=rank != 0, width=120)
+    # Only rank 0 talks, in 80 columns (or $COLUMNS): under horovodrun stdout is a pipe, so
+    # rich draws no live bar and cannot ask the terminal its width.
+    console = Console(quiet=rank != 0, width=int(os.environ.get("COLUMNS", "80")))
 
     def log(msg: str) -> None:
         # A live bar shows progress on a terminal; through a pipe, print a line now and then.
@@ -371,10 +369,12 @@ def main() -> int:
             summary = report(console, args, runs, checks, eval0)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(summary, indent=2) + "\n")
+            picture = args.out.with_suffix(".png")
+            plot(runs, picture)
             verdict = (
                 "[green]OK[/]: runs agree" if checks["ok"] else "[bold red]FAILED[/]: runs differ"
             )
-            console.print(f"{verdict}; summary in {args.out}")
+            console.print(f"{verdict}; summary in {args.out}, picture in {picture}")
         return 0 if checks["ok"] else 1
     finally:
         hvd_sparse.shutdown()
