@@ -128,6 +128,10 @@ class Config:
         if not 1 <= self.slots <= 4096 or self.payload_bytes < 1 or not _finite_positive(self.rto):
             raise ValueError(f"slots must be in [1, 4096], payload_bytes >= 1 and rto finite and "
                              f"> 0, got {self.slots}, {self.payload_bytes}, {self.rto}")
+        if self.threads < 0 or self.small_bytes < 0 or self.local_aggregators < -1:
+            raise ValueError(f"threads and small_bytes must be >= 0 and local_aggregators >= -1 "
+                             f"(-1: automatic), got threads={self.threads}, small_bytes="
+                             f"{self.small_bytes}, local_aggregators={self.local_aggregators}")
         if self.metrics_records < 1:
             raise ValueError(f"metrics_records must be >= 1, got {self.metrics_records}")
         # what logs.configure sets the logger to: a level logging knows by name
@@ -250,5 +254,14 @@ def from_env_and_kwargs(**kwargs: object) -> Config:
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
         raise TypeError(f"unknown hvd_sparse option(s): {sorted(unknown)}")
-    values.update({k: v for k, v in kwargs.items() if v is not None})
-    return Config(**values).validate()  # type: ignore[arg-type]
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    values.update(given)
+    try:
+        return Config(**values).validate()  # type: ignore[arg-type]
+    except ValueError as e:  # name the variables behind the refused options
+        named = [f"HVD_SPARSE_{n.upper()}={os.environ[f'HVD_SPARSE_{n.upper()}']!r}"
+                 for n in values if n not in given and f"HVD_SPARSE_{n.upper()}" in os.environ
+                 and re.search(rf"\b{n}\b", str(e))]
+        if named:
+            raise ValueError(f"{e} (from {', '.join(named)})") from None
+        raise

@@ -57,6 +57,15 @@ def test_addresses_are_checked_up_front_with_ports_a_socket_takes(monkeypatch, o
     assert option in refused(monkeypatch, **{option: value})
 
 
+@pytest.mark.parametrize("option,value", [
+    ("threads", "-1"), ("small_bytes", "-5"), ("local_aggregators", "-2"), ("slots", "0"),
+    ("metrics_records", "0"), ("block_size", "0")])
+def test_a_value_out_of_range_names_its_variable_and_value(monkeypatch, option, value):
+    """Negative counts were accepted; a refused value named its option, not its variable."""
+    message = refused(monkeypatch, **{option: value})
+    assert f"HVD_SPARSE_{option.upper()}={value!r}" in message and option in message, message
+
+
 @pytest.mark.parametrize("value", ["DEBU$G", "10", "verbose"])
 def test_log_level_is_a_level_name(monkeypatch, value):
     """logging.setLevel refused it at init, naming no option."""
