@@ -13,6 +13,8 @@ from .runfile import parse_rate
 
 SCHEMES = ("dense", "allgather", "zen", "omnireduce", "switch", "auto")
 LAYOUTS = ("auto", "colocated", "rank0")
+# ``wire``: the 16-bit type float32 and float64 values may travel as ("": their own)
+WIRES = ("", "bf16")
 
 
 @dataclass
@@ -61,6 +63,10 @@ class Config:
         switch_fixed_float64: scheme "switch" with float64 tensors: off, they go to the
             aggregators (or dense), exact; on, through the switch in fixed point (relative
             error up to about nworkers^2 x 2^-31).
+        wire: "bf16": float32 and float64 tensors travel as bfloat16 values (half the bytes,
+            as Horovod's ``Compression.fp16``, with float32's range), summed in float32 by the
+            codecs and aggregators, rounded to bfloat16 once on the way back and widened
+            again; "": values in their own dtype.
         payload_bytes: block values per datagram (block fusion); the default holds 63 float32
             blocks.
         slots: slots per aggregator per tensor: packets in flight per tensor.
@@ -94,6 +100,7 @@ class Config:
     switch: str = ""
     switch_control: str = ""
     switch_fixed_float64: bool = False
+    wire: str = ""
     payload_bytes: int = 64512
     slots: int = 64
     rto: float = 0.05
@@ -132,6 +139,8 @@ class Config:
             raise ValueError(f"threads and small_bytes must be >= 0 and local_aggregators >= -1 "
                              f"(-1: automatic), got threads={self.threads}, small_bytes="
                              f"{self.small_bytes}, local_aggregators={self.local_aggregators}")
+        if self.wire not in WIRES:
+            raise ValueError(f"wire must be one of {WIRES}, got {self.wire!r}")
         if self.metrics_records < 1:
             raise ValueError(f"metrics_records must be >= 1, got {self.metrics_records}")
         # what logs.configure sets the logger to: a level logging knows by name

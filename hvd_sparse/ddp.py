@@ -322,8 +322,10 @@ class State:
         (the row counts, then every rank's rows: two calls, issued from the hook in bucket
         order) and their average summed on the device (``rows.device_sum``)."""
         started = time.monotonic()
-        meta = blocks.meta_hash(t.shape, t.dtype)
-        ids, vals = rows.device_parts(t, meta)
+        wire = reduction.wire_type(t, self.config.wire)  # bfloat16 rows, summed into t's dtype
+        send = t.coalesce().to(wire) if wire is not None else t
+        meta = blocks.meta_hash(t.shape, send.dtype)
+        ids, vals = rows.device_parts(send, meta)
         n = dist.get_world_size(self.process_group)
         assert self._model_comm is not None
         fut = self._model_comm.allgather_many_here([ids, vals])
@@ -334,6 +336,7 @@ class State:
             gathered = sum(p.nbytes for p in ids_parts) + sum(v.nbytes for v in vals_parts)
             record_metrics(name, time.monotonic() - started, Stats(
                 scheme="rows", route="model group", union=int(out._nnz()),
+                wire=None if wire is None else str(wire).removeprefix("torch."),
                 rows_local=ids.numel() - 1, bytes_sent=int(gathered * (n - 1) / n),
                 bytes_received=gathered - ids.nbytes - vals.nbytes))
             return out

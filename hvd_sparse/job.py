@@ -64,6 +64,7 @@ class Stats:
     scheme: str | None = None  # what ran ("auto": what it chose)
     reason: str | None = None  # why not the scheme asked for ("small", "non-finite", ...)
     staged: str | None = None  # a GPU tensor's device: reduced through host memory
+    wire: str | None = None  # the 16-bit type its values travelled as (option ``wire``)
     # what carried it: "horovod", "hook streams" (the DDP hook's Gloo groups), "model group"
     # (the DDP model's own process group), "aggregators", "switch"
     route: str | None = None
@@ -113,6 +114,10 @@ class Job:
     parts: tuple[tuple[str, int, int], ...] = ()  # its gradients: name, offset, elements
     whole: tuple[tuple[str, int, int], ...] = ()  # those sent whole, by the dense allreduce
     apart: torch.Tensor | None = None  # their values, one after another (reduced: the result)
+    # option ``wire``: the input's own dtype, and the caller's tensor for an in-place result
+    # (the job reduces a 16-bit copy)
+    widen: torch.dtype | None = None
+    caller: torch.Tensor | None = None
 
     def op_name(self, stage: str) -> str:
         return f"hvd_sparse.{self.name}.{stage}"

@@ -86,6 +86,10 @@ def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, s
             for _, s, n in whole:
                 flat[s:s + n].zero_()
     asked = scheme
+    widen, caller, wire = None, None, wire_type(t, ctx.config.wire)
+    if wire is not None:  # a 16-bit copy is reduced; ``finish`` widens it into the caller's form
+        widen, caller, inplace = t.dtype, (tensor if inplace else None), False
+        t = (t.coalesce() if t.is_sparse else t).to(wire)  # (duplicates summed in full first)
     if t.is_sparse and scheme != "dense" and rows.supported(t):
         scheme, inplace, copied = "rows", False, False
     else:
@@ -101,10 +105,13 @@ def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, s
             scheme = "dense"
     job = Job(name=name, tensor=t, shape=tensor.shape, average=average, prescale=prescale,
               postscale=postscale, block_size=block_size,
-              meta=blocks.meta_hash(tensor.shape, tensor.dtype), scheme=scheme, ctx=ctx,
+              meta=blocks.meta_hash(tensor.shape, t.dtype), scheme=scheme, ctx=ctx,
               comm=comm, inplace=t.numel() > 0 and (inplace or copied),
               output=tensor if inplace else None, home=home, asked=asked,
-              sparsifier=sparsifier, parts=tuple(parts), whole=tuple(whole), apart=apart)
+              sparsifier=sparsifier, parts=tuple(parts), whole=tuple(whole), apart=apart,
+              widen=widen, caller=caller)
+    if wire is not None:
+        job.stats.wire = str(wire).removeprefix("torch.")
     if to_host is not None:
         job.stats.staged = str(home.device)
     return engine.submit(job, _run(job, to_host), _record)
@@ -130,6 +137,10 @@ def finish(handle: Handle) -> torch.Tensor:
         out = staging.to_device(out, target, job.block_size)
     if not out.is_sparse:
         out = out.view(job.shape)
+    if job.widen is not None:  # the 16-bit result widened, into the caller's tensor in place
+        out = out.to(job.widen)
+        if job.caller is not None:
+            out = job.caller.copy_(out)
     if job.output is not None:
         if out.data_ptr() != job.output.data_ptr():
             job.output.copy_(out)
@@ -143,6 +154,25 @@ def finish(handle: Handle) -> torch.Tensor:
         for part, s, n in job.parts:
             job.sparsifier.observe(part, flat[s:s + n], job.block_size)
     return out
+
+
+def wire_type(t: torch.Tensor, wire: str) -> torch.dtype | None:
+    """The 16-bit type ``t``'s values travel as (option ``wire``).
+
+    bfloat16 only: it has float32's range, so no finite value arrives as infinity (float16's
+    65504 would need a scale agreed by the ranks).
+
+    Args:
+        t: the tensor to reduce.
+        wire: the option's value ("bf16" or "").
+
+    Returns:
+        ``torch.bfloat16``, or None: the values travel in their own type (no option, or not
+        float32 or float64).
+    """
+    if wire != "bf16" or t.dtype not in (torch.float32, torch.float64) or t.numel() == 0:
+        return None
+    return torch.bfloat16
 
 
 def _dense_anyway(t: torch.Tensor, scheme: str, ctx: Context) -> bool:

@@ -465,3 +465,29 @@ def test_state_pickles_and_resumes(tmp_path_factory) -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_bfloat16_on_the_wire(sparse: bool) -> None:
+    """State(wire="bf16"): the buckets travel as bfloat16 (summed in float32, rounded once),
+    within a bfloat16 step or two of DDP's own float32 average, the same on every rank."""
+    torch.manual_seed(0)
+    model = Net(sparse=sparse)
+    ref, ours = DDP(model, bucket_cap_mb=0.1), DDP(copy.deepcopy(model), bucket_cap_mb=0.1)
+    st = ddp.State(scheme="allgather", probe="off", wire="bf16")
+    ours.register_comm_hook(st, ddp.hook)
+    try:
+        reset_metrics()
+        ids, y = batch(0)
+        for m in (ref, ours):
+            nn.functional.mse_loss(m(ids), y).backward()
+        a, b = grads(ref), grads(ours)
+        for n in a:  # each rank's value rounded (2**-8 of it), the sum rounded once: where
+            # the ranks' values cancel, the error is the inputs' scale's, not the sum's
+            torch.testing.assert_close(b[n], a[n], rtol=2 ** -7,
+                                       atol=2 ** -7 * float(a[n].abs().max()),
+                                       msg=lambda m, n=n: f"{n}: {m}")
+        same_everywhere(b)
+        assert {v.get("wire") for v in metrics().values()} == {"bfloat16"}, metrics()
+    finally:
+        st.close()
