@@ -44,6 +44,7 @@ QUOTING = {
     "README.md": lambda t: t,
     "docs/index.md": lambda t: t,
     "docs/results.md": lambda t: t,
+    "docs/faq.md": lambda t: t,
     "CHANGELOG.md": _unreleased,
 }
 
