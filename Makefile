@@ -71,7 +71,7 @@ test-extended: dev
 # runs (docker.io from apt) and stopped after, both images built (docker's layer cache keeps
 # them between runs), a 4-worker job across the containers. Skipped where Docker cannot run.
 # Cached: 1-5 min; cold: the worker image compiles Horovod and the extension, 10 min on a quiet
-# machine, 59 beside a 4-rank training job, 90 at load 13-16 (docs/BENCHMARKS.md, Test time):
+# machine, 59 beside a 4-rank training job, 90 at load 13-16 (docs/notes/benchmarks-history.md, Test time):
 # longer than pytest's default timeout, so tests/test_compose.py sets its own; -s shows the
 # build's progress as it comes.
 test-compose: dev
