@@ -323,7 +323,7 @@ class State:
         order) and their average summed on the device (``rows.device_sum``)."""
         started = time.monotonic()
         wire = reduction.wire_type(t, self.config.wire)  # bfloat16 rows, summed into t's dtype
-        send = t.coalesce().to(wire) if wire is not None else t
+        send = t.to(wire) if wire is not None else t
         meta = blocks.meta_hash(t.shape, send.dtype)
         ids, vals = rows.device_parts(send, meta)
         n = dist.get_world_size(self.process_group)

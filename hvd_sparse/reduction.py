@@ -89,7 +89,8 @@ def start(tensor: torch.Tensor, name: str, *, comm: Collectives, ctx: Context, s
     widen, caller, wire = None, None, wire_type(t, ctx.config.wire)
     if wire is not None:  # a 16-bit copy is reduced; ``finish`` widens it into the caller's form
         widen, caller, inplace = t.dtype, (tensor if inplace else None), False
-        t = (t.coalesce() if t.is_sparse else t).to(wire)  # (duplicates summed in full first)
+        # (a sparse gradient as it is: an EmbeddingBag's runs of equal values stay runs)
+        t = t.to(wire)
     if t.is_sparse and scheme != "dense" and rows.supported(t):
         scheme, inplace, copied = "rows", False, False
     else:

@@ -17,6 +17,8 @@ another in one run:
 - ours rows agg: the same with scheme "omnireduce" (the rows summed at the aggregators)
 - ours rows allgather: the same with scheme "allgather" (no trial of aggregation: against
   "ours rows" over the first steps, with --warmup 0, what auto's trial costs)
+- ours rows bf16: "ours rows" with the rows' values as bfloat16 on the wire (``wire="bf16"``;
+  lossy: summed in float32, rounded to bfloat16 once)
 - ours blocks: dense tables, ``hvd_sparse.ddp.hook`` with scheme "auto" (blocks of the bucket)
 - local dense / local sparse: no DDP, no communication: the step's compute alone, which tells
   how much of each method's step is exposed communication
@@ -68,6 +70,7 @@ METHODS: dict[str, tuple[bool, str]] = {
     "ours rows": (True, "ours:auto"),
     "ours rows agg": (True, "ours:omnireduce"),
     "ours rows allgather": (True, "ours:allgather"),
+    "ours rows bf16": (True, "ours:auto:bf16"),  # rows as bfloat16 on the wire (lossy)
     "ours blocks": (False, "ours:auto"),
     "local dense": (False, "local"),
     "local sparse": (True, "local"),
@@ -155,8 +158,9 @@ def wrap(method: str, model: nn.Module, args: argparse.Namespace
         m.register_comm_hook(OneBucketAtATime(state), one_bucket_at_a_time)
     elif comm.startswith("ours"):
         # Collective: every rank makes it here, in the same order of methods.
-        ours = ddp.State(scheme=comm.split(":")[1], probe=args.probe, streams=args.streams,
-                         fuse_mb=args.fuse_mb)
+        _, scheme, *wire = comm.split(":")
+        ours = ddp.State(scheme=scheme, probe=args.probe, streams=args.streams,
+                         fuse_mb=args.fuse_mb, wire=wire[0] if wire else "")
         m.register_comm_hook(ours, ddp.hook)
         return m, ours.close
     return m, lambda: None
