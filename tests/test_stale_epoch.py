@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from hvd_sparse.tools import wire
 
 T = protocol.TYPES
 TOKEN = 0xE90C
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _submit(workers, tensor_id, inputs, name):
@@ -274,14 +276,16 @@ def test_the_switch_drops_a_straggler_of_the_old_membership(tmp_path):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     name = f"hse{os.getpid() % 100000}"
-    tb = lifecycle.up(topology.Testbed(name, workers=1, aggregators=0, switch="emu"))
+    # two hosts: a switch has two ports at least; both workers live on the first
+    tb = lifecycle.up(topology.Testbed(name, workers=2, aggregators=0, switch="emu"))
     try:
         host = tb.hosts[0]
         script = tmp_path / "job.py"
         script.write_text(SWITCH_JOB)
         p = subprocess.run(["ip", "netns", "exec", host.ns, sys.executable, str(script),
                             tb.switch_address, str(tb.switch_control), host.ip],
-                           capture_output=True, text=True, timeout=150)
+                           capture_output=True, text=True, timeout=150,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's
         assert p.returncode == 0, f"the job in {host.ns}: {p.stderr[-3000:]}"
         report = json.loads(p.stdout.strip().splitlines()[-1])
     finally:
