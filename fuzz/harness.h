@@ -38,6 +38,7 @@ using namespace hvd_sparse;
 using namespace hvd_sparse::omni;
 
 constexpr uint64_t kToken = 0x5EED;
+constexpr uint32_t kEpoch = 1;  // the job's membership: the worker engine's default
 // The deployment secret of authenticated runs (aggregator), whence every job's key.
 const std::string kSecret = "hvd-sparse fuzzing secret, not a real one";
 

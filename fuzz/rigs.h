@@ -19,7 +19,7 @@ namespace fuzz {
 inline std::vector<uint8_t> control_packet(uint8_t type, uint64_t token, uint16_t worker,
                                            uint16_t nworkers, uint32_t slot = 0,
                                            uint64_t tensor = 0) {
-  Header h = make_header(type, token, worker, nworkers);
+  Header h = make_header(type, token, kEpoch, worker, nworkers);
   h.slot = slot;
   h.tensor = tensor;
   std::vector<uint8_t> b(kHeaderBytes);

@@ -68,6 +68,10 @@ _options: _config.Config | None = None  # init's options; None: not initialized
 _state: State | None = None  # what was joined with them; None under elastic until a reduction
 _stale = ""  # under elastic: why the state must be joined again at the next reduction
 _joins = itertools.count(1)
+# This process's latest memberships of the job ("omni", "switch": session.Membership), kept
+# across elastic resets: the next join keeps the job's token at a later epoch, whose packets
+# the aggregators and the switch tell from a straggler's of this one. A new init starts afresh.
+_memberships: dict[str, session.Membership] = {}
 
 
 def elastic() -> bool:
@@ -126,7 +130,7 @@ def _join(cfg: _config.Config) -> State:
     """Joins Horovod's ranks as they are now (collective over all of them)."""
     comm = collectives.of(hvd.global_process_set)
     try:
-        omni, switch, net = session.join_all(cfg, comm)
+        omni, switch, net = session.join_all(cfg, comm, _memberships)
     except HorovodInternalError as e:
         raise HvdSparseInternalError(f"hvd_sparse: joining rank {hvd.rank()} of {hvd.size()} "
                                      f"failed: {e}") from e
@@ -250,6 +254,7 @@ def shutdown() -> None:
         if joined is not None:
             joined.close()
     _state, _options, _stale = None, None, ""
+    _memberships.clear()
     runfile.flush()
 
 

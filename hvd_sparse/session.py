@@ -20,7 +20,7 @@ import socket
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -39,15 +39,59 @@ log = logging.getLogger("hvd_sparse")
 RETRY_EVERY = 16  # calls of a tensor name between looks at aggregators that went down
 
 
+@dataclass(frozen=True)
+class Membership:
+    """Which membership of a job a session is (docs/PROTOCOL.md "Memberships"): the job's
+    token, the same for all its memberships, and its epoch, alike on every rank of one
+    membership and larger for each later one, which every packet carries so that aggregators
+    and the switch drop an earlier membership's."""
+
+    token: int
+    epoch: int
+
+
+def agree_membership(comm: Collectives, previous: Membership | None, what: str) -> Membership:
+    """The membership the ranks of ``comm`` form now (collective, one allgather).
+
+    The token and epoch come from the rank that has seen the latest membership: its token, and
+    its epoch plus one, so that the epoch exceeds every earlier membership's that a rank of this
+    one took part in, whichever ranks survived, fresh processes (``previous`` None) among them.
+    When no rank was in one, rank 0 draws a new token and the epoch is 1.
+
+    Args:
+        comm: the job's collectives (all ranks).
+        previous: this rank's latest membership of the job (None: a fresh process).
+        what: "omni" or "switch": names the collective.
+
+    Returns:
+        The membership, the same on every rank.
+    """
+    fresh = random.SystemRandom().getrandbits(63) | 1 if comm.rank == 0 else 0
+    seen = (previous.epoch, previous.token) if previous is not None else (0, 0)
+    votes = comm.allgather_object((*seen, fresh), f"hvd_sparse.{what}.membership")
+    epoch, token = max((e, t) for e, t, _ in votes)  # ties (no rank was in one): alike anyway
+    return Membership(token if epoch else votes[0][2], epoch + 1)
+
+
+def _agree(comm: Collectives, memberships: dict[str, Membership] | None,
+           what: str) -> Membership:
+    """``agree_membership`` from ``memberships[what]``, recorded there."""
+    member = agree_membership(comm, (memberships or {}).get(what), what)
+    if memberships is not None:
+        memberships[what] = member
+    return member
+
+
 class Session:
     """This rank's worker engine, joined to the job's aggregators."""
 
     def __init__(self, cfg: Config, comm: Collectives, addrs: list[tuple[str, int]],
                  token: int, local: LocalAggregators | None, max_datagram: int | None = None,
                  switch: bool = False, key: bytes = b"", placement: str = "remote",
-                 control: switch_control.Client | None = None) -> None:
+                 control: switch_control.Client | None = None, epoch: int = 1) -> None:
         self.cfg, self.addrs, self.local, self.switch = cfg, addrs, local, switch
         self.token, self.control = token, control  # control: the switch's, where rank 0 installed
+        self.membership = Membership(token, epoch)
         # where the aggregators run, alike on every rank: "remote" (configured), "rank0" (the
         # job's own, all on rank 0's host), "colocated" (the job's own, on every host), "switch"
         self.placement = "switch" if switch else placement
@@ -67,7 +111,7 @@ class Session:
         self.worker = OmniWorker(addrs, token, comm.rank, comm.size, payload_bytes=payload,
                                  slots_per_aggregator=cfg.slots, rto=cfg.rto,
                                  timeout=cfg.timeout * 0.9, seed=comm.rank, key=key,
-                                 ports=cfg.port_range())
+                                 ports=cfg.port_range(), epoch=epoch)
         self._calls: dict[str, int] = defaultdict(int)
         # Aggregation is down after an aggregator timed out (``down`` says how), until the
         # aggregators answer keep-alives again: see omnireduce.run.
@@ -148,8 +192,8 @@ class Session:
         if self.local is not None:
             self.local.stop()
         if self.control is not None:  # the job's groups back to the switch's pool
-            try:
-                self.control.remove(self.token)
+            try:  # unless a later membership installed the job again meanwhile
+                self.control.remove(self.token, self.membership.epoch)
             except switch_control.ControlError as e:
                 log.warning("hvd_sparse: removing the job from the switch: %s", e)
 
@@ -183,23 +227,25 @@ class Turns:
             self.next += 1
 
 
-def join_switch(cfg: Config, comm: Collectives) -> Session | None:
+def join_switch(cfg: Config, comm: Collectives,
+                memberships: dict[str, Membership] | None = None) -> Session | None:
     """Joins the switch named by ``switch`` (collective over ``comm``, all ranks). None when no
     switch is configured or it refuses the job on some rank (the reason is logged: the switch
-    scheme then falls back)."""
+    scheme then falls back). ``memberships``: as for ``start``, under "switch"."""
     addr = cfg.switch_address()
     if addr is None:
         return None
-    token = comm.broadcast_object(random.SystemRandom().getrandbits(63) | 1,
-                                  "hvd_sparse.switch.token")
+    member = _agree(comm, memberships, "switch")
+    token = member.token
     mtu = comm.allreduce(torch.tensor([_max_datagram(*addr)]), "hvd_sparse.switch.mtu",
                          "min").value()
-    control = _install_on_switch(cfg, comm, token, addr) if cfg.switch_control else None
+    control = _install_on_switch(cfg, comm, member, addr) if cfg.switch_control else None
     if isinstance(control, str):
         log.warning("hvd_sparse: the switch at %s:%d cannot aggregate this job (%s); scheme "
                     "'switch' falls back", *addr, control)
         return None
-    session = _open(cfg, comm, [addr], token, None, int(mtu), switch=True, control=control)
+    session = _open(cfg, comm, [addr], token, None, int(mtu), switch=True, control=control,
+                    epoch=member.epoch)
     why = ""
     try:
         session.worker.register(cfg.timeout)
@@ -216,12 +262,13 @@ def join_switch(cfg: Config, comm: Collectives) -> Session | None:
     return session
 
 
-def _install_on_switch(cfg: Config, comm: Collectives, token: int, addr: tuple[str, int]
-                       ) -> switch_control.Client | str | None:
+def _install_on_switch(cfg: Config, comm: Collectives, member: Membership,
+                       addr: tuple[str, int]) -> switch_control.Client | str | None:
     """Rank 0 installs the job on the switch's control plane with every worker's address (the
     one its REGISTER will come from), so that the switch takes the job's packets from those
-    hosts only. Collective. Returns the client on rank 0 (None elsewhere), or why the switch
-    refused the job (on every rank)."""
+    hosts only; at the membership's epoch, which replaces an earlier membership's install (its
+    groups freed, its stragglers' packets dropped). Collective. Returns the client on rank 0
+    (None elsewhere), or why the switch refused the job (on every rank)."""
     try:
         ip = _address_toward([[addr[0]]])
     except HvdSparseError:
@@ -234,22 +281,29 @@ def _install_on_switch(cfg: Config, comm: Collectives, token: int, addr: tuple[s
         client = switch_control.Client(cfg.switch_control)
         try:
             lim = client.limits()
-            free = lim["groups"] - sum(j["groups"] for j in client.jobs())
-            client.install(token, comm.size, max(1, min(lim["groups"] // 4, free)), ips)
+            # an earlier membership's groups come back at the install
+            free = lim["groups"] - sum(j["groups"] for j in client.jobs()) + sum(
+                j["groups"] for j in client.jobs(member.token))
+            client.install(member.token, comm.size, max(1, min(lim["groups"] // 4, free)), ips,
+                           epoch=member.epoch)
         except switch_control.ControlError as e:
             why = str(e)
     why = comm.broadcast_object(why, "hvd_sparse.switch.installed")
     return why or client
 
 
-def start(cfg: Config, comm: Collectives) -> Session | None:
+def start(cfg: Config, comm: Collectives, memberships: dict[str, Membership] | None = None
+          ) -> Session | None:
     """Joins the configured aggregators or, when none are, starts the job's own (``_local``).
-    Collective over ``comm``, all ranks of the job. Returns None when aggregation is off."""
+    Collective over ``comm``, all ranks of the job. ``memberships``: this rank's latest
+    memberships of the job, by what they joined ("omni" here), read and updated in place as
+    soon as the ranks agree on the new one (even if the join fails after, a retry then takes a
+    later epoch); None or empty: a fresh process. Returns None when aggregation is off."""
     addrs = cfg.aggregator_list()
     if not addrs and cfg.local_aggregators == 0:
         return None
-    token = comm.broadcast_object(random.SystemRandom().getrandbits(63) | 1,
-                                  "hvd_sparse.omni.token")
+    member = _agree(comm, memberships, "omni")
+    token = member.token
     local, placement = None, "remote"
     if not addrs:
         addrs, local, placement = _local(cfg, comm, token)
@@ -263,7 +317,8 @@ def start(cfg: Config, comm: Collectives) -> Session | None:
     mtu = comm.allreduce(torch.tensor([min(_max_datagram(h, p) for h, p in addrs)]),
                          "hvd_sparse.omni.mtu", "min").value()
     try:
-        session = _open(cfg, comm, addrs, token, local, int(mtu), key=key, placement=placement)
+        session = _open(cfg, comm, addrs, token, local, int(mtu), key=key, placement=placement,
+                        epoch=member.epoch)
     except HvdSparseError:
         if local is not None:
             local.stop()
@@ -381,18 +436,20 @@ def _job_key(cfg: Config, comm: Collectives, local: LocalAggregators | None,
     return auth.agree(comm, key, token)
 
 
-def join_all(cfg: Config, comm: Collectives
+def join_all(cfg: Config, comm: Collectives, memberships: dict[str, Membership] | None = None
              ) -> tuple[Session | None, Session | None, costmodel.NetModel]:
     """What either front end does at start, collective over ``comm`` (all ranks of the job):
     the codec's threads (ranks sharing a host share its cores; more threads than that make
     every loop crawl), the library logger's level and rank, the aggregators and the switch
-    joined, the network model, and the run file (``metrics_file``)."""
+    joined, the network model, and the run file (``metrics_file``). ``memberships``: this
+    rank's latest memberships ("omni", "switch"), kept by the caller to join the job again
+    (Horovod elastic) under its token at a later epoch; updated in place (``start``)."""
     logs.configure(cfg.log_level, comm.ranks[comm.rank])
     set_threads(cfg.threads or max(1, (os.cpu_count() or 1) // comm.local_size()))
     omni = switch = None
     try:
-        omni = start(cfg, comm)
-        switch = join_switch(cfg, comm)
+        omni = start(cfg, comm, memberships)
+        switch = join_switch(cfg, comm, memberships)
         net = costmodel.load_or_probe(
             comm, cfg.probe, cfg.cache_dir, omni.probe_time if omni else None,
             layout=omni.layout() if omni else (0, 0),

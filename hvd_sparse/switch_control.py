@@ -54,14 +54,34 @@ class Client:
         self.call(f"host {port} {mac} {ip}")
 
     def install(self, token: int, workers: int, groups: int,
-                ips: list[str] | None = None) -> int:
-        """Installs a job on ``groups`` slot groups; returns the first one. ``ips`` (one bound
-        host address per worker, in worker order) binds each worker to its host."""
-        return self.call(f"install {token} {workers} {groups}"
-                         + (f" {','.join(ips)}" if ips else ""))["first"]
+                ips: list[str] | None = None, epoch: int = 1) -> int:
+        """Installs a job on ``groups`` slot groups; returns the first one.
 
-    def remove(self, token: int) -> bool:
-        return self.call(f"remove {token}")["removed"]
+        Args:
+            token: the job's token.
+            workers: its workers.
+            groups: slot groups it gets.
+            ips: one bound host address per worker, in worker order: binds each worker to
+                its host.
+            epoch: the job's membership (docs/PROTOCOL.md "Memberships"): a job of this token
+                installed at an earlier epoch is replaced, its groups freed first.
+
+        Returns:
+            The job's first slot group.
+
+        Raises:
+            ControlError: the switch refused (already installed at this epoch or a later one,
+                a limit, an address that is no bound host).
+        """
+        return self.call(f"install {token} {workers} {groups}"
+                         + (f" {','.join(ips)}" if ips else "") + f" epoch={epoch}")["first"]
+
+    def remove(self, token: int, epoch: int | None = None) -> bool:
+        """Removes the job of ``token``; with ``epoch``, only when installed at that epoch or
+        an earlier one (so a late close of an old membership leaves a newer one alone).
+        Returns whether a job was removed."""
+        return self.call(f"remove {token}" + (f" {epoch}" if epoch is not None else ""))[
+            "removed"]
 
     def drop(self, first: int) -> bool:
         """Removes the job whose slot groups start at ``first`` (its token unknown)."""

@@ -227,8 +227,8 @@ def junk_packets(kind: str, seed: int, tensor: int, raw: bytes) -> tuple[str, by
         return "malformed", wire.data(table, carried, **{
             **base, "magic": int(rng.integers(0, 2 ** 32)) ^ protocol.MAGIC or 1})
     if kind == "version":
-        return "malformed", wire.data(table, carried, **{**base, "version": int(
-            rng.choice([0, 2, 255]))})
+        return "malformed", wire.data(table, carried, **{**base, "version": int(  # 1: older
+            rng.choice([0, protocol.VERSION - 1, protocol.VERSION + 1, 255]))})
     if kind == "type":
         return "malformed", wire.data(table, carried, **{**base, "type": int(
             rng.choice([0, 8, 9, 200, 255]))})

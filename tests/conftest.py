@@ -22,6 +22,7 @@ FILE_TIERS = {
     "test_aggregator_sums.py": "integration", "test_aggregator_cli.py": "integration",
     "test_aggregator_loss.py": "integration", "test_aggregator_junk.py": "integration",
     "test_aggregator_jobs.py": "integration", "test_docker.py": "integration",
+    "test_stale_epoch.py": "integration",
     "test_install.py": "integration", "test_torchfree.py": "integration",
     "test_job_faults.py": "parallel",
     "test_testbed.py": "testbed", "test_dpdk.py": "testbed", "test_switch_emu.py": "testbed",

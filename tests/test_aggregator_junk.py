@@ -274,7 +274,7 @@ def test_worker_drops_every_malformed_result_from_its_aggregator():
             agg.sendto(p, worker)
             if i % 64 == 63:
                 time.sleep(0.002)  # within the socket buffer
-        counted = ("malformed", "stale", "unauthenticated")
+        counted = ("malformed", "stale", "unauthenticated", "stale_epoch")  # epoch: another's
         deadline = time.monotonic() + 30
         while sum(w.stats()[k] for k in counted) < len(junk) and time.monotonic() < deadline:
             time.sleep(0.05)

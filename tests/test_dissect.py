@@ -152,8 +152,8 @@ def test_bound_to_the_aggregation_port_both_ways() -> None:
 # Malformed datagrams: named, never a crash
 # ------------------------------------------------------------------------------------------
 
-REASONS = {"truncated", "magic", "version", "type", "worker", "size", "dtype", "layout", "slot",
-           "count", "bitmap"}
+REASONS = {"truncated", "magic", "version", "type", "reserved", "worker", "size", "dtype",
+           "layout", "slot", "count", "bitmap"}
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
@@ -300,7 +300,8 @@ def test_captured_testbed_job_is_dissected(tmp_path: Path) -> None:
 # 3. Scapy-built junk at a live aggregator: the dissector's verdict is the aggregator's
 # ------------------------------------------------------------------------------------------
 
-KINDS = ["truncated", "extended", "magic", "version", "type", "dtype", "worker", "nworkers",
+KINDS = ["truncated", "extended", "magic", "version", "type", "reserved", "dtype", "worker",
+         "nworkers",
          "lanes", "block_size", "slot", "nslots", "present>lanes", "missing block",
          "bitmap beyond lanes", "bitmap popcount", "control + bytes", "foreign data",
          "foreign control", "fuzzed header", "fuzzed packet"]
@@ -349,6 +350,7 @@ def scapy_junk(kind: str, seed: int, tensor: int) -> bytes:
         "magic": {"magic": int(rng.integers(0, 2 ** 32)) ^ protocol.MAGIC or 1},
         "version": {"version": int(rng.choice([0, protocol.VERSION + 1, 255]))},
         "type": {"type": int(rng.choice([0, max(T.values()) + 1, 255]))},
+        "reserved": {"reserved": int(rng.integers(1, 2 ** 32))},
         "dtype": {"dtype": int(rng.integers(len(protocol.WIRE_DTYPES), 256))},
         "worker": {"worker": int(rng.integers(Job.n, 2 ** 16))},
         "nworkers": {"nworkers": int(rng.choice([0, protocol.MAX_WORKERS + 1])), "worker": 0},
@@ -428,7 +430,7 @@ def test_each_verdict_matches_the_aggregator(aggs, make_workers) -> None:
             seen.add(reason)
             prev = now
         # every reason of check_structure was met, and well-formed foreign packets
-        assert {None, "magic", "version", "type", "worker", "size", "dtype", "layout", "slot",
-                "count", "bitmap"} <= seen, seen
+        assert {None, "magic", "version", "type", "reserved", "worker", "size", "dtype",
+                "layout", "slot", "count", "bitmap"} <= seen, seen
     finally:
         sock.close()

@@ -62,7 +62,7 @@ def fake(monkeypatch: pytest.MonkeyPatch):
     joins: list[tuple[int, int]] = []
     closed: list[object] = []
 
-    def join_all(cfg, comm):
+    def join_all(cfg, comm, memberships=None):
         joins.append(horovod.world)
         omni = SimpleNamespace(close=lambda: closed.append(omni))
         return omni, None, costmodel.NetModel.default(None, None)

@@ -13,7 +13,9 @@
 namespace hvd_sparse::omni {
 
 constexpr uint32_t kMagic = 0x4853504F;  // "HSPO"
-constexpr uint8_t kVersion = 1;
+// 2: the header grew the membership epoch (docs/PROTOCOL.md "Memberships"); a version-1 peer's
+// packets are dropped as malformed, never misread.
+constexpr uint8_t kVersion = 2;
 
 enum Type : uint8_t {
   kData = 1,      // worker -> aggregator: one round of one slot
@@ -88,7 +90,7 @@ constexpr uint32_t kSwitchCellsPerSlot = 1;
 constexpr uint32_t kSwitchMaxWorkers = 32;     // workers per job: the seen-bitmap's 32 bits
 constexpr uint32_t kSwitchCells = 8192;        // the register pool's cells (SwitchML's slots)
 
-// The fixed header, 56 bytes: the one list of its fields (name, type, offset; offsets are part
+// The fixed header, 64 bytes: the one list of its fields (name, type, offset; offsets are part
 // of the spec, docs/PROTOCOL.md). The struct, load_header/store_header and the field table that
 // Python reads (hvd_sparse._protocol.FIELDS) are all generated from it.
 #define HVD_SPARSE_HEADER_FIELDS(X)                                                             \
@@ -108,7 +110,9 @@ constexpr uint32_t kSwitchCells = 8192;        // the register pool's cells (Swi
   X(nblocks, uint32_t, 40)    /* blocks of the tensor */                                        \
   X(nslots, uint32_t, 44)     /* slots of the tensor over all aggregators */                    \
   X(meta, uint32_t, 48)       /* hash of the tensor's shape and dtype */                        \
-  X(present, uint32_t, 52)    /* DATA/RESULT: blocks carried (popcount of the bitmap) */
+  X(present, uint32_t, 52)    /* DATA/RESULT: blocks carried (popcount of the bitmap) */     \
+  X(epoch, uint32_t, 56)      /* the job's membership (docs/PROTOCOL.md "Memberships") */      \
+  X(reserved, uint32_t, 60)   /* 0: keeps what follows 8-byte aligned; non-zero is malformed */
 
 struct Header {
 #define HVD_SPARSE_FIELD(name, type, offset) type name;
@@ -125,7 +129,7 @@ constexpr HeaderField kHeaderFields[] = {
     HVD_SPARSE_HEADER_FIELDS(HVD_SPARSE_FIELD)
 #undef HVD_SPARSE_FIELD
 };
-constexpr size_t kHeaderBytes = 56;
+constexpr size_t kHeaderBytes = 64;
 
 // The fields are packed back to back and fill the header exactly.
 constexpr bool header_packed() {
@@ -223,12 +227,14 @@ inline void store_header(uint8_t* p, const Header& h) {
 #undef HVD_SPARSE_FIELD
 }
 
-inline Header make_header(uint8_t type, uint64_t token, uint16_t worker, uint16_t nworkers) {
+inline Header make_header(uint8_t type, uint64_t token, uint32_t epoch, uint16_t worker,
+                          uint16_t nworkers) {
   Header h{};
   h.magic = kMagic;
   h.version = kVersion;
   h.type = type;
   h.token = token;
+  h.epoch = epoch;
   h.worker = worker;
   h.nworkers = nworkers;
   return h;
@@ -238,7 +244,7 @@ inline Header make_header(uint8_t type, uint64_t token, uint16_t worker, uint16_
 // shadow set), `present` blocks of `dtype`, flagged last when no lane has a next position.
 inline Header result_header(const Header& h, uint16_t nworkers, uint8_t dtype, uint32_t round,
                             uint32_t present, bool last) {
-  Header r = make_header(kResult, h.token, 0, nworkers);
+  Header r = make_header(kResult, h.token, h.epoch, 0, nworkers);
   r.dtype = dtype;
   r.slot = h.slot;
   r.tensor = h.tensor;
@@ -256,7 +262,7 @@ inline Header result_header(const Header& h, uint16_t nworkers, uint8_t dtype, u
 // The HELD that answers `h`, a resent DATA of the round in progress, when the round waits for
 // worker `missing`.
 inline Header held_header(const Header& h, uint16_t nworkers, uint16_t missing) {
-  Header r = make_header(kHeld, h.token, missing, nworkers);
+  Header r = make_header(kHeld, h.token, h.epoch, missing, nworkers);
   r.slot = h.slot;
   r.tensor = h.tensor;
   r.round = h.round;
@@ -289,6 +295,7 @@ inline const char* check_structure(const Header& h, size_t len) {
   if (h.magic != kMagic) return "magic";
   if (h.version != kVersion) return "version";
   if (h.type < kData || h.type > kHeld) return "type";
+  if (h.reserved != 0) return "reserved";
   if (h.nworkers == 0 || h.nworkers > kMaxWorkers || h.worker >= h.nworkers) return "worker";
   if (h.type != kData && h.type != kResult) return len == kHeaderBytes ? nullptr : "size";
   if ((h.flags & kFlagOwn) && h.type != kResult) return "flags";

@@ -32,22 +32,23 @@ void register_switch_pipeline(py::module_& m) {
       .def(
           "install",
           [](Pipeline& p, uint64_t token, uint16_t nworkers, uint32_t groups, double now,
-             const std::vector<std::string>& ips) {
+             const std::vector<std::string>& ips, uint32_t epoch) {
             std::vector<uint32_t> bin(ips.size());
             for (size_t i = 0; i < ips.size(); ++i)
               if (inet_pton(AF_INET, ips[i].c_str(), &bin[i]) != 1)
                 throw std::invalid_argument("not an IPv4 address: " + ips[i]);
-            return p.install(token, nworkers, groups, now, bin);
+            return p.install(token, nworkers, groups, now, bin, epoch);
           },
           py::arg("token"), py::arg("nworkers"), py::arg("groups"), py::arg("now") = 0.0,
-          py::arg("ips") = std::vector<std::string>{})
-      .def("remove", &Pipeline::remove, py::arg("token"))
+          py::arg("ips") = std::vector<std::string>{}, py::arg("epoch") = 1)
+      .def("remove", &Pipeline::remove, py::arg("token"), py::arg("epoch") = UINT32_MAX)
       .def("jobs",
            [](const Pipeline& p) {
              py::list v;
              for (const SwitchJob& j : p.jobs())
                v.append(py::dict(py::arg("token") = j.token, py::arg("nworkers") = j.nworkers,
-                                 py::arg("first") = j.first, py::arg("groups") = j.groups,
+                                 py::arg("epoch") = j.epoch, py::arg("first") = j.first,
+                                 py::arg("groups") = j.groups,
                                  py::arg("automatic") = j.automatic));
              return v;
            })

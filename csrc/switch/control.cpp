@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -35,6 +36,7 @@ std::string jobs_json(const omni::Pipeline& p, std::istringstream& in) {
     for (const omni::Endpoint& e : j.addr) registered += e.port != 0;
     s += std::string(s.back() == '[' ? "" : ", ") + "{\"workers\": " + std::to_string(j.nworkers) +
          ", \"registered\": " + std::to_string(registered) +
+         ", \"epoch\": " + std::to_string(j.epoch) +
          ", \"first\": " + std::to_string(j.first) + ", \"groups\": " + std::to_string(j.groups) +
          ", \"automatic\": " + (j.automatic ? "true" : "false") + "}";
   }
@@ -58,16 +60,27 @@ std::string bind_host(Switch& sw, std::istringstream& in) {
   return why.empty() ? R"({"bound": true})" : "{\"error\": \"" + why + "\"}";
 }
 
-// install TOKEN WORKERS GROUPS [IP,IP,..]: with addresses (one per worker, each a bound host),
-// every worker of the job is bound to its host.
+// install TOKEN WORKERS GROUPS [IP,IP,..] [epoch=E]: with addresses (one per worker, each a
+// bound host), every worker of the job is bound to its host; a job installed at an earlier
+// epoch (membership, 1 by default) is replaced.
 std::string install_job(Switch& sw, omni::Pipeline& p, std::istringstream& in) {
+  static const char* usage =
+      R"({"error": "usage: install TOKEN WORKERS GROUPS [IP,IP,..] [epoch=E]"})";
   uint64_t token = 0;
   unsigned workers = 0, groups = 0;
-  std::string list;
-  if (!(in >> token >> workers >> groups) || workers > 65535)
-    return R"({"error": "usage: install TOKEN WORKERS GROUPS [IP,IP,..]"})";
+  unsigned long epoch = 1;
+  std::string list, word;
+  if (!(in >> token >> workers >> groups) || workers > 65535) return usage;
+  while (in >> word) {
+    if (word.rfind("epoch=", 0) == 0) {
+      char* end = nullptr;
+      epoch = std::strtoul(word.c_str() + 6, &end, 10);
+      if (*end || word.size() == 6 || epoch > UINT32_MAX) return usage;
+    } else if (list.empty()) list = word;
+    else return usage;
+  }
   std::vector<uint32_t> ips;
-  std::stringstream addrs(in >> list ? list : "");
+  std::stringstream addrs(list);
   for (std::string a; std::getline(addrs, a, ',');) {
     uint32_t ip = 0;
     if (inet_pton(AF_INET, a.c_str(), &ip) != 1 || !sw.bound(ip))
@@ -77,16 +90,21 @@ std::string install_job(Switch& sw, omni::Pipeline& p, std::istringstream& in) {
   }
   try {
     return "{\"first\": " +
-           std::to_string(p.install(token, uint16_t(workers), groups, sw.now(), ips)) + "}";
+           std::to_string(p.install(token, uint16_t(workers), groups, sw.now(), ips,
+                                    uint32_t(epoch))) + "}";
   } catch (const std::exception& e) {
     return std::string("{\"error\": \"") + e.what() + "\"}";
   }
 }
 
+// remove TOKEN [EPOCH]: with an epoch, only a job installed at it or earlier (a late close of an
+// old membership leaves its successor alone).
 std::string remove_job(omni::Pipeline& p, std::istringstream& in) {
   uint64_t token = 0;
-  if (!(in >> token)) return R"({"error": "usage: remove TOKEN"})";
-  return std::string("{\"removed\": ") + (p.remove(token) ? "true" : "false") + "}";
+  uint32_t epoch = UINT32_MAX;
+  if (!(in >> token)) return R"({"error": "usage: remove TOKEN [EPOCH]"})";
+  if (!(in >> epoch)) epoch = UINT32_MAX;
+  return std::string("{\"removed\": ") + (p.remove(token, epoch) ? "true" : "false") + "}";
 }
 
 // Removes the job whose slot groups start at FIRST (an operator who does not hold its token).

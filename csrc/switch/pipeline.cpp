@@ -76,8 +76,10 @@ struct Pipeline::Impl {
   // ---- control plane ----------------------------------------------------------------------
 
   uint32_t install(uint64_t token, uint16_t nworkers, uint32_t groups, double now, bool automatic,
-                   const std::vector<uint32_t>& ips = {}) {
-    if (jobs_.count(token)) throw std::runtime_error("job already installed");
+                   const std::vector<uint32_t>& ips = {}, uint32_t epoch = 1) {
+    auto old = jobs_.find(token);
+    if (old != jobs_.end() && old->second.epoch >= epoch)
+      throw std::runtime_error("job already installed");
     if (!ips.empty() && ips.size() != nworkers)
       throw std::runtime_error(std::to_string(ips.size()) + " worker addresses for " +
                                std::to_string(nworkers) + " workers");
@@ -86,6 +88,10 @@ struct Pipeline::Impl {
                                std::to_string(o_.max_workers) + " (a " + std::to_string(kSeenBits) +
                                "-bit seen-bitmap)");
     if (groups == 0) throw std::runtime_error("a job needs at least one slot group");
+    if (old != jobs_.end()) {  // an earlier membership's: its groups and bindings go
+      remove(token);
+      c.memberships++;
+    }
     uint32_t at = 0;  // first fit among the installed ranges, sorted by start
     for (auto& [first, tok] : ranges_) {
       if (first - at >= groups) break;
@@ -97,6 +103,7 @@ struct Pipeline::Impl {
                                std::to_string(groups_) + " free");
     SwitchJob j;
     j.token = token;
+    j.epoch = epoch;
     j.nworkers = nworkers;
     j.first = at;
     j.groups = groups;
@@ -111,9 +118,9 @@ struct Pipeline::Impl {
     return at;
   }
 
-  bool remove(uint64_t token) {
+  bool remove(uint64_t token, uint32_t epoch = UINT32_MAX) {
     auto it = jobs_.find(token);
-    if (it == jobs_.end()) return false;
+    if (it == jobs_.end() || it->second.epoch > epoch) return false;
     unbind(it->second.first, it->second.groups, t_);
     ranges_.erase(it->second.first);
     jobs_.erase(it);
@@ -178,6 +185,12 @@ struct Pipeline::Impl {
       return;
     }
     SwitchJob& job = jt->second;
+    // Another membership's packet: an earlier one's (a straggler's) is stale; a later one is
+    // not installed here.
+    if (h.epoch != job.epoch) {
+      (h.epoch < job.epoch ? c.stale_epoch : c.unknown_job)++;
+      return;
+    }
     if (h.nworkers != job.nworkers) {
       c.malformed++;
       return;
@@ -207,7 +220,7 @@ struct Pipeline::Impl {
 
   void reply(const Endpoint& to, uint8_t type, const Header& h, uint16_t nworkers, uint32_t code,
              std::vector<Out>& out, const RegAck& ack = {}) {
-    Header r = make_header(type, h.token, h.worker, nworkers);
+    Header r = make_header(type, h.token, h.epoch, h.worker, nworkers);
     r.tensor = h.tensor;
     r.slot = h.slot;
     r.round = code;
@@ -221,17 +234,27 @@ struct Pipeline::Impl {
   // address), installing the job first when automatic installs are on.
   void on_register(const Header& h, const Endpoint& from, double now, std::vector<Out>& out) {
     auto it = jobs_.find(h.token);
+    if (it != jobs_.end() && h.epoch < it->second.epoch) {  // a straggler's keep-alive
+      c.stale_epoch++;
+      return;
+    }
+    // A later membership: the control plane installs it (refused until then), or, for a job
+    // its REGISTERs installed, this one installs it again.
+    const bool newer = it != jobs_.end() && h.epoch > it->second.epoch;
     uint32_t err = 0;
     if (h.nworkers > o_.max_workers) {
       err = kErrUnsupported;
       c.refused++;
-    } else if (it == jobs_.end()) {
+    } else if (newer && !it->second.automatic) {
+      err = kErrJob;
+      c.refused++;
+    } else if (it == jobs_.end() || newer) {
       if (o_.auto_groups == 0) {
         err = kErrJob;
         c.refused++;
       } else {
         try {
-          install(h.token, h.nworkers, o_.auto_groups, now, true);
+          install(h.token, h.nworkers, o_.auto_groups, now, true, {}, h.epoch);
           it = jobs_.find(h.token);
         } catch (const std::runtime_error&) {
           err = kErrCapacity;
@@ -553,15 +576,15 @@ Pipeline::Pipeline(const PipelineOptions& o) : impl_(std::make_unique<Impl>(o)) 
 Pipeline::~Pipeline() = default;
 
 uint32_t Pipeline::install(uint64_t token, uint16_t nworkers, uint32_t groups, double now,
-                           const std::vector<uint32_t>& ips) {
+                           const std::vector<uint32_t>& ips, uint32_t epoch) {
   try {
-    return impl_->install(token, nworkers, groups, now, false, ips);
+    return impl_->install(token, nworkers, groups, now, false, ips, epoch);
   } catch (const std::exception&) {
     impl_->c.refused++;  // as a REGISTER refused at an automatic install is
     throw;
   }
 }
-bool Pipeline::remove(uint64_t token) { return impl_->remove(token); }
+bool Pipeline::remove(uint64_t token, uint32_t epoch) { return impl_->remove(token, epoch); }
 std::vector<SwitchJob> Pipeline::jobs() const {
   std::vector<SwitchJob> v;
   for (auto& [t, j] : impl_->jobs_) v.push_back(j);

@@ -57,16 +57,19 @@ struct PipelineOptions {
 #define HS_PIPELINE_COUNTERS(X) X(packets) X(passes) X(recirculations) X(results)          \
   X(retransmits) X(duplicates) X(stale) X(busy) X(malformed) X(unknown_job) X(mismatch)   \
   X(overflow) X(unsupported) X(reclaimed) X(abandoned) X(released) X(jobs) X(refused)     \
-  X(foreign) X(occupied_us) X(round_wait_us) X(own_results)
+  X(foreign) X(occupied_us) X(round_wait_us) X(own_results) X(stale_epoch) X(memberships)
 // clang-format on
 // occupied_us: the integral over time of the groups bound to a slot (slot-microseconds; its
 // increase over an interval / the interval: the mean slots in flight, SwitchML's pool in use).
 // round_wait_us: summed over completed rounds, the time from a round's first DATA to its last
 // (the wait for the slowest worker; its increase / results: the mean).
 // own_results: RESULT copies sent as the header alone (flag OWN) to a round's only holder.
+// stale_epoch: packets of a job's earlier membership, dropped; memberships: jobs a later
+// membership replaced (installed again, or re-installed by its REGISTER when automatic).
 
 struct SwitchJob {
   uint64_t token = 0;
+  uint32_t epoch = 1;  // the membership installed (docs/PROTOCOL.md "Memberships")
   uint16_t nworkers = 0;
   uint32_t first = 0, groups = 0;  // its range of slot groups
   bool automatic = false;          // installed by its first REGISTER, removed by its BYEs
@@ -84,9 +87,12 @@ class Pipeline final : public Aggregation {
   // Control plane. install() takes a range of `groups` slot groups (first fit) for the job and
   // returns its first group; it throws std::runtime_error naming the limit it would exceed.
   // `ips` (network order, one per worker, or empty) binds each worker to its host's address.
+  // A job installed at an earlier `epoch` is replaced (a new membership of the same job).
   uint32_t install(uint64_t token, uint16_t nworkers, uint32_t groups, double now,
-                   const std::vector<uint32_t>& ips = {});
-  bool remove(uint64_t token);
+                   const std::vector<uint32_t>& ips = {}, uint32_t epoch = 1);
+  // Removes the job when installed at `epoch` or earlier (a late close of an old membership
+  // leaves a newer one alone).
+  bool remove(uint64_t token, uint32_t epoch = UINT32_MAX);
   std::vector<SwitchJob> jobs() const;
   void expire(double now) override;  // removes idle auto-installed jobs
 

@@ -52,6 +52,8 @@ def check(h: HvdSparse, length: int) -> str | None:
         return "version"
     if h.type not in _TYPE_NAMES:
         return "type"
+    if h.reserved != 0:
+        return "reserved"
     if not 0 < h.nworkers <= protocol.MAX_WORKERS or h.worker >= h.nworkers:
         return "worker"
     if h.type not in (_T["DATA"], _T["RESULT"]):
@@ -108,7 +110,7 @@ class Summary:
     def _job(self, token: int) -> dict[str, Any]:
         return self.jobs.setdefault(token, {"workers": set(), "control": Counter(),
                                             "errors": Counter(), "tensors": {},
-                                            "authenticated": 0})
+                                            "authenticated": 0, "epochs": Counter()})
 
     def add(self, payload: bytes, src: str, dst: str, to_aggregator: bool) -> None:
         """One UDP payload from ``src`` to ``dst`` ("ip:port")."""
@@ -123,6 +125,7 @@ class Summary:
         assert h is not None
         job = self._job(h.token)
         job["authenticated"] += bool(h.flags & protocol.FLAGS["AUTH"])  # carries a trailer
+        job["epochs"][h.epoch] += 1  # more than one: a membership changed (or a straggler)
         name = _TYPE_NAMES[h.type]
         if to_aggregator:  # the sender's rank; replies carry the addressee or 0
             job["workers"].add(h.worker)
@@ -187,7 +190,9 @@ class Summary:
                         t["per_worker"].items(), key=lambda x: str(x[0]))}})
             jobs.append({"token": _hexid(token), "workers": sorted(j["workers"]),
                          "control": dict(j["control"]), "errors": dict(j["errors"]),
-                         "authenticated": j["authenticated"], "tensors": tensors})
+                         "authenticated": j["authenticated"],
+                         "epochs": {str(e): n for e, n in sorted(j["epochs"].items())},
+                         "tensors": tensors})
         return {"port": self.port, "datagrams": self.datagrams,
                 "malformed": {"count": sum(self.malformed.values()),
                               "reasons": dict(self.malformed), "listed": self.malformed_list},
@@ -212,8 +217,9 @@ def print_report(d: dict[str, Any]) -> None:
     for j in d["jobs"]:
         ctl = ", ".join(f"{k} {v}" for k, v in sorted(j["control"].items())) or "none"
         errs = ", ".join(f"{k} {v}" for k, v in j["errors"].items())
-        t = Table(title=f"job {j['token']}: workers {j['workers']}; control: {ctl}"
-                        + (f"; errors: {errs}" if errs else ""))
+        epochs = ", ".join(f"{e} ({n})" for e, n in j["epochs"].items())
+        t = Table(title=f"job {j['token']}: workers {j['workers']}; epochs {epochs}; "
+                        f"control: {ctl}" + (f"; errors: {errs}" if errs else ""))
         for col in ("tensor", "dtype", "blocks x size", "lanes", "slots seen/n", "rounds",
                     "max round", "complete", "DATA", "RESULT", "retx DATA", "retx RESULT"):
             t.add_column(col)

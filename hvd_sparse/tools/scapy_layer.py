@@ -44,7 +44,7 @@ _FMT = {1: "B", 2: "H", 4: "I", 8: "Q"}  # big-endian struct codes, for enum fie
 _SHOWN_HEX = {"magic", "token", "tensor", "meta"}  # identifiers, not quantities
 _ENUMS = {"type": {code: name for name, code in protocol.TYPES.items()},
           "dtype": {code: name for name, (code, _) in protocol.WIRE_DTYPES.items()}}
-_DEFAULTS = {"magic": protocol.MAGIC, "version": protocol.VERSION}
+_DEFAULTS = {"magic": protocol.MAGIC, "version": protocol.VERSION, "epoch": 1}
 # Left None, these are counted from the body when the packet is built (as wire.data does).
 _COUNTED = ("lanes", "present")
 OFFSETS: dict[str, tuple[int, int]] = {name: (off, size) for name, off, size in protocol.FIELDS}
@@ -65,7 +65,8 @@ def block_bytes(header: Packet) -> int:
 
 
 class HvdSparse(Packet):
-    """The 56-byte header, one scapy field per entry of ``protocol.FIELDS``."""
+    """The fixed header (``protocol.HEADER_BYTES``), one scapy field per entry of
+    ``protocol.FIELDS``."""
 
     name = "hvd-sparse"
     fields_desc = [_field(name, size) for name, _, size in protocol.FIELDS]
@@ -89,7 +90,7 @@ class HvdSparse(Packet):
         return pkt + pay
 
     def mysummary(self) -> str:
-        return self.sprintf("hvd-sparse %type% token=%token% worker=%worker% "
+        return self.sprintf("hvd-sparse %type% token=%token% epoch=%epoch% worker=%worker% "
                             "tensor=%tensor% slot=%slot% round=%round%")
 
 

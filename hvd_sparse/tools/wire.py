@@ -28,8 +28,9 @@ assert _HEADER.size == HEADER_BYTES
 
 
 def header(**fields: int) -> bytes:
-    """A header with the given fields; magic and version default to the protocol's."""
-    values = {"magic": MAGIC, "version": VERSION, **fields}
+    """A header with the given fields; magic and version default to the protocol's, epoch to
+    1 (a job's first membership, what ``OmniWorker`` sends by default), the others to 0."""
+    values = {"magic": MAGIC, "version": VERSION, "epoch": 1, **fields}
     return _HEADER.pack(*(values.get(name, 0) for name, _, _ in FIELDS))
 
 

@@ -52,6 +52,7 @@ struct Tensor {
 };
 
 struct Job {
+  uint32_t epoch = 0;  // the membership registered (docs/PROTOCOL.md "Memberships")
   uint16_t nworkers = 0;
   // Authenticated jobs: the job's MAC, this aggregator's sender id in it, and a replay window
   // per worker.
@@ -105,12 +106,20 @@ struct AggregatorCore::Impl {
       return;
     }
     Job& job = jt->second;
+    uint64_t seq = 0;
+    // The tag first (a forged epoch must not count as stale), then the epoch: an earlier
+    // membership's packet (its own worker count, its own sequence numbers) touches nothing of
+    // this one's, not even a replay window. A later one's has not registered here: none of ours.
+    if (mac && !mac_valid(*job.mac, h, p, len, seq)) return;
+    if (h.epoch != job.epoch) {
+      (h.epoch < job.epoch ? c.stale_epoch : c.unknown_job)++;
+      return;
+    }
     if (h.nworkers != job.nworkers) {
       c.malformed++;
       return;
     }
-    uint64_t seq = 0;
-    if (mac && !authentic(*job.mac, &job.windows[h.worker], h, p, len, seq)) return;
+    if (mac && !unseen(job.windows[h.worker], seq)) return;
     // A worker's address is pinned at its registration: a packet in its name from anywhere
     // else (a forged BYE or RELEASE, DATA of another sender) is dropped and counted as foreign
     // (a malformed one as malformed, whoever sent it).
@@ -160,15 +169,17 @@ struct AggregatorCore::Impl {
   // none for a job not created yet: `seq` is then kept for the new job's).
   bool authentic(Mac& mac, ReplayWindow* window, const Header& h, const uint8_t* p, size_t len,
                  uint64_t& seq) {
-    if (!mac.verify(p, len, h.worker, seq)) {
-      c.bad_mac++;
-      return false;
-    }
-    if (window && !window->accept(seq)) {
-      c.replayed++;
-      return false;
-    }
-    return true;
+    return mac_valid(mac, h, p, len, seq) && (!window || unseen(*window, seq));
+  }
+  bool mac_valid(Mac& mac, const Header& h, const uint8_t* p, size_t len, uint64_t& seq) {
+    if (mac.verify(p, len, h.worker, seq)) return true;
+    c.bad_mac++;
+    return false;
+  }
+  bool unseen(ReplayWindow& window, uint64_t seq) {
+    if (window.accept(seq)) return true;
+    c.replayed++;
+    return false;
   }
 
   void on_register(const Header& h, const uint8_t* p, size_t len, const Endpoint& from,
@@ -185,18 +196,35 @@ struct AggregatorCore::Impl {
       }
       if (it != jobs_.end()) mac = it->second.mac.get();
       else mac = (fresh = std::make_unique<Mac>(derive_job_key(o_.secret, h.token))).get();
-      const bool known = it != jobs_.end() && it->second.nworkers == h.nworkers;
+      const bool known = it != jobs_.end() && it->second.nworkers == h.nworkers &&
+                         it->second.epoch == h.epoch;
       if (!authentic(*mac, known ? &it->second.windows[h.worker] : nullptr, h, p, len, seq))
         return;
     }
+    // Memberships (docs/PROTOCOL.md): an earlier one's REGISTER (a straggler's keep-alive) is
+    // dropped unanswered; a later one's replaces the job's state, whose tensors only the old
+    // membership could have finished.
+    if (it != jobs_.end() && h.epoch < it->second.epoch) {
+      c.stale_epoch++;
+      return;
+    }
+    const bool newer = it != jobs_.end() && h.epoch > it->second.epoch;
     uint32_t err = 0;
     if (o_.workers && h.nworkers != o_.workers) err = kErrJob;
-    else if (it != jobs_.end() && it->second.nworkers != h.nworkers) err = kErrJob;
+    else if (newer) {
+      if (mac) fresh = std::move(it->second.mac);  // the same token: the same key
+      for (auto t = it->second.tensors.begin(); t != it->second.tensors.end();)
+        t = drop_tensor(it->second, t);
+      jobs_.erase(it);
+      it = jobs_.end();
+      c.memberships++;
+    } else if (it != jobs_.end() && it->second.nworkers != h.nworkers) err = kErrJob;
     else if (it != jobs_.end() && mac && it->second.sender != kAggregatorSender + h.slot)
       err = kErrJob;  // the workers disagree on the aggregator list
     else if (it == jobs_.end() && jobs_.size() >= o_.max_jobs) err = kErrCapacity;
     if (!err && it == jobs_.end()) {
       Job j;
+      j.epoch = h.epoch;
       j.nworkers = h.nworkers;
       j.addr.resize(h.nworkers);
       j.bye.assign(h.nworkers, 0);
@@ -218,7 +246,7 @@ struct AggregatorCore::Impl {
       pinned = from;
       it->second.touched = now_;
     }
-    Header r = make_header(err ? kError : kRegAck, h.token, h.worker, h.nworkers);
+    Header r = make_header(err ? kError : kRegAck, h.token, h.epoch, h.worker, h.nworkers);
     r.round = err;
     auto b = packet(kHeaderBytes);
     store_header(b->data(), r);
@@ -271,7 +299,7 @@ struct AggregatorCore::Impl {
   }
 
   void send_error(Job& job, const Header& h, uint32_t code, std::vector<Out>& out) {
-    Header e = make_header(kError, h.token, 0, job.nworkers);
+    Header e = make_header(kError, h.token, job.epoch, 0, job.nworkers);
     e.tensor = h.tensor;
     e.slot = h.slot;
     e.round = code;

@@ -27,11 +27,13 @@ struct CoreOptions {
   std::string secret;
 };
 
-// What the core counted; printed by the aggregator with its transports' counters.
+// What the core counted; printed by the aggregator with its transports' counters. stale_epoch:
+// packets of a job's earlier membership, dropped; memberships: jobs whose state a newer
+// membership's REGISTER replaced.
 // clang-format off
 #define HS_CORE_COUNTERS(X) X(rounds) X(retransmits) X(duplicates) X(stale) X(malformed) \
   X(unknown_job) X(mismatch) X(overflow) X(jobs) X(tensors) X(released) X(expired) X(foreign) \
-  X(unauthenticated) X(bad_mac) X(replayed) X(own_results)
+  X(unauthenticated) X(bad_mac) X(replayed) X(own_results) X(stale_epoch) X(memberships)
 // clang-format on
 
 class AggregatorCore final : public Aggregation {

@@ -48,11 +48,12 @@ class PyWorker {
   PyWorker(const std::vector<std::pair<std::string, int>>& aggs, uint64_t token, int worker,
            int nworkers, int payload_bytes, int slots_per_agg, double rto, double timeout,
            double drop_rate, double dup_rate, uint64_t seed, const std::string& key,
-           std::pair<int, int> ports) {
+           std::pair<int, int> ports, uint32_t epoch) {
     TORCH_CHECK(nworkers >= 1 && nworkers <= kMaxWorkers && worker >= 0 && worker < nworkers,
                 "omnireduce: bad worker id ", worker, " of ", nworkers);
     WorkerOptions o;
     o.token = token;
+    o.epoch = epoch;
     o.worker = uint16_t(worker);
     o.nworkers = uint16_t(nworkers);
     o.payload = payload_bytes;
@@ -215,12 +216,12 @@ void register_omni(py::module_& m) {
   py::class_<PyWorker>(m, "OmniWorker")
       .def(py::init<const std::vector<std::pair<std::string, int>>&, uint64_t, int, int, int, int,
                     double, double, double, double, uint64_t, const std::string&,
-                    std::pair<int, int>>(),
+                    std::pair<int, int>, uint32_t>(),
            py::arg("aggregators"), py::arg("token"), py::arg("worker"), py::arg("nworkers"),
            py::arg("payload_bytes") = d.payload, py::arg("slots_per_aggregator") = d.slots_per_agg,
            py::arg("rto") = d.rto, py::arg("timeout") = d.timeout, py::arg("drop_rate") = 0.0,
            py::arg("dup_rate") = 0.0, py::arg("seed") = 0, py::arg("key") = py::bytes(),
-           py::arg("ports") = std::pair<int, int>(0, 0))
+           py::arg("ports") = std::pair<int, int>(0, 0), py::arg("epoch") = d.epoch)
       .def(
           "local_port", [](PyWorker& w) { return w.worker().local_port(); },
           "The UDP port the worker's socket is bound to.")

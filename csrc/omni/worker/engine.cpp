@@ -301,7 +301,7 @@ void Engine::build_data(TensorW& t, SlotW& s) {
   }
   s.pkt.resize(data_bytes(t.lanes, present, t.bs, t.wire) + trailer());
   uint8_t* p = s.pkt.data();
-  Header h = make_header(kData, o_.token, o_.worker, o_.nworkers);
+  Header h = make_header(kData, o_.token, o_.epoch, o_.worker, o_.nworkers);
   h.dtype = t.wire;
   h.slot = s.g;
   h.tensor = t.id;
@@ -359,7 +359,7 @@ void Engine::send_raw(int agg, uint8_t* p, size_t n) {
 }
 
 void Engine::send_control(int agg, uint8_t type, uint64_t tensor, uint32_t slot) {
-  Header h = make_header(type, o_.token, o_.worker, o_.nworkers);
+  Header h = make_header(type, o_.token, o_.epoch, o_.worker, o_.nworkers);
   h.flags = auth_flag();
   h.tensor = tensor;
   h.slot = slot;
@@ -517,6 +517,10 @@ void Engine::on_packet(const uint8_t* p, size_t len, const Endpoint& from, doubl
       c_.replayed++;
       return;
     }
+  }
+  if (h.epoch != o_.epoch) {  // another membership's (an address reused since): not ours
+    c_.stale_epoch++;
+    return;
   }
   // Registration replies: REGACK, or an ERROR refusing the job (never a tensor's error).
   if (h.type == kRegAck || (h.type == kError && h.round == kErrJob) ||

@@ -130,6 +130,7 @@ struct TensorW {
 // Defaults: hvd_sparse/config.py's Config (payload_bytes, slots, rto); the binding's are these.
 struct EngineOptions {
   uint64_t token = 0;
+  uint32_t epoch = 1;  // the job's membership this worker belongs to (docs/PROTOCOL.md)
   uint16_t worker = 0, nworkers = 1;
   int64_t payload = 64512;     // bytes of block values per packet (63 float32 blocks of 256)
   int64_t slots_per_agg = 64;  // packets each tensor keeps in flight per aggregator
@@ -145,7 +146,7 @@ struct EngineOptions {
 // clang-format off
 #define HS_WORKER_COUNTERS(X) X(tx_packets) X(tx_bytes) X(rx_packets) X(rx_bytes) \
   X(retransmits) X(spurious) X(held) X(malformed) X(stale) X(foreign) X(unauthenticated) \
-  X(bad_mac) X(replayed)
+  X(bad_mac) X(replayed) X(stale_epoch)
 // clang-format on
 
 class Engine {
