@@ -25,10 +25,7 @@ from .reduction import densified
 from .sparsifiers import DGC, Sparsifier
 
 SPARSIFIER_KEY = "hvd_sparse.sparsifier"  # the sparsifier's state in the state_dict
-SPARSIFY = ("auto", "gradient", "update")
-# Optimizers that scale each coordinate by its own gradient history: "auto" sparsifies their
-# update, not the gradient (issue 52; docs/notes/adam-accuracy.md).
-ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW)
+SPARSIFY = ("gradient", "update")  # what a sparsifier sparsifies (docs/notes/adam-accuracy.md)
 
 
 class _SparseDistributedOptimizer(torch.optim.Optimizer):
@@ -242,7 +239,7 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     process_set: hvd.ProcessSet = hvd.global_process_set,
     *,
     sparse_as_dense: bool = False,
-    sparsify: str = "auto",
+    sparsify: str = "gradient",
     compression: Any = None,
     num_groups: int = 0,
     groups: Any = None,
@@ -273,13 +270,13 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
         process_set: gradients are reduced over its ranks only; other ranks step on their
             own gradients, as with Horovod's optimizer.
         sparse_as_dense: densify sparse gradients and reduce them by blocks (Horovod's option).
-        sparsify: what ``sparsifier`` sparsifies: "gradient" (each gradient, reduced during
-            backward, then the optimizer steps on the average), "update" (each rank's
-            optimizer steps on its own gradients; what it applied is sparsified with error
-            feedback and averaged, and every rank applies the average: the optimizer's state
-            is then each rank's own), or "auto" (default): "update" for ``torch.optim.Adam``
-            and ``AdamW``, whose per-coordinate scaling turns error feedback's delayed spikes
-            into steps ~10x too small (docs/notes/adam-accuracy.md), else "gradient".
+        sparsify: what ``sparsifier`` sparsifies: "gradient" (default: each gradient,
+            reduced during backward, then the optimizer steps on the average) or "update"
+            (each rank's optimizer steps on its own gradients; what it applied is sparsified
+            with error feedback and averaged, and every rank applies the average: the
+            optimizer's state is then each rank's own). Meant for Adam and AdamW, whose
+            per-coordinate scaling shrinks the delayed spikes of gradient error feedback;
+            measured so far it closes little of that gap (docs/notes/adam-accuracy.md).
             "update" reduces every parameter in ``step()``, with ``op`` Average whatever
             ``op`` is, and takes dense gradients only.
         compression: not supported (hvd_sparse compresses itself: ``scheme``, ``sparsifier``);
@@ -326,8 +323,6 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
         raise ValueError(f"sparsifier must be an hvd_sparse Sparsifier, got {sparsifier!r}")
     if sparsify not in SPARSIFY:
         raise ValueError(f"sparsify must be one of {SPARSIFY}, got {sparsify!r}")
-    if sparsify == "auto":
-        sparsify = "update" if isinstance(optimizer, ADAPTIVE) else "gradient"
     namespace = dict(_SparseDistributedOptimizer.__dict__)
     # hvd.broadcast_optimizer_state creates missing state with step() on the ranks that lack it
     # only, and skips the gradient reduction for classes from Horovod's optimizer module. Ours

@@ -11,7 +11,8 @@ Tasks (``TASKS``):
 - ``lm``: a byte-level transformer language model (2 layers, width 128, context 64, 0.34 M
   parameters) on the Python standard library's own top-level ``.py`` files, ``torch.optim.Adam``
   (lr 3e-3) as users train such models, scored by held-out loss in nats per byte (lower is
-  better; issue 52). ``HVD_SPARSE_ACC_LM_STEPS`` sets its steps (default 300).
+  better; issue 52). ``HVD_SPARSE_ACC_LM_STEPS`` sets its steps (default 300),
+  ``HVD_SPARSE_ACC_LM_LR`` Adam's lr.
 
 Methods (``METHODS``): ``dense`` (hvd_sparse's dense scheme: Horovod's allreduce),
 ``topk``/``dgc`` at 1% per rank and ``exdyna`` at a 1% union (the paper's setting: 0.25% per
@@ -239,6 +240,7 @@ def lm(seed: int, rank: int, size: int) -> Task:
     context, batch = 64, 16
     text, held = stdlib_text()
     steps = int(os.environ.get("HVD_SPARSE_ACC_LM_STEPS", LM_STEPS))
+    lr = float(os.environ.get("HVD_SPARSE_ACC_LM_LR", 3e-3))  # for lr-sensitivity checks
     per_eval = max(1, steps // LM_EVALS)
     starts = torch.randint(0, len(held) - context - 1, (256,),
                            generator=torch.Generator().manual_seed(99))
@@ -259,8 +261,8 @@ def lm(seed: int, rank: int, size: int) -> Task:
         with torch.no_grad():
             return float(next_byte_loss(model(held_x[:, :-1]), held_x[:, 1:]))
 
-    return Task(LM_EVALS, 3e-3, model, batches, next_byte_loss, score, "nats/byte",
-                optimizer=lambda params: torch.optim.Adam(params, lr=3e-3))
+    return Task(LM_EVALS, lr, model, batches, next_byte_loss, score, "nats/byte",
+                optimizer=lambda params: torch.optim.Adam(params, lr=lr))
 
 
 TASKS: dict[str, Callable[[int, int, int], Task]] = {"mlp": mlp, "digits": digits, "ctr": ctr,
@@ -317,11 +319,11 @@ def _equal(a: object, b: object) -> bool:
 
 def train(task_name: str, method: str, seed: int, density: float = DENSITY,
           epochs_x: int = 1, resume_at: int | None = None,
-          sparsify: str = "auto") -> dict[str, object]:
+          sparsify: str = "gradient") -> dict[str, object]:
     """Trains ``task_name`` with ``method`` (sparsifiers at ``density``) for ``epochs_x`` times
     its epochs; returns scores per epoch and bytes per step. ``sparsify``: what the
-    sparsifiers sparsify (``hvd_sparse.DistributedOptimizer``'s argument: "auto", "gradient"
-    or "update"). ``resume_at``: after that many
+    sparsifiers sparsify (``hvd_sparse.DistributedOptimizer``'s argument: "gradient" or
+    "update"). ``resume_at``: after that many
     epochs, checkpoint model and optimizer (the sparsifier's residuals and momentum with it)
     through torch.save/torch.load and go on with a new model, optimizer and sparsifier loaded
     from it, as a restarted job would."""
@@ -395,7 +397,7 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
 
 def main() -> None:
     """Under horovodrun: HVD_SPARSE_ACC_RUNS="task:method:seed,..." (sparsifiers at
-    HVD_SPARSE_ACC_DENSITY, default 1%, on what HVD_SPARSE_ACC_SPARSIFY says, default "auto";
+    HVD_SPARSE_ACC_DENSITY, default 1%, on what HVD_SPARSE_ACC_SPARSIFY says, default "gradient";
     HVD_SPARSE_ACC_EPOCHS_X times each task's epochs, default 1; the language model's steps
     HVD_SPARSE_ACC_LM_STEPS) -> rank<r>.json lines in HVD_SPARSE_TEST_OUT
     (scripts/convergence.py reads rank 0's)."""
@@ -410,7 +412,7 @@ def main() -> None:
         res = train(task, method, int(seed),
                     float(os.environ.get("HVD_SPARSE_ACC_DENSITY", DENSITY)),
                     int(os.environ.get("HVD_SPARSE_ACC_EPOCHS_X", "1")),
-                    sparsify=os.environ.get("HVD_SPARSE_ACC_SPARSIFY", "auto"))
+                    sparsify=os.environ.get("HVD_SPARSE_ACC_SPARSIFY", "gradient"))
         with out.open("a") as f:
             f.write(json.dumps(res) + "\n")
         if hvd.rank() == 0:

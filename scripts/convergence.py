@@ -37,7 +37,7 @@ from _report import console, print_table, save_png, write_json  # noqa: E402
 
 def run_seed(seed: int, tasks: list[str], methods: list[str], np_: int, timeout: float,
              density: float, epochs_x: int, lm_steps: int = LM_STEPS,
-             sparsify: str = "auto") -> list[dict]:
+             sparsify: str = "gradient") -> list[dict]:
     """One Horovod job: rank 0's results, one dict per (task, method)."""
     runs = ",".join(f"{t}:{m}:{seed}" for t in tasks for m in methods)
     bindir = Path(sys.executable).parent
@@ -131,9 +131,8 @@ def main() -> int:
                     help="train every task this many times its epochs (same warm-up)")
     ap.add_argument("--lm-steps", type=int, default=LM_STEPS,
                     help="the language model's steps (fewer for a quick, reduced run)")
-    ap.add_argument("--sparsify", default="auto", choices=("auto", "gradient", "update"),
-                    help="what the sparsifiers sparsify (DistributedOptimizer's sparsify=): "
-                         "auto sparsifies Adam's update, SGD's gradient")
+    ap.add_argument("--sparsify", default="gradient", choices=("gradient", "update"),
+                    help="what the sparsifiers sparsify (DistributedOptimizer's sparsify=)")
     ap.add_argument("--np", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per seed's job")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
@@ -161,7 +160,7 @@ def main() -> int:
     stem = "convergence" + ("" if args.density == DENSITY else f"-{args.density:g}") \
         + ("" if args.epochs_x == 1 else f"-x{args.epochs_x}") \
         + ("" if args.lm_steps == LM_STEPS or "lm" not in tasks else f"-lm{args.lm_steps}") \
-        + ("" if args.sparsify == "auto" else f"-{args.sparsify}")
+        + ("" if args.sparsify == "gradient" else f"-{args.sparsify}")
     out = write_json(args.out_dir / f"{stem}.json", rows, args=vars(args), runs=results)
     plot(results, tasks, methods, args.out_dir / f"{stem}.png")
     console.print(f"wrote {out} and {stem}.png")

@@ -1,8 +1,8 @@
-"""sparsify="update" (issue 52), 2 ranks: with Adam or AdamW, hvd_sparse.DistributedOptimizer
-steps each rank's optimizer on that rank's own gradients and averages what it applied,
-sparsified with error feedback. Held to a reference that runs one plain torch optimizer per rank
-and averages their parameters; sparsified, every rank still holds the same parameters and the
-optimizer's state_dict is plain torch's.
+"""sparsify="update" (issue 52), 2 ranks: with Adam or AdamW,
+hvd_sparse.DistributedOptimizer(..., sparsify="update") steps each rank's optimizer on that rank's
+own gradients and averages what it applied, sparsified with error feedback. Held to a reference
+that runs one plain torch optimizer per rank and averages their parameters; sparsified, every
+rank still holds the same parameters and the optimizer's state_dict is plain torch's.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(opt_name: str, sparsifier: hvd_sparse.Sparsifier | None, tag: str,
-          sparsify: str = "auto") -> tuple[nn.Module, torch.optim.Optimizer]:
+          sparsify: str = "update") -> tuple[nn.Module, torch.optim.Optimizer]:
     model = net()
     names = [(f"{tag}.{n}", p) for n, p in model.named_parameters()]
     opt = hvd_sparse.DistributedOptimizer(OPTS[opt_name](model.parameters()),
@@ -102,22 +102,24 @@ def test_sparsified_update_keeps_ranks_identical_and_state_dict_plain(opt_name):
         assert s["exp_avg"].shape == p.shape and int(s["step"]) == STEPS
     again = hvd_sparse.DistributedOptimizer(OPTS[opt_name](model.parameters()),
                                             named_parameters=model.named_parameters(),
-                                            sparsifier=hvd_sparse.TopK(0.05, min_numel=0))
+                                            sparsifier=hvd_sparse.TopK(0.05, min_numel=0),
+                                            sparsify="update")
     again.load_state_dict(state)
     assert again.state_dict()[hvd_sparse.optimizer.SPARSIFIER_KEY]["memory"].keys() \
         == state[hvd_sparse.optimizer.SPARSIFIER_KEY]["memory"].keys()
 
 
-def test_auto_sparsifies_the_update_for_adam_only():
-    """auto: Adam's gradients stay this rank's own (its update is what is reduced), SGD's
-    are averaged before its step, as sparsify="gradient" does for Adam too."""
-    def grads_after_step(make, sparsify: str, tag: str) -> bool:
+def test_update_leaves_gradients_local_and_gradient_is_the_default():
+    """sparsify="update": the gradients stay this rank's own (the update is what is reduced);
+    the default, "gradient", averages them before the step, for Adam as for SGD."""
+    def grads_after_step(make, sparsify: str | None, tag: str) -> bool:
         model = net()
+        kw = {} if sparsify is None else {"sparsify": sparsify}
         opt = hvd_sparse.DistributedOptimizer(
             make(model.parameters()), named_parameters=[(f"{tag}.{n}", p) for n, p in
                                                         model.named_parameters()],
             sparsifier=hvd_sparse.TopK(1.0, min_numel=0, min_selected=0), scheme="allgather",
-            block_size=1, sparsify=sparsify)
+            block_size=1, **kw)
         x, y = batch(hvd.rank(), 0)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
@@ -126,12 +128,13 @@ def test_auto_sparsifies_the_update_for_adam_only():
         every = hvd.allgather(g, name=f"grads.{tag}")
         return bool(torch.equal(every[0], every[1]))
 
-    assert not grads_after_step(OPTS["adam"], "auto", "auto.adam")
-    assert grads_after_step(lambda ps: torch.optim.SGD(ps, lr=0.1), "auto", "auto.sgd")
+    assert not grads_after_step(OPTS["adam"], "update", "upd.adam")
+    assert not grads_after_step(lambda ps: torch.optim.SGD(ps, lr=0.1), "update", "upd.sgd")
     assert grads_after_step(OPTS["adam"], "gradient", "grad.adam")
+    assert grads_after_step(OPTS["adamw"], None, "default.adamw")
 
 
 def test_sparsify_is_checked():
     with pytest.raises(ValueError, match="sparsify must be one of"):
         hvd_sparse.DistributedOptimizer(torch.optim.Adam(net().parameters()),
-                                        sparsifier=hvd_sparse.TopK(0.1), sparsify="updates")
+                                        sparsifier=hvd_sparse.TopK(0.1), sparsify="auto")
