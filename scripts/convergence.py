@@ -31,7 +31,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts")]
 
-from _accuracy import DENSITY, LM_STEPS, LOWER_IS_BETTER, METHODS, TASKS  # noqa: E402
+from _accuracy import (  # noqa: E402
+    DENSITY,
+    EXTRA,
+    LM_STEPS,
+    LOWER_IS_BETTER,
+    METHODS,
+    TASKS,
+)
 from _report import console, print_table, save_png, write_json  # noqa: E402
 
 
@@ -138,9 +145,10 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
     args = ap.parse_args()
     tasks, methods = args.tasks.split(","), args.methods.split(",")
-    bad = [t for t in tasks if t not in TASKS] + [m for m in methods if m not in METHODS]
+    bad = [t for t in tasks if t not in TASKS] + [m for m in methods
+                                                  if m not in METHODS + EXTRA]
     if bad:
-        ap.error(f"unknown: {bad} (tasks {list(TASKS)}, methods {list(METHODS)})")
+        ap.error(f"unknown: {bad} (tasks {list(TASKS)}, methods {list(METHODS + EXTRA)})")
     if "dense" not in methods:
         methods.insert(0, "dense")  # the reference every gap is taken against
     results: list[dict] = []
