@@ -21,7 +21,8 @@ density warm-up over the first two epochs and the optimizer's momentum moved int
 correction), ``exdyna4`` (ExDyna at 1% per rank, as TopK and DGC: a 4% union at 4 ranks), and
 PowerSGD ranks 1, 2, 4 (``powersgd1`` ...)
 under PyTorch DDP with its built-in hook, on a Gloo group made beside Horovod in the same
-processes, so every method sees the same ranks, data and initial model.
+processes, so every method sees the same ranks, data and initial model. On request
+(``EXTRA``): ``topkw``, TopK with DGC's density warm-up.
 
 Bytes per step are what one rank puts on the wire: hvd_sparse's own count (ring collectives
 modelled) for its methods, the ring allreduce model for PowerSGD (its P and Q, and the tensors

@@ -1,6 +1,6 @@
 """Convergence suite: every sparsifier at 1% against dense and PowerSGD, four tasks, 4 ranks.
 
-    .venv/bin/python scripts/convergence.py                      # 3 tasks x 8 methods x 3 seeds
+    .venv/bin/python scripts/convergence.py                      # 4 tasks x 8 methods x 3 seeds
     .venv/bin/python scripts/convergence.py --tasks digits --seeds 1 --methods dense,exdyna
     .venv/bin/python scripts/convergence.py --density 0.001 --methods dense,topk,dgc,exdyna
     .venv/bin/python scripts/convergence.py --density 0.001 --tasks mlp --epochs-x 4
@@ -9,9 +9,9 @@
 One ``horovodrun -np 4 --gloo`` job per seed trains each task with each method
 (scripts/_accuracy.py has the tasks, the methods and how bytes are counted). Prints per task and
 method the held-out score (mean over seeds, with min-max), its gap to dense (mean of the
-per-seed gaps: in points for accuracy and AUC, in % of dense's loss for the language model's
-nats per byte, where lower is better), and bytes per step per rank (every step, a dense
-warm-up's included) as a share of dense's; writes
+per-seed gaps, negative when worse: in points for accuracy and AUC, in % of dense's loss for
+the language model's nats per byte, where lower is better), and bytes per step per rank
+(every step, a dense warm-up's included) as a share of dense's; writes
 <out-dir>/convergence.json and convergence.png (score against epochs, mean over seeds;
 convergence-0.001.* for another --density, -x4 for --epochs-x 4).
 """
@@ -86,19 +86,20 @@ def summarize(results: list[dict], tasks: list[str], methods: list[str]) -> list
         dense = {r["seed"]: r for r in results if r["task"] == t and r["method"] == "dense"}
         for m in methods:
             mine = [r for r in results if r["task"] == t and r["method"] == m]
+            # negative: worse than dense
             if mine[0]["metric"] in LOWER_IS_BETTER:  # a loss: as it is, gaps in % of dense's
                 scores = [r["score"] for r in mine]
-                gaps = [100 * (r["score"] / dense[r["seed"]]["score"] - 1) for r in mine
+                gaps = [100 * (1 - r["score"] / dense[r["seed"]]["score"]) for r in mine
                         if r["seed"] in dense]
-            else:  # accuracy, AUC: in %, gaps in points (positive: behind dense)
+            else:  # accuracy, AUC: in %, gaps in points
                 scores = [100 * r["score"] for r in mine]
-                gaps = [100 * (dense[r["seed"]]["score"] - r["score"]) for r in mine
+                gaps = [100 * (r["score"] - dense[r["seed"]]["score"]) for r in mine
                         if r["seed"] in dense]
             bytes_ = statistics.mean(r["bytes_per_step"] for r in mine)
             rows.append({
                 "task": t, "method": m, "metric": mine[0]["metric"],
                 "score": statistics.mean(scores), "min": min(scores), "max": max(scores),
-                "behind dense": statistics.mean(gaps) if gaps else float("nan"),
+                "vs dense (points; lm: %)": statistics.mean(gaps) if gaps else float("nan"),
                 "bytes/step/rank": bytes_,
                 "% of dense bytes": 100 * bytes_ / mine[0]["dense_bytes_per_step"],
                 "union density %": (100 * statistics.mean(r["union_density"] for r in mine)
@@ -162,8 +163,9 @@ def main() -> int:
     print_table(rows, f"convergence, {args.np} ranks, seeds {args.seeds}, sparsifiers at "
                 f"{args.density:.2%}",
                 columns=[c for c in rows[0] if c != "metric"],
-                caption="score: held-out accuracy (mlp, digits) or AUC (ctr), in %, behind "
-                        "dense in points; lm: held-out loss in nats/byte, behind dense in %; "
+                caption="score: held-out accuracy (mlp, digits) or AUC (ctr), in %, vs dense "
+                        "in points; lm: held-out loss in nats/byte, vs dense in % of dense's "
+                        "(negative: worse); "
                         f"{time.monotonic() - t0:.0f} s in all")
     stem = "convergence" + ("" if args.density == DENSITY else f"-{args.density:g}") \
         + ("" if args.epochs_x == 1 else f"-x{args.epochs_x}") \
