@@ -25,6 +25,7 @@ from .reduction import densified
 from .sparsifiers import DGC, Sparsifier
 
 SPARSIFIER_KEY = "hvd_sparse.sparsifier"  # the sparsifier's state in the state_dict
+SPARSIFY = ("gradient", "update")  # what a sparsifier sparsifies (docs/notes/adam-accuracy.md)
 
 
 class _SparseDistributedOptimizer(torch.optim.Optimizer):
@@ -32,7 +33,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                  scheme: str | None, block_size: int | None, op: Any,
                  gradient_predivide_factor: float, backward_passes_per_step: int,
                  sparsifier: Sparsifier | None, process_set: hvd.ProcessSet,
-                 sparse_as_dense: bool) -> None:
+                 sparse_as_dense: bool, sparsify: str = "gradient") -> None:
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._names = _names(named_parameters, all_params)
@@ -40,6 +41,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = {p: self._names[id(p)] for p in all_params}
         self._scheme, self._block_size, self._op = scheme, block_size, op
         self._sparsifier = sparsifier
+        # "update": each rank steps its optimizer on its own gradients and the ranks average
+        # what it applied, sparsified with error feedback (``_step_update``)
+        self._sparsify_update = sparsifier is not None and sparsify == "update"
         if isinstance(sparsifier, DGC):
             sparsifier.take_momentum(self.param_groups)
         self._predivide = gradient_predivide_factor
@@ -58,6 +62,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self._sparsify_update:  # nothing leaves before the step: the update is reduced
+            return
         if p in self._handles:
             raise HvdSparseError(
                 f"hvd_sparse: gradient of {self._names[id(p)]!r} computed more times than "
@@ -90,7 +96,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         A failure (``HvdSparseInternalError``, which ``hvd.elastic.run`` recovers from)
         leaves nothing in flight here: the step's other reductions are forgotten (the engine
         abandons them when hvd_sparse joins the ranks again), so the step can run anew."""
-        if not self.process_set.included():
+        if not self.process_set.included() or self._sparsify_update:
+            # sparsify="update": gradients stay this rank's own; step() reduces the update
             self._synchronized = True
             return
         try:
@@ -128,7 +135,50 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                               stacklevel=2)
             self.synchronize()
         self._synchronized = False
+        if self._sparsify_update and self.process_set.included():
+            return self._step_update(closure)
         return super(self.__class__, self).step(closure)
+
+    def _step_update(self, closure: Any) -> Any:
+        """sparsify="update": the wrapped optimizer steps on this rank's own gradients; what it
+        moved each parameter by is sparsified (error feedback on it: the sparsifier's memory
+        holds what this rank's optimizer applied and the ranks did not yet) and averaged over
+        the ranks, and every rank applies that average to the parameters as they were, so all
+        end with the same parameters. The optimizer's state (Adam's moments) is this rank's
+        own, from its own gradients, like the error-feedback memory; its shape and keys are
+        the optimizer's.
+
+        Why: Adam divides each coordinate by the root of its squared-gradient average. A
+        sparsified gradient reaches a coordinate as a rare spike carrying many steps of
+        residual; that spike inflates the coordinate's second moment, so the weights move
+        0.4-0.8x as far as under dense Adam (issue 52). The update is already scaled, so
+        error feedback on it keeps its size; what remains (staleness, and per-rank second
+        moments from smaller batches) is in docs/notes/adam-accuracy.md."""
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        sparse = [self._names[id(p)] for p in params if p.grad is not None and p.grad.is_sparse]
+        if sparse:
+            raise HvdSparseError(f"hvd_sparse: sparsify='update' takes dense gradients; "
+                                 f"{', '.join(sparse)} had sparse ones (use "
+                                 "sparsify='gradient')")
+        with torch.no_grad():
+            before = [p.detach().clone() for p in params]
+        loss = super(self.__class__, self).step(closure)
+        with torch.no_grad():
+            deltas = [old - p.detach() for old, p in zip(before, params, strict=True)]
+            try:
+                # every parameter on every rank, moved or not, so the reductions match
+                handles = [allreduce_async_(d, name=self._names[id(p)], op=hvd.Average,
+                                            scheme=self._scheme, block_size=self._block_size,
+                                            process_set=self.process_set,
+                                            sparsifier=self._sparsifier)
+                           for d, p in zip(deltas, params, strict=True)]
+                for h in handles:
+                    synchronize(h)
+            finally:
+                self._forget()
+            for p, old, d in zip(params, before, deltas, strict=True):
+                p.copy_(old.sub_(d))
+        return loss
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state and, with a sparsifier, its state (this rank's
@@ -190,6 +240,7 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     process_set: hvd.ProcessSet = hvd.global_process_set,
     *,
     sparse_as_dense: bool = False,
+    sparsify: str = "gradient",
     compression: Any = None,
     num_groups: int = 0,
     groups: Any = None,
@@ -220,6 +271,15 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
         process_set: gradients are reduced over its ranks only; other ranks step on their
             own gradients, as with Horovod's optimizer.
         sparse_as_dense: densify sparse gradients and reduce them by blocks (Horovod's option).
+        sparsify: what ``sparsifier`` sparsifies: "gradient" (default: each gradient,
+            reduced during backward, then the optimizer steps on the average) or "update"
+            (each rank's optimizer steps on its own gradients; what it applied is sparsified
+            with error feedback and averaged, and every rank applies the average: the
+            optimizer's state is then each rank's own). Meant for Adam and AdamW, whose
+            per-coordinate scaling shrinks the delayed spikes of gradient error feedback;
+            measured so far it closes little of that gap (docs/notes/adam-accuracy.md).
+            "update" reduces every parameter in ``step()``, with ``op`` Average whatever
+            ``op`` is, and takes dense gradients only.
         compression: not supported (hvd_sparse compresses itself: ``scheme``, ``sparsifier``);
             only ``None`` or ``hvd.Compression.none``.
         num_groups: not supported (each gradient goes as soon as it is ready); only 0.
@@ -235,8 +295,8 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     state_dict carries it) and resets, and the next reduction joins the new ranks.
 
     Raises:
-        ValueError: an unsupported ``op``, ``scheme``, ``sparsifier``, factor or pass count, or
-            one of the unsupported Horovod arguments above, named.
+        ValueError: an unsupported ``op``, ``scheme``, ``sparsifier``, ``sparsify``, factor or
+            pass count, or one of the unsupported Horovod arguments above, named.
 
     Example:
         >>> opt = hvd_sparse.DistributedOptimizer(
@@ -262,6 +322,8 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     schemes.check(scheme)
     if sparsifier is not None and not isinstance(sparsifier, Sparsifier):
         raise ValueError(f"sparsifier must be an hvd_sparse Sparsifier, got {sparsifier!r}")
+    if sparsify not in SPARSIFY:
+        raise ValueError(f"sparsify must be one of {SPARSIFY}, got {sparsify!r}")
     namespace = dict(_SparseDistributedOptimizer.__dict__)
     # hvd.broadcast_optimizer_state creates missing state with step() on the ranks that lack it
     # only, and skips the gradient reduction for classes from Horovod's optimizer module. Ours
@@ -270,4 +332,4 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, scheme, block_size, op,
                gradient_predivide_factor, backward_passes_per_step, sparsifier, process_set,
-               sparse_as_dense)
+               sparse_as_dense, sparsify)
