@@ -1,6 +1,7 @@
 """The DPDK transport: the aggregator on an af_packet vdev on its host's veth in the netns
 testbed, kernel-UDP workers (3 worker hosts, 1 Gbit/s, MTU 9000). Needs root and an aggregator
-built with DPDK (make build installs libdpdk-dev): both hold in CI, so neither is skipped."""
+built with DPDK (make dev, which make test runs, installs libdpdk-dev): both hold in CI, so
+neither is skipped."""
 from __future__ import annotations
 
 import os
