@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -17,6 +16,7 @@ from . import config as _config
 from . import costmodel, engine, runfile, session
 from .comm import Collectives
 from .comm import horovod as collectives
+from .comm.horovod import elastic
 from .errors import HvdSparseError
 from .job import Context, RowsPlan
 
@@ -72,12 +72,6 @@ _joins = itertools.count(1)
 # across elastic resets: the next join keeps the job's token at a later epoch, whose packets
 # the aggregators and the switch tell from a straggler's of this one. A new init starts afresh.
 _memberships: dict[str, session.Membership] = {}
-
-
-def elastic() -> bool:
-    """Whether this process is a worker of a Horovod elastic job (horovodrun sets
-    HOROVOD_ELASTIC=1 in them)."""
-    return bool(int(os.environ.get("HOROVOD_ELASTIC", "0") or 0))
 
 
 def init(**kwargs: object) -> None:
@@ -162,7 +156,8 @@ def state() -> State:
                          f"joined as rank {_state.world[0]} of {_state.world[1]}")
         if why:
             log.info("hvd_sparse: joining the ranks again: %s", why)
-            _leave(f"hvd_sparse joins the ranks again ({why})")
+            if abandoned := _leave(f"hvd_sparse joins the ranks again ({why})"):
+                log.info("hvd_sparse: %d reduction(s) in flight abandoned", abandoned)
         if _state is None:
             _state = _join(_options)
             log.info("hvd_sparse: joined as rank %d of %d (join %d of this process)", *world,
@@ -191,17 +186,17 @@ def failure(error: BaseException | str, joined: int | None = None) -> HvdSparseI
     return HvdSparseInternalError(str(error))
 
 
-def _leave(why: str) -> None:
+def _leave(why: str) -> int:
     """Abandons the reductions in flight with ``why`` and leaves what the state joined (the
-    job's own aggregators stop); the options stay, for the next join."""
+    job's own aggregators stop); the options stay, for the next join. Returns how many
+    reductions were abandoned."""
     global _state, _stale
     abandoned = engine.abandon(why)
-    if abandoned:
-        log.info("hvd_sparse: %d reduction(s) in flight abandoned: %s", abandoned, why)
     for joined in (_state.omni, _state.switch) if _state is not None else ():
         if joined is not None:
             joined.close()
     _state, _stale = None, ""
+    return abandoned
 
 
 def _watch_resets() -> None:
@@ -246,14 +241,10 @@ def shutdown() -> None:
     ``HvdSparseError``; this rank writes its run file, if it keeps one (``metrics_file``).
     Safe to call when not initialized.
     """
-    global _state, _options, _stale
-    abandoned = engine.abandon("hvd_sparse was shut down while it was being reduced")
-    if abandoned:
+    global _options
+    if abandoned := _leave("hvd_sparse was shut down while it was being reduced"):
         log.warning("hvd_sparse.shutdown(): %d reduction(s) were still in flight", abandoned)
-    for joined in (_state.omni, _state.switch) if _state is not None else ():
-        if joined is not None:
-            joined.close()
-    _state, _options, _stale = None, None, ""
+    _options = None
     _memberships.clear()
     runfile.flush()
 

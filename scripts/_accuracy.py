@@ -11,7 +11,7 @@ Tasks (``TASKS``):
 - ``lm``: a byte-level transformer language model (2 layers, width 128, context 64, 0.34 M
   parameters) on the Python standard library's own top-level ``.py`` files, ``torch.optim.Adam``
   (lr 3e-3) as users train such models, scored by held-out loss in nats per byte (lower is
-  better; issue 52). ``HVD_SPARSE_ACC_LM_STEPS`` sets its steps (default 300),
+  better; docs/notes/adam-accuracy.md). ``HVD_SPARSE_ACC_LM_STEPS`` sets its steps (default 300),
   ``HVD_SPARSE_ACC_LM_LR`` Adam's lr.
 
 Methods (``METHODS``): ``dense`` (hvd_sparse's dense scheme: Horovod's allreduce),
@@ -52,7 +52,7 @@ SPARSIFIED = ("topk", "dgc", "exdyna", "exdyna4", "topkw")
 POWERSGD = {"powersgd1": 1, "powersgd2": 2, "powersgd4": 4}
 METHODS = ("dense", *SPARSIFIED[:-1], *POWERSGD)  # the suite's default
 # on request only: "topkw" is TopK with DGC's density warm-up (25% down to the density over
-# the first two epochs; its bytes counted), a check of what warm-up buys (issue 52)
+# the first two epochs; its bytes counted), a check of what warm-up buys with Adam
 EXTRA = ("topkw",)
 Batches = Callable[[int], Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]]
 
@@ -238,9 +238,10 @@ def next_byte_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def lm(seed: int, rank: int, size: int) -> Task:
-    """The byte-level LM of issue 52: batch 16 windows of 64 bytes per rank drawn at random
-    from the training text (each rank its own), Adam lr 3e-3; held-out loss on 256 fixed
-    windows of the held-out files (16,384 predicted bytes), in nats per byte."""
+    """The byte-level LM (docs/notes/adam-accuracy.md): batch 16 windows of 64 bytes per
+    rank drawn at random from the training text (each rank its own), Adam lr 3e-3; held-out
+    loss on 256 fixed windows of the held-out files (16,384 predicted bytes), in nats per
+    byte."""
     context, batch = 64, 16
     text, held = stdlib_text()
     steps = int(os.environ.get("HVD_SPARSE_ACC_LM_STEPS", LM_STEPS))

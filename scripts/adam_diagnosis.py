@@ -1,5 +1,6 @@
-"""Why Adam loses to error feedback (issue 52): one process, no Horovod, the convergence suite's
-language model (task ``lm``) on rank 0's batches, Adam lr 3e-3, three ways for ``--steps``:
+"""Why Adam loses to error feedback (docs/notes/adam-accuracy.md): one process, no Horovod,
+the convergence suite's language model (task ``lm``) on rank 0's batches, Adam lr 3e-3, three
+ways for ``--steps``:
 dense; TopK at ``--density`` with error feedback on each gradient (what
 ``DistributedOptimizer(sparsify="gradient")`` does on one rank); TopK with error feedback on
 each Adam update (``sparsify="update"``); and a prototype of the next fix, "frozen": 1-bit

@@ -16,6 +16,12 @@ OPS = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max, "min": hvd.Min}
 SHUT_DOWN = "Horovod has been shut down"  # Horovod's message for every operation after
 
 
+def elastic() -> bool:
+    """Whether this process is a worker of a Horovod elastic job (horovodrun sets
+    HOROVOD_ELASTIC=1 in them)."""
+    return bool(int(os.environ.get("HOROVOD_ELASTIC", "0") or 0))
+
+
 class _Handle:
     __slots__ = ("handle",)
 
@@ -71,8 +77,7 @@ class HorovodCollectives(Collectives):
     def lost(self, error: BaseException) -> bool:
         """Horovod's session is over: it was shut down (a rank left, or failed), or, under
         elastic, any of its operations failed (``hvd.elastic.run`` resets Horovod after it)."""
-        return isinstance(error, HorovodInternalError) and (
-            SHUT_DOWN in str(error) or bool(int(os.environ.get("HOROVOD_ELASTIC", "0") or 0)))
+        return isinstance(error, HorovodInternalError) and (SHUT_DOWN in str(error) or elastic())
 
     def takes(self, t: torch.Tensor) -> bool:
         return super().takes(t) or (t.is_cuda and hvd.cuda_built())
