@@ -10,7 +10,8 @@ Every ``--every`` steps each rank saves what only it holds (the hook's ``State.s
 its sparsifier's error-feedback memory, what ``auto`` learnt), then rank 0 saves the model and
 the optimizer, which DDP keeps alike on every rank. When a rank fails, torchrun restarts every
 rank from the top of the script (``--max-restarts``); each loads the last checkpoint and goes
-on: the run ends bitwise where one without the failure ends. Restarted with another number of
+on: the run ends bitwise where one without the failure ends (under ``auto``, whose timed
+choices may differ between two runs, within rounding). Restarted with another number of
 ranks, the job goes on from the model and the optimizer, and the hook's state starts afresh
 (its memory belonged to ranks that are no more; ``auto`` learns the new ranks again).
 
