@@ -37,6 +37,7 @@ log = logging.getLogger("hvd_sparse")
 
 
 RETRY_EVERY = 16  # calls of a tensor name between looks at aggregators that went down
+PROBE_AGAIN = 1.0  # seconds: a lost aggregator's name is resolved and asked again at most so often
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,17 @@ class Session:
     def __init__(self, cfg: Config, comm: Collectives, addrs: list[tuple[str, int]],
                  token: int, local: LocalAggregators | None, max_datagram: int | None = None,
                  switch: bool = False, key: bytes = b"", placement: str = "remote",
-                 control: switch_control.Client | None = None, epoch: int = 1) -> None:
+                 control: switch_control.Client | None = None, epoch: int = 1,
+                 memberships: dict[str, Membership] | None = None) -> None:
         self.cfg, self.addrs, self.local, self.switch = cfg, addrs, local, switch
         self.token, self.control = token, control  # control: the switch's, where rank 0 installed
         self.membership = Membership(token, epoch)
+        self._memberships = memberships  # the caller's record, moved on at each regroup
+        # every aggregator of the job as named; ``addrs``: those in use, ``lost``: the others,
+        # which stopped answering and are asked again (``votes``) until they answer
+        self.names, self.lost = list(addrs), []
+        # a probe per aggregator asked (``probe``): its worker, the address it reaches, when
+        self._probes: dict[tuple[str, int], tuple[OmniWorker | None, str, float]] = {}
         # where the aggregators run, alike on every rank: "remote" (configured), "rank0" (the
         # job's own, all on rank 0's host), "colocated" (the job's own, on every host), "switch"
         self.placement = "switch" if switch else placement
@@ -108,10 +116,11 @@ class Session:
         # The engine's own no-progress timeout fires a little before the caller's, so the error
         # names the aggregator rather than only the tensor.
         self.size = comm.size
-        self.worker = OmniWorker(addrs, token, comm.rank, comm.size, payload_bytes=payload,
-                                 slots_per_aggregator=cfg.slots, rto=cfg.rto,
-                                 timeout=cfg.timeout * 0.9, seed=comm.rank, key=key,
-                                 ports=cfg.port_range(), epoch=epoch)
+        self._worker_options = dict(
+            token=token, worker=comm.rank, nworkers=comm.size, payload_bytes=payload,
+            slots_per_aggregator=cfg.slots, rto=cfg.rto, timeout=cfg.timeout * 0.9,
+            seed=comm.rank, key=key, ports=cfg.port_range())
+        self.worker = OmniWorker(addrs, epoch=epoch, **self._worker_options)
         self._calls: dict[str, int] = defaultdict(int)
         # Aggregation is down after an aggregator timed out (``down`` says how), until the
         # aggregators answer keep-alives again: see omnireduce.run.
@@ -128,8 +137,9 @@ class Session:
         self._down_calls.clear()
 
     def retry_due(self, name: str) -> bool:
-        """While down, every RETRY_EVERY-th call of each tensor name looks again: the same
-        calls on every rank, whatever order the ranks submit tensors in."""
+        """While down or with aggregators lost, every RETRY_EVERY-th call of each tensor name
+        looks again: the same calls on every rank, whatever order the ranks submit tensors
+        in."""
         self._down_calls[name] += 1
         return self._down_calls[name] % RETRY_EVERY == 0
 
@@ -137,6 +147,86 @@ class Session:
         """Whether every aggregator has answered a keep-alive (REGACK) since going down."""
         ago = time.monotonic() - self.down_since
         return all(a["heard_ago"] < ago for a in self.worker.stats()["aggregators"])
+
+    def votes(self) -> list[int]:
+        """This rank's view, at a look, of each aggregator of ``names``: 1 where it answers.
+
+        One in use answers while aggregation is up. Any other (lost, or in use while down)
+        answers when it answered this rank's probe (``probe``); probes go again to those that
+        have not, at most every ``PROBE_AGAIN`` seconds."""
+        now, votes = time.monotonic(), []
+        for addr in self.names:
+            if addr in self.addrs and not self.down:
+                votes.append(1)
+                continue
+            probe, _, sent = self._probes.get(addr, (None, "", -math.inf))
+            votes.append(int(probe is not None and
+                             probe.stats()["aggregators"][0]["heard_ago"] < now - sent))
+            if not votes[-1] and now - sent > PROBE_AGAIN:
+                self._probe(addr)
+        return votes
+
+    def probe(self) -> None:
+        """Asks every aggregator not in use, and those in use while down, whether it answers
+        (``votes`` reads the answers at the next look). Only where the ranks regroup together
+        (fallback="dense"): a probe moves the aggregator it reaches to the next epoch."""
+        for addr in self.names:
+            if addr not in self.addrs or self.down:
+                self._probe(addr)
+
+    def _probe(self, addr: tuple[str, int]) -> None:
+        """A REGISTER to ``addr`` from a worker of its own, under the membership's next epoch
+        (the regroup takes the one after); a new worker when the name resolves elsewhere now
+        (an aggregator rescheduled under its name), else the same, so that the aggregator,
+        which pins a worker's address per epoch, answers it."""
+        probe, ip, _ = self._probes.pop(addr, (None, "", 0.0))
+        try:
+            now_ip = socket.getaddrinfo(addr[0], addr[1], socket.AF_INET,
+                                        socket.SOCK_DGRAM)[0][4][0]
+            if probe is not None and now_ip != ip:
+                probe.close()
+                probe = None
+            if probe is None:
+                ip = now_ip
+                probe = OmniWorker([addr], epoch=self.membership.epoch + 1,
+                                   **self._worker_options)
+            probe.register(0.0)  # sends, waits for nothing: the answer counts at a look
+        except AggregatorTimeout:
+            pass
+        except (OSError, RuntimeError) as e:  # a name that does not resolve (yet), a refusal
+            log.debug("hvd_sparse: probing aggregator %s:%d: %s", *addr, e)
+        self._probes[addr] = (probe, ip, time.monotonic())
+
+    def _close_probes(self) -> None:
+        for probe, _, _ in self._probes.values():
+            if probe is not None:
+                probe.close()
+        self._probes.clear()
+
+    def regroup(self, addrs: list[tuple[str, int]]) -> str:
+        """Aggregation over ``addrs`` (a subset of ``names``, alike on every rank) from now on:
+        a new worker, its names resolved anew, registered under the next epoch of the job's
+        membership (the aggregators then drop what the old one still had in flight; its
+        tensors fail at once). Collective: every rank regroups at the same look.
+
+        Returns:
+            "" once registered, else why not (the caller agrees with the other ranks).
+        """
+        member = Membership(self.token, self.membership.epoch + 2)  # the probes took the next
+        self.membership = member
+        if self._memberships is not None:
+            self._memberships["switch" if self.switch else "omni"] = member
+        self.worker.close()
+        self.addrs = list(addrs)
+        self.lost = [a for a in self.names if a not in addrs]
+        self._close_probes()
+        self._down_calls.clear()
+        try:
+            self.worker = OmniWorker(self.addrs, epoch=member.epoch, **self._worker_options)
+            self.worker.register(self.cfg.timeout)
+        except RuntimeError as e:
+            return f"regrouping over {self.addrs}: {e}"
+        return ""
 
     @property
     def payload(self) -> int:
@@ -189,6 +279,7 @@ class Session:
 
     def close(self) -> None:
         self.worker.close()
+        self._close_probes()
         if self.local is not None:
             self.local.stop()
         if self.control is not None:  # the job's groups back to the switch's pool
@@ -318,24 +409,60 @@ def start(cfg: Config, comm: Collectives, memberships: dict[str, Membership] | N
                          "hvd_sparse.omni.mtu", "min").value()
     try:
         session = _open(cfg, comm, addrs, token, local, int(mtu), key=key, placement=placement,
-                        epoch=member.epoch)
+                        epoch=member.epoch, memberships=memberships)
     except HvdSparseError:
         if local is not None:
             local.stop()
         raise
     try:
-        session.worker.register(cfg.timeout)
-    except RuntimeError as e:
+        _register(cfg, comm, session)
+    except HvdSparseError as e:
         session.close()
         hint = ""
-        if placement == "remote" and isinstance(e, AggregatorTimeout):
+        if placement == "remote" and "did not answer" in str(e):
             hint = (" (authentication is " + (
                 "on: the aggregators must run with --secret-file naming the secret of "
                 "HVD_SPARSE_SECRET_FILE" if key else
                 "off: the aggregators must run without --secret-file") + ")")
-        raise HvdSparseError(f"hvd_sparse: {e}{hint}") from e
-    log.debug("hvd_sparse: omnireduce aggregators (%s) %s", placement, addrs)
+        raise HvdSparseError(f"{e}{hint}") from e
+    log.debug("hvd_sparse: omnireduce aggregators (%s) %s", placement, session.addrs)
     return session
+
+
+def _register(cfg: Config, comm: Collectives, session: Session) -> None:
+    """Registers every rank with the session's aggregators (collective). Those that some rank
+    did not hear from within the timeout are left out on every rank, with a warning: the job
+    goes on with the others (``Session.regroup``).
+    Raises HvdSparseError on every rank when an aggregator refused the job or none answered."""
+    why = ""
+    try:
+        session.worker.register(cfg.timeout)
+    except AggregatorTimeout as e:
+        why = str(e)
+    except RuntimeError as e:  # a refusal: the job cannot run there, whatever the others do
+        why = f"refused: {e}"
+    heard = [int(a["heard_ago"] < math.inf) for a in session.worker.stats()["aggregators"]]
+    replies = comm.allgather_object((heard, why), "hvd_sparse.omni.registered")
+    refused = [f"rank {r}: {w[len('refused: '):]}" for r, (_, w) in enumerate(replies)
+               if w.startswith("refused: ")]
+    if refused:
+        raise HvdSparseError("hvd_sparse: " + "; ".join(refused))
+    live = [a for k, a in enumerate(session.addrs) if all(h[k] for h, _ in replies)]
+    if live == session.addrs:
+        return
+    rank, first = next((r, w) for r, (_, w) in enumerate(replies) if w)
+    if not live:
+        raise HvdSparseError(f"hvd_sparse: no aggregator answered every rank (rank {rank}: "
+                             f"{first})")
+    log.warning("hvd_sparse: aggregator(s) %s did not answer every rank (rank %d: %s); the "
+                "job aggregates over the %d others, and takes them back once they answer (at "
+                "a look with fallback='dense', else at the next join)",
+                [f"{h}:{p}" for h, p in session.addrs if (h, p) not in live], rank, first,
+                len(live))
+    why = session.regroup(live)
+    whys = [w for w in comm.allgather_object(why, "hvd_sparse.omni.regrouped") if w]
+    if whys:
+        raise HvdSparseError("hvd_sparse: " + "; ".join(whys))
 
 
 def _open(cfg: Config, comm: Collectives, *args: Any, **kw: Any) -> Session:

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Callable, Generator
 from typing import Any
 
+import torch
+
 from ..engine import Stage
 from ..errors import HvdSparseError
 from ..job import Job
@@ -70,15 +72,10 @@ def guarded(job: Job, session: Session, attempt: Callable[[], Generator[Any, Any
     ``make_backup``: what saves a tensor reduced in place, called just before the attempt (not
     while the aggregators are down); restored when the attempt fails."""
     fallback = job.ctx.config.fallback == "dense"
-    if session.down and session.retry_due(job.name):
-        # Back when every aggregator answers keep-alives again: on every rank (fallback=dense,
-        # which must stay in step) or on this one (error: a rank still down fails at once).
-        answered = session.answered_since_down()
-        if fallback:
-            missing, _ = yield from failed_anywhere(job, None if answered else Failure("down"),
-                                                  "alive")
-            answered = missing == 0
-        if answered:
+    if (session.down or session.lost) and session.retry_due(job.name):
+        if fallback:  # every rank looks at this call: the job regroups over those answering
+            yield from regroup(job, session)
+        elif session.down and session.answered_since_down():  # error: this rank alone
             log.warning("hvd_sparse: the aggregators answer again; aggregation resumes")
             session.down = ""
     if session.down:  # no timeout again for every tensor while an aggregator is down
@@ -93,6 +90,7 @@ def guarded(job: Job, session: Session, attempt: Callable[[], Generator[Any, Any
         failed, timed_out = yield from failed_anywhere(job, failure)
         if timed_out:
             session.mark_down(str(failure or "an aggregator stopped answering a peer rank"))
+            session.probe()  # the next look regroups over those that answer
         if failed:
             log.warning("hvd_sparse: tensor %r: aggregation failed on %d rank(s) (%s); "
                         "reducing it another way", job.name, failed, failure or "on a peer")
@@ -109,3 +107,27 @@ def guarded(job: Job, session: Session, attempt: Callable[[], Generator[Any, Any
             why += " (the tensor reduced in place is left as it was)"
         raise HvdSparseError(why)
     return True
+
+
+def regroup(job: Job, session: Session) -> Generator[Any, Any, None]:
+    """A look (fallback="dense", at the same call on every rank): the aggregators that answer
+    every rank's probe (``Session.votes``; one tiny allreduce) carry the job from here, under
+    a new epoch. Those in use that stopped answering are left out and the slots re-sharded
+    over the others; lost ones that answer again, at the address their name resolves to now,
+    are taken back. None answering: aggregation stays down (tensors go dense) until a later
+    look."""
+    votes = torch.tensor(session.votes(), dtype=torch.int32)
+    counts = yield "alive", job.comm.allreduce(votes, job.op_name("alive"))
+    live = [a for a, n in zip(session.names, counts.tolist(), strict=True) if n == job.size]
+    if not live or (live == session.addrs and not session.down):
+        return
+    why = session.regroup(live)  # back from down too: the probes moved those to a new epoch
+    failed, _ = yield from failed_anywhere(job, Failure(why) if why else None, "regrouped")
+    if failed:
+        session.mark_down(f"regrouping failed on {failed} rank(s): {why or 'on a peer rank'}")
+        return
+    session.down = ""
+    log.warning("hvd_sparse: aggregation resumes over %d of the job's %d aggregators%s",
+                len(live), len(session.names),
+                f" ({', '.join(f'{h}:{p}' for h, p in session.lost)} lost)" if session.lost
+                else "")
