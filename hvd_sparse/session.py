@@ -188,6 +188,7 @@ class Session:
                 probe = None
             if probe is None:
                 ip = now_ip
+                self._record(Membership(self.token, self.membership.epoch + 1))
                 probe = OmniWorker([addr], epoch=self.membership.epoch + 1,
                                    **self._worker_options)
             probe.register(0.0)  # sends, waits for nothing: the answer counts at a look
@@ -196,6 +197,15 @@ class Session:
         except (OSError, RuntimeError) as e:  # a name that does not resolve (yet), a refusal
             log.debug("hvd_sparse: probing aggregator %s:%d: %s", *addr, e)
         self._probes[addr] = (probe, ip, time.monotonic())
+
+    def _record(self, member: Membership) -> None:
+        """Tells the caller's record of memberships (``start``) that ``member``'s epoch was
+        used, so that the job's next join takes a later one: an aggregator pins each worker's
+        address per epoch, a probe's too."""
+        key = "switch" if self.switch else "omni"
+        if self._memberships is not None and (key not in self._memberships or
+                                              self._memberships[key].epoch < member.epoch):
+            self._memberships[key] = member
 
     def _close_probes(self) -> None:
         for probe, _, _ in self._probes.values():
@@ -214,8 +224,7 @@ class Session:
         """
         member = Membership(self.token, self.membership.epoch + 2)  # the probes took the next
         self.membership = member
-        if self._memberships is not None:
-            self._memberships["switch" if self.switch else "omni"] = member
+        self._record(member)
         self.worker.close()
         self.addrs = list(addrs)
         self.lost = [a for a in self.names if a not in addrs]
