@@ -78,7 +78,9 @@ class State:
             reduction (e.g. ``hvd_sparse.TopK(0.01)``), with error feedback per parameter.
         named_parameters: ``model.named_parameters()``: names the sparsifier's memory
             (needed with a sparsifier to resume from a checkpoint).
-        streams: buckets reduced at once, each stream a thread and a Gloo group.
+        streams: buckets reduced at once, each stream a thread and a Gloo group (one with
+            ``fallback="dense"`` where the aggregators may be used: every rank must see
+            aggregation go down at the same bucket).
         fuse_mb: sparse buckets whose last results together stay under this size are reduced
             by one exchange.
         **options: ``hvd_sparse.init``'s options (``scheme``, ``timeout``, ``aggregators``,
@@ -154,11 +156,18 @@ class State:
         # Reductions go to the streams in turn, in the order DDP hands out buckets (alike on
         # every rank), each stream's one after another, so every group sees the same
         # operations in the same order on every rank.
+        # With fallback "dense", one stream where aggregators may be used: aggregation that
+        # goes down (or regroups) must do so between the same two buckets on every rank, and
+        # two streams' threads would see it at different buckets on different ranks.
+        count = self.stream_count
+        if (cfg.fallback == "dense" and cfg.scheme in ("auto", "omnireduce")
+                and (cfg.aggregator_list() or cfg.local_aggregators != 0)):
+            count = 1
         timeout = timedelta(seconds=cfg.timeout * 4)
         self.streams = [TorchCollectives(dist.new_group(ranks, timeout=timeout, backend="gloo",
                                                         use_local_synchronization=True),
                                          job_size=len(ranks), route="hook streams")
-                        for _ in range(self.stream_count)]
+                        for _ in range(count)]
         # a dense bucket goes to the model's own group where that is faster than Gloo through
         # host memory: its backend is not Gloo (NCCL), or the bucket is on a device
         self._model_gloo = dist.get_backend(pg) == "gloo"
@@ -170,7 +179,7 @@ class State:
         if self.sparsifier is not None:
             self.sparsifier.join(self.comm.rank, self.comm.size)
         self._work = [queue.Queue() for _ in self.streams]
-        self._threads = [None] * self.stream_count
+        self._threads = [None] * len(self.streams)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._held:
