@@ -1,5 +1,5 @@
 # hvd-sparse: `make demo` runs the main job, `make test` runs the tests. Both install what they
-# need first (scripts/setup.sh: Debian packages, .venv with torch and Horovod, idempotent).
+# need first (scripts/setup/setup.sh: Debian packages, .venv with torch and Horovod, idempotent).
 # `make build` installs what a training host needs and no more (setup.sh's runtime mode: no
 # Slurm, munge, DPDK, nftables, test or docs tools); the targets that test, benchmark or run the
 # testbeds add the rest first (`dev`).
@@ -17,10 +17,10 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 	sanitize sanitize-ext docs fuzz
 
 setup:
-	@HVD_SPARSE_SETUP=runtime bash scripts/setup.sh
+	@HVD_SPARSE_SETUP=runtime bash scripts/setup/setup.sh
 
 setup-dev:
-	@bash scripts/setup.sh
+	@bash scripts/setup/setup.sh
 
 $(EXT): setup.py $(shell find csrc -name '*.cpp' -o -name '*.h') | setup
 	@echo "[build] hvd_sparse._C"
@@ -182,18 +182,18 @@ sanitize-ext: dev
 # the analyzer and the config parser. Each runs FUZZ_SECONDS on a scratch copy of its corpus
 # (fuzz/corpus/, never written; FUZZ_TARGETS=a,b: those alone) and prints executions, coverage
 # and new inputs; a finding fails, its reproducer left in build/fuzz/crashes/. clang and
-# atheris (pinned in scripts/versions.env) are installed when missing. 9 targets x 60 s: about
+# atheris (pinned in scripts/setup/versions.env) are installed when missing. 9 targets x 60 s: about
 # 11 minutes. `make test` replays the corpora without either (tests/test_fuzz_corpus.py).
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?=
 fuzz: dev
-	@source scripts/versions.env; missing=(); for p in $$FUZZ_APT_PACKAGES; do \
+	@source scripts/setup/versions.env; missing=(); for p in $$FUZZ_APT_PACKAGES; do \
 	  dpkg-query -W -f='$${Status}' "$$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$$p"); \
 	  done; if [ $${#missing[@]} -gt 0 ]; then echo "[fuzz] apt-get install $${missing[*]}"; \
 	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; $$SUDO apt-get update -qq; \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
 	  "$${missing[@]}" >/dev/null || exit 1; fi
-	@source scripts/versions.env; $(PY) -c 'import sys, importlib.metadata as m; \
+	@source scripts/setup/versions.env; $(PY) -c 'import sys, importlib.metadata as m; \
 	  sys.exit(m.version("atheris") != sys.argv[1])' "$$ATHERIS_VERSION" 2>/dev/null || { \
 	  echo "[fuzz] pip install atheris==$$ATHERIS_VERSION (into $(VENV))"; \
 	  $(PY) -m pip install -q --disable-pip-version-check "atheris==$$ATHERIS_VERSION"; }
@@ -205,17 +205,17 @@ fuzz: dev
 DEMO_ON ?= testbed
 demo: dev
 ifeq ($(DEMO_ON),compose)
-	@$(PY) scripts/dockerd.py start
-	@$(PY) scripts/compose.py run; rc=$$?; $(PY) scripts/dockerd.py stop; exit $$rc
+	@$(PY) scripts/testbed/dockerd.py start
+	@$(PY) scripts/testbed/compose.py run; rc=$$?; $(PY) scripts/testbed/dockerd.py stop; exit $$rc
 else
 	@$(PY) scripts/demo.py
 endif
 
 # The documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a page
 # missing from the nav or an API reference that does not resolve fails. Its tools (pinned in
-# scripts/versions.env) go into .venv when missing; no build of the package is needed, since
+# scripts/setup/versions.env) go into .venv when missing; no build of the package is needed, since
 # mkdocstrings reads the sources without importing them.
-DOCS_DEPS = $(shell source scripts/versions.env && echo $$PY_DOCS_DEPS)
+DOCS_DEPS = $(shell source scripts/setup/versions.env && echo $$PY_DOCS_DEPS)
 docs:
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -c 'import sys, importlib.metadata as m; sys.exit(any(m.version(n) != v for n, v in \
@@ -224,8 +224,8 @@ docs:
 	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
 
 bench: dev
-	@$(PY) scripts/bench_codec.py
-	@$(PY) scripts/bench_sync.py
+	@$(PY) scripts/bench/bench_codec.py
+	@$(PY) scripts/bench/bench_sync.py
 
 clean:
 	rm -rf build build.log $(EXT) hvd_sparse/_protocol.*.so hvd_sparse/bin *.egg-info bench_results .pytest_cache

@@ -154,7 +154,11 @@ setup(
     name="hvd-sparse",
     version="0.1.0",
     description="Sparse gradient synchronization for Horovod and PyTorch DDP",
-    packages=find_packages(include=["hvd_sparse", "hvd_sparse.*"]),
+    # hvd_sparse.tools.lab is what scripts/ and tests/ share (it needs rich, matplotlib and
+    # scikit-learn): lab code, left out of the wheel. An editable install maps the hvd_sparse
+    # folder itself, so checkouts installed that way (make build, the images) import it.
+    packages=find_packages(include=["hvd_sparse", "hvd_sparse.*"],
+                           exclude=["hvd_sparse.tools.lab", "hvd_sparse.tools.lab.*"]),
     python_requires=">=3.10",
     # The extension is built against the torch already installed (pip --no-build-isolation)
     # and runs with that release only (its C++ ABI): the wheel requires it, whatever its local

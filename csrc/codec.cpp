@@ -228,7 +228,7 @@ std::vector<Seg> parse(const at::Tensor& buf, int64_t nsegs, const Expect& ex, i
 
 // Copies a summed block to the result past the caches: the result (tens to hundreds of MiB) is
 // not read again here, and a plain store first reads each line it writes, which made the
-// decode ~3.5x its memory bound (scripts/bench_hostwork.py).
+// decode ~3.5x its memory bound (scripts/bench/bench_hostwork.py).
 inline void stream_out(void* dst, const void* src, size_t bytes) {
 #if defined(__SSE2__)
   auto* d = static_cast<uint8_t*>(dst);

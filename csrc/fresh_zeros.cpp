@@ -8,13 +8,13 @@
 // as zero. With huge pages (MADV_HUGEPAGE: THP "madvise" or "always") a 1%-dense result still
 // touches every 2 MiB page, but as 50 faults the kernel zeroes in bulk instead of 25,600 faults
 // plus a memset; 4 KiB pages would touch fewer bytes at 1% but cost more at 10%, and leave the
-// reader of the result a zero-page fault per 4 KiB (scripts/profile_output.py). Without THP the
+// reader of the result a zero-page fault per 4 KiB (scripts/bench/profile_output.py). Without THP the
 // mapping simply uses 4 KiB pages.
 //
 // The same cache serves large byte buffers that their writer fills whole (the codec's segments,
 // reused_empty): glibc hands such buffers back to the kernel when they are freed, so each call
 // faulted its output in anew, and on this project's VMs the ~2,500 faults of a 10 MiB segment
-// took 4-5 ms where writing it takes under 1 (scripts/bench_hostwork.py).
+// took 4-5 ms where writing it takes under 1 (scripts/bench/bench_hostwork.py).
 //
 // Freed mappings are kept (up to kCacheBytes) and reused by the next request of the same size
 // after a memset: a page the process keeps costs a write, while a page given back costs a fault

@@ -151,7 +151,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         Why: Adam divides each coordinate by the root of its squared-gradient average. A
         sparsified gradient reaches a coordinate as a rare spike carrying many steps of
         residual; that spike inflates the coordinate's second moment, so the weights move
-        0.4-0.8x as far as under dense Adam (scripts/adam_diagnosis.py). The update is
+        0.4-0.8x as far as under dense Adam (scripts/checks/adam_diagnosis.py). The update is
         already scaled, so error feedback on it keeps its size; what remains (staleness, and
         per-rank second moments from smaller batches) is in docs/notes/adam-accuracy.md."""
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]

@@ -33,13 +33,20 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
-from _demo_report import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, fmt_bytes, plot, report
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
 import hvd_sparse
 from hvd_sparse import runfile
+from hvd_sparse.tools.lab.demo_report import (
+    LOSS_RTOL,
+    PARAM_ATOL,
+    PARAM_RTOL,
+    fmt_bytes,
+    plot,
+    report,
+)
 from hvd_sparse.tools.workload import FIELDS, CTRModel, Shard, make_shard, vocab_sizes
 
 EVAL_ROWS = 8192

@@ -2,24 +2,36 @@
 rebuild to seconds), 4 worker containers and 1 aggregator container at 1 Gbit/s, a horovodrun
 job across the containers checked against Horovod's float64 allreduce, authenticated with the
 cluster's secret; then nothing left behind: no container, network or volume, and the Docker
-engine this test started stopped with the host's network as it was (scripts/dockerd.py).
+engine this test started stopped with the host's network as it was (scripts/testbed/dockerd.py).
 Skipped, with the reason, where Docker cannot run (not root, no docker.io package)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import compose  # noqa: E402
-import dockerd  # noqa: E402
+TESTBED = Path(__file__).resolve().parents[1] / "scripts" / "testbed"
 
+
+def script(name: str) -> ModuleType:
+    """scripts/testbed/``name``.py as a module: a script beside its siblings, not in a package,
+    so loaded by its path (registered first: its dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, TESTBED / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+compose, dockerd = script("compose"), script("dockerd")
 PY = sys.executable
+DOCKERD = str(TESTBED / "dockerd.py")
 # The engine fixture's waits are bounded by their own timeouts (dockerd's start, the build's
 # BUILD_TIMEOUT_S): a cold image build compiles Horovod and the extension and outlasts
 # pytest's default of 600 s, which counts a module fixture's setup into its first test.
@@ -38,7 +50,7 @@ def engine():
     if os.geteuid() != 0:
         pytest.skip("the compose cluster needs root (dockerd, NET_ADMIN containers)")
     before = host_network()
-    started = subprocess.run([PY, str(ROOT / "scripts" / "dockerd.py"), "start"],
+    started = subprocess.run([PY, DOCKERD, "start"],
                              capture_output=True, text=True, timeout=1800)
     if started.returncode != 0:
         pytest.skip(f"no Docker engine can run here: {started.stderr.strip()[-600:]}")
@@ -47,16 +59,17 @@ def engine():
         print(f"images built in {seconds:.0f} s")
         yield
     finally:
-        stop = subprocess.run([PY, str(ROOT / "scripts" / "dockerd.py"), "stop"],
+        stop = subprocess.run([PY, DOCKERD, "stop"],
                               capture_output=True, text=True, timeout=120)
         assert stop.returncode == 0, stop.stderr
-        if json.loads(subprocess.run([PY, str(ROOT / "scripts" / "dockerd.py"), "status"],
+        if json.loads(subprocess.run([PY, DOCKERD, "status"],
                                      capture_output=True, text=True).stdout)["users"] == 0:
             assert host_network() == before, "dockerd's changes to the host were not undone"
 
 
 def test_compose_job_against_dense_reference(engine):
-    res = compose.run("python /opt/hvd-sparse/scripts/cluster_job.py --numel 1048576 --reps 2",
+    res = compose.run("python /opt/hvd-sparse/scripts/testbed/cluster_job.py --numel 1048576 "
+                      "--reps 2",
                       project=f"hvdsc{os.getpid()}", timeout=600)
     assert res.leftovers == [], res.leftovers
     assert res.returncode == 0, res.output[-6000:]

@@ -83,8 +83,8 @@ def test_switch_is_costed_in_blocks_that_fit_its_packets():
 
 def test_link_model_predicts_recorded_runs_on_emulated_hosts(monkeypatch):
     """The what-if model (for_link, as `hvd-sparse analyze` uses it) against runs recorded on
-    the testbed (scripts/bench_testbed.py at 4 and 8 workers, 100 Mbit/s, 10% and 1%;
-    scripts/model_check.py --save-points; recorded with aggregators that leave a rank's own
+    the testbed (scripts/bench/bench_testbed.py at 4 and 8 workers, 100 Mbit/s, 10% and 1%;
+    scripts/checks/model_check.py --save-points; recorded with aggregators that leave a rank's own
     blocks out of its results): the geometric-mean error within 15%, and every point within
     25% (all 20 are within 19%, geometric mean 8.0%; without ``alone_blocks`` the aggregation
     points are 5-40% over)."""

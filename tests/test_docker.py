@@ -28,7 +28,7 @@ DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
 VENV_BIN = "/opt/hvd-sparse/.venv/bin"
 # Commands the images get from somewhere other than a COPY: the Debian package, "base" (the base
-# image has it) or "venv" (scripts/setup.sh and pip install . put it in VENV_BIN).
+# image has it) or "venv" (scripts/setup/setup.sh and pip install . put it in VENV_BIN).
 PROVIDERS = {"ssh": "openssh-client", "/usr/sbin/sshd": "openssh-server", "tc": "iproute2",
              "bash": "base", "sh": "base", "sleep": "base", "python": "venv",
              "horovodrun": "venv", "hvd-sparse": "venv"}
@@ -293,8 +293,8 @@ def check_program(service: str, prog: str, stages: list[Stage], bins: dict[str, 
     if provider == "venv":
         assert VENV_BIN in final.env.get("PATH", ""), f"{service}: {VENV_BIN} not on PATH"
         runs = " ".join(final.runs)
-        assert "scripts/setup.sh" in runs and "pip install" in runs, \
-            f"{service}: {prog} needs scripts/setup.sh and pip install ."
+        assert "scripts/setup/setup.sh" in runs and "pip install" in runs, \
+            f"{service}: {prog} needs scripts/setup/setup.sh and pip install ."
     elif provider != "base":
         assert provider in apt_packages(final), f"{service}: {prog} needs Debian package {provider}"
 
@@ -306,7 +306,7 @@ def test_scripts_and_cli_subcommands_exist(compose: dict) -> None:
         shell.append(shlex.join(svc.get("command", [])))
         shell.append(svc.get("environment", {}).get("JOB", ""))
     scripts = {m for t in shell for m in re.findall(r"scripts/[\w./-]+", t)}
-    assert {"scripts/demo.py", "scripts/setup.sh"} <= scripts
+    assert {"scripts/demo.py", "scripts/setup/setup.sh"} <= scripts
     for s in scripts:
         assert (ROOT / s).is_file(), f"docker/ refers to {s}, which does not exist"
     subcommands = {w[1] for t in shell for w in command_words(t.replace("$$", "$"))
@@ -451,21 +451,21 @@ def test_readme_says_how_it_is_tested() -> None:
 # ------------------------------------------------------------------- runtime, dev and GPU images
 
 def versions() -> dict[str, str]:
-    text = (ROOT / "scripts" / "versions.env").read_text()
+    text = (ROOT / "scripts" / "setup" / "versions.env").read_text()
     return dict(re.findall(r'^(\w+)="?([^"\n]*)"?$', text, re.M))
 
 
 def test_runtime_image_has_no_key_no_test_tools_and_a_non_root_user() -> None:
     """docker/Dockerfile's default target (its last stage), what the manifests deploy: no key
     made at build time (keys are mounted at run time), sshd's package-made host keys removed,
-    scripts/setup.sh in its runtime mode (no pytest, ruff, ...), and a numeric non-root USER
+    scripts/setup/setup.sh in its runtime mode (no pytest, ruff, ...), and a numeric non-root USER
     whose sshd configuration exists."""
     stages = parse(DOCKER / "Dockerfile", ROOT)
     runtime = stages[-1]
     text = " ".join(runtime.runs)
     assert "ssh-keygen" not in text and "authorized_keys" not in text
     assert "rm -f /etc/ssh/ssh_host_*" in text
-    assert re.search(r"HVD_SPARSE_SETUP=runtime .*bash scripts/setup\.sh", text), text
+    assert re.search(r"HVD_SPARSE_SETUP=runtime .*bash scripts/setup/setup\.sh", text), text
     for tool in ("pytest", "ruff", "hypothesis", "PY_TEST_DEPS", "OMPI_ALLOW_RUN_AS_ROOT"):
         assert tool not in text and tool not in json.dumps(runtime.env), tool
     users = [a for w, a in instructions(DOCKER / "Dockerfile") if w == "USER"]
@@ -481,7 +481,7 @@ def test_runtime_image_has_no_key_no_test_tools_and_a_non_root_user() -> None:
     # setup.sh's runtime mode drops the test tools and the test-only Debian packages
     v = versions()
     assert set(v["APT_RUNTIME_PACKAGES"].split()) < set(v["APT_PACKAGES"].split())
-    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    setup = (ROOT / "scripts" / "setup" / "setup.sh").read_text()
     assert 'runtime) APT_PACKAGES=$APT_RUNTIME_PACKAGES; PY_TEST_DEPS=""' in setup
 
 

@@ -4,7 +4,7 @@ horovodrun against Horovod's CPU allreduce of the same tensors, and the DDP hook
 under torchrun (the ``cuda`` launches of tests/parallel/test_allreduce.py,
 test_sparsify_schemes.py, test_training.py and test_ddp_routes.py, run from here: the driver
 leaves them out there). Where torch sees no CUDA device (this project's machine)
-they are skipped, with the reason; scripts/gpu_check.sh runs them on a GPU host."""
+they are skipped, with the reason; scripts/checks/gpu_check.sh runs them on a GPU host."""
 from __future__ import annotations
 
 import sys
@@ -18,8 +18,8 @@ from hvd_sparse import blocks, device, staging
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="no CUDA device here (torch.cuda.is_available() is False): run scripts/gpu_check.sh "
-           "on a GPU host")]
+    reason="no CUDA device here (torch.cuda.is_available() is False): run "
+           "scripts/checks/gpu_check.sh on a GPU host")]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 PARALLEL = Path(__file__).resolve().parent / "parallel"

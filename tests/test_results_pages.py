@@ -1,7 +1,7 @@
 """The results pages against docs/results.yaml, and the pages against dates, clock times and hashes.
 
 Each headline figure is held once, in docs/results.yaml. These tests fail where a page says
-otherwise: a results table that differs from what scripts/results_tables.py writes from the
+otherwise: a results table that differs from what scripts/checks/results_tables.py writes from the
 data, a speedup quoted on a page that no claim holds, a claim whose command or figures its
 details section does not show. The last test keeps dates, clock times and commit hashes (the
 lab notebook's material) in docs/notes/.
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
 _spec = importlib.util.spec_from_file_location("results_tables",
-                                               ROOT / "scripts" / "results_tables.py")
+                                               ROOT / "scripts" / "checks" / "results_tables.py")
 results_tables = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(results_tables)
 
@@ -50,7 +50,7 @@ QUOTING = {
 
 
 def test_tables_written_from_the_data():
-    assert results_tables.main(["--check"]) == 0, "run: python scripts/results_tables.py"
+    assert results_tables.main(["--check"]) == 0, "run: python scripts/checks/results_tables.py"
 
 
 def test_every_claim_names_workload_command_and_details():

@@ -7,7 +7,7 @@ same parameters, and for the dedicated aggregators both of them summed packets, 
 authenticated; and the CPUs the DDP script asks for reach its ranks. The GPU scripts (no GPU
 here) and every script's shell and #SBATCH lines are checked statically.
 
-Skipped, with the daemons' own words, where Slurm is not installed (scripts/setup.sh installs
+Skipped, with the daemons' own words, where Slurm is not installed (scripts/setup/setup.sh installs
 it) or its daemons cannot start here. Everything started is stopped by pid and the temporary
 directory removed, also when a test fails."""
 from __future__ import annotations
@@ -273,7 +273,7 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 def slurm():
     missing = [t for t in TOOLS if not shutil.which(t, path=SBIN)]
     if missing:
-        pytest.skip(f"Slurm is not installed (no {', '.join(missing)}; scripts/setup.sh "
+        pytest.skip(f"Slurm is not installed (no {', '.join(missing)}; scripts/setup/setup.sh "
                     "installs slurm-wlm)")
     if os.geteuid() != 0:
         pytest.skip("slurmd runs jobs as their users: it needs root")

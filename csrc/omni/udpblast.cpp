@@ -5,7 +5,7 @@
 //   hvd-sparse-udpblast --senders 4 --bytes 16440 --seconds 1
 //
 // With --to ADDR:PORT it only sends, for --seconds, to a receiver elsewhere (another host, or
-// an aggregator on any transport, which counts what arrives: scripts/bench_transport.py).
+// an aggregator on any transport, which counts what arrives: scripts/bench/bench_transport.py).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>

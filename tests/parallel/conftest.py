@@ -34,7 +34,7 @@ class LaunchFile(pytest.File):
 
     def collect(self):
         for launch in launches(self.path):
-            if launch.gpu:  # run by tests/test_gpu.py, which scripts/gpu_check.sh runs
+            if launch.gpu:  # run by tests/test_gpu.py, which scripts/checks/gpu_check.sh runs
                 continue
             yield LaunchItem.from_parent(self, name=launch.name, launch=launch)
 

@@ -1,21 +1,18 @@
 """Sparsified training keeps dense accuracy, 4 ranks: the convergence suite's MLP (momentum in
-the optimizer, as users write it) and its CNN on scikit-learn's digits (scripts/_accuracy.py),
-TopK, DGC and ExDyna at 1% through hvd_sparse.DistributedOptimizer against the dense scheme
-(Horovod's allreduce), one seed. scripts/convergence.py runs the same with 3 seeds, the CTR
-task and PowerSGD, and docs/BENCHMARKS.md has its table and the spread the margins allow for.
+the optimizer, as users write it) and its CNN on scikit-learn's digits
+(hvd_sparse/tools/lab/accuracy.py), TopK, DGC and ExDyna at 1% through
+hvd_sparse.DistributedOptimizer against the dense scheme (Horovod's allreduce), one seed.
+scripts/checks/convergence.py runs the same with 3 seeds, the CTR task and PowerSGD, and
+docs/BENCHMARKS.md has its table and the spread the margins allow for.
 """
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import horovod.torch as hvd
 import pytest
 from driver import Launch
 from ranktools import start
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from _accuracy import train  # noqa: E402
+from hvd_sparse.tools.lab.accuracy import train
 
 LAUNCHES = [Launch(np=4, timeout=900, extended=True)]
 

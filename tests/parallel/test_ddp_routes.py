@@ -7,7 +7,7 @@ buckets too; metrics name every bucket's route. Under HVD_SPARSE_CPU_AS_DEVICE t
 pose as a device's: a sparse bucket's rows are allgathered by the model's group and summed
 where they are (equal to DDP's own within rounding), a sparsified bucket crosses to the host by
 its non-zero blocks, not whole; and with a plain Gloo model's group, dense buckets still take
-it. The ``cuda`` launches (gpu: scripts/gpu_check.sh) run the same on CUDA models, one rank
+it. The ``cuda`` launches (gpu: scripts/checks/gpu_check.sh) run the same on CUDA models, one rank
 per GPU where there are enough, else two ranks on one: the recording group over Gloo's CUDA
 collectives, then the native group (NCCL with a GPU per rank, else Gloo)."""
 from __future__ import annotations

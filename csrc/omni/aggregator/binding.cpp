@@ -124,7 +124,7 @@ void register_auth(py::module_& m) {
       "gmac_rate",
       [](size_t packet_bytes, double seconds) {
         // One core signing, then verifying, packets of this size: bytes per second of each
-        // (scripts/bench_transport.py sets them against link rates).
+        // (scripts/bench/bench_transport.py sets them against link rates).
         Mac mac(std::string(kKeyBytes, '\x5a'));
         std::vector<uint8_t> b(packet_bytes + kAuthBytes, 0x33);
         auto rate = [&](bool sign) {
