@@ -26,8 +26,8 @@ optimizer's step, the reference reduction and its check, and the stop flag (a on
 allreduce). The report: per fault, the steps it overlapped, the worst step and the stall (worst
 step minus the median step of the run's fault-free steps), the time from its end to the first
 step back under twice the median ("recovered"); table to stdout, JSON and a PNG timeline of
-step times with the faults marked to --out-dir. Needs root. Exits 1 on any wrong sum, error, hang or fault not
-recovered from.
+step times with the faults marked to --out-dir. Needs root. Exits 1 on any wrong sum, error,
+hang or fault not recovered from.
 """
 from __future__ import annotations
 
