@@ -288,8 +288,9 @@ def run_job(tb: object, args: argparse.Namespace, scheme: str, schedule: list[fa
 
         def job() -> None:
             try:
-                result["rc"] = launch.run(tb, cmd, env=env, launcher="torch", capture=True,
-                                          timeout=args.minutes * 60 * 4 + 600).returncode
+                proc = launch.run(tb, cmd, env=env, launcher="torch", capture=True,
+                                  timeout=args.minutes * 60 * 4 + 600)
+                result["rc"], result["output"] = proc.returncode, proc.stdout or ""
             except Exception as e:  # noqa: BLE001 - said in the report
                 result["rc"], result["launch"] = -1, str(e)[-2000:]
 
@@ -334,6 +335,7 @@ def run_job(tb: object, args: argparse.Namespace, scheme: str, schedule: list[fa
             t.join(timeout=60)
         ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
         return {"scheme": scheme, "rc": result.get("rc"), "launch": result.get("launch", ""),
+                "output": result.get("output", ""),
                 "hang": hang, "ranks": ranks, "faults": [f.as_dict() for f in inj.done],
                 "injector_errors": inj.errors, "started": started}
 
@@ -375,7 +377,7 @@ def analyse(job: dict) -> tuple[list[dict], dict]:
                      "schemes": ",".join(schemes), "error": f["error"],
                      "outcome": "ok" if math.isfinite(back) and not f["error"] else
                      "not recovered" if not f["error"] else "injector failed"})
-    errors = [r["error"] for r in ranks if r["error"]]
+    errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if r["error"]]
     summary = {"scheme": job["scheme"], "steps": n, "median_step_s": median,
                "faults": len(fs), "recovered": sum(r["outcome"] == "ok" for r in rows),
                "wrong_sums": sum(s["wrong"] for s in steps),
@@ -452,16 +454,21 @@ def drive(args: argparse.Namespace) -> int:
     caption = (f"4 ranks on 4 emulated hosts + 1 aggregator host at {args.rate}, DDP hook, "
                f"DLRM-like tables x{args.scale:g} (dim {args.dim}, batch {args.batch}/rank); "
                "stall: worst step during a fault minus the median fault-free step")
+    written = [write_json(args.out_dir / f"{what}.json", rows, summaries=summaries,
+                          jobs=[{k: v for k, v in j.items() if k not in ("ranks", "output")}
+                                for j in jobs], args=vars(args)),
+               plot(jobs, args.out_dir / f"{what}.png", caption)]
+    for job in jobs:  # the ranks' own output, for what went wrong
+        log = args.out_dir / f"{what}-{job['scheme']}.log"
+        log.write_text(job["output"])
+        written.append(log)
     print_table(rows, f"Training under link and aggregator faults ({what})", COLS, caption)
     print_table(summaries, "Per job", SUMMARY)
     for s in summaries:
         for k in ("hang", "error", "injector_errors"):
             if s[k]:
-                console.print(f"[red]{s['scheme']}: {k}: {s[k]}[/]")
-    print("wrote", write_json(args.out_dir / f"{what}.json", rows, summaries=summaries,
-                              jobs=[{k: v for k, v in j.items() if k != "ranks"} for j in jobs],
-                              args=vars(args)),
-          plot(jobs, args.out_dir / f"{what}.png", caption))
+                console.print(f"{s['scheme']}: {k}: {s[k]}", style="red", markup=False)
+    print("wrote", *written)
     return 0 if all(s["ok"] for s in summaries) else 1
 
 
