@@ -185,8 +185,8 @@ def rank_side(args: argparse.Namespace) -> None:
     net.register_comm_hook(checker, checked_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     loss_fn = nn.BCEWithLogitsLoss()
-    steps: list[dict] = []
     progress = out / "progress"
+    record = open(out / f"rank{rank}.jsonl", "a", buffering=1)  # a line a step: kept if killed
     error = ""
     i = 0
     while True:
@@ -200,41 +200,53 @@ def rank_side(args: argparse.Namespace) -> None:
             loss.backward()
             opt.step()
         except Exception as e:  # noqa: BLE001 - counted, ends the run
-            error = f"step {i}: {type(e).__name__}: {e}"[:2000]
+            error = f"step {i}: {type(e).__name__}: {str(e).split(chr(10) + 'At:')[0]}"[:1000]
+        if error:
+            # This rank's hook may have missed buckets: its reference group is out of step
+            # with the others', so no further collective; the launcher stops the others.
+            record.write(json.dumps({"rank": rank, "error": error, "t": time.time()}) + "\n")
+            sys.stdout.flush()
+            os._exit(1)
         wrong, worst = checker.check()
         schemes = sorted({str(v.get("scheme")) for k, v in hvd_sparse.metrics().items()
                           if k.startswith("ddp.")})
-        flag = torch.tensor([1.0 if error or (rank == 0 and (out / "stop").exists()) else 0.0])
-        try:
-            dist.all_reduce(flag, group=ref_group)
-        except Exception as e:  # noqa: BLE001 - a peer gone
-            error = error or f"step {i}: stop flag: {e}"[:2000]
+        flag = torch.tensor([1.0 if rank == 0 and (out / "stop").exists() else 0.0])
+        dist.all_reduce(flag, group=ref_group)
         # the step's end: after the check and the flag, so that a stall in any of them counts
         t1 = time.time()
-        steps.append({"step": i, "t0": t0, "t1": t1, "wrong": wrong, "rel_err": worst,
-                      "loss": float(loss) if not error else math.nan, "schemes": schemes})
+        record.write(json.dumps({"step": i, "t0": t0, "t1": t1, "wrong": wrong, "rel_err": worst,
+                                 "loss": float(loss.detach()), "schemes": schemes}) + "\n")
         if rank == 0:
             with open(progress, "a") as f:
                 f.write(f"{i} {t1}\n")
-        if error:
-            break
         if flag.item() > 0:
             break
         i += 1
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                      for p in model.parameters())).hexdigest()
     digests: list = [None] * size
-    identical = None
-    if not error:
-        dist.all_gather_object(digests, digest, group=ref_group)
-        identical = len(set(digests)) == 1
-    (out / f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "steps": steps, "error": error, "digest": digest, "identical": identical}))
-    if not error:
-        state.close()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(1 if error else 0)  # a failed hook's threads may still wait on a peer
+    dist.all_gather_object(digests, digest, group=ref_group)
+    record.write(json.dumps({"rank": rank, "digest": digest,
+                             "identical": len(set(digests)) == 1}) + "\n")
+    record.close()
+    state.close()
+    dist.destroy_process_group()
+
+
+def read_rank(path: Path) -> dict:
+    """A rank's record (rank<r>.jsonl): its steps, its error ("" none), whether its parameters
+    ended identical to the others' (None: it did not get there)."""
+    rank = {"rank": int(path.stem[4:]), "steps": [], "error": "", "identical": None}
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if "step" in d:
+            rank["steps"].append(d)
+        else:
+            rank.update({k: v for k, v in d.items() if k != "t"})
+    return rank
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -333,7 +345,7 @@ def run_job(tb: object, args: argparse.Namespace, scheme: str, schedule: list[fa
             if inj.is_alive():
                 inj.join(timeout=60)
             t.join(timeout=60)
-        ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+        ranks = [read_rank(f) for f in sorted(out.glob("rank*.jsonl"))]
         return {"scheme": scheme, "rc": result.get("rc"), "launch": result.get("launch", ""),
                 "output": result.get("output", ""),
                 "hang": hang, "ranks": ranks, "faults": [f.as_dict() for f in inj.done],
@@ -386,7 +398,7 @@ def analyse(job: dict) -> tuple[list[dict], dict]:
                "worst_stall_s": max((r["stall_s"] for r in rows), default=math.nan),
                "identical": all(r.get("identical") for r in ranks) and len(ranks) > 0,
                "ranks": len(ranks), "rc": job["rc"], "hang": job["hang"],
-               "error": "; ".join(errors)[:2000] or job["launch"],
+               "error": "; ".join(errors) or job["launch"],
                "injector_errors": job["injector_errors"]}
     summary["ok"] = (summary["wrong_sums"] == 0 and not summary["hangs"]
                      and not summary["errors"] and summary["identical"] and job["rc"] == 0
