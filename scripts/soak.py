@@ -83,6 +83,8 @@ def parse_args() -> argparse.Namespace:
                    help="seconds without a step that count as a hang (the job is stopped)")
     p.add_argument("--timeout", type=float, default=0.0,
                    help="hvd_sparse's timeout (0: 30 s with --matrix, 10 s for the soak)")
+    p.add_argument("--streams", type=int, default=0,
+                   help="the hook state's streams (reductions at once; 0: its default)")
     p.add_argument("--scale", type=float, default=0.01, help="the DLRM tables' rows times this")
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--batch", type=int, default=512, help="per rank")
@@ -180,7 +182,10 @@ def rank_side(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = RecModel(rows, args.dim, sparse=True)
     net = DDP(model)
-    state = ddp.State(probe="off", timeout=args.timeout, **json.loads(args.options))
+    options = json.loads(args.options)
+    if args.streams:
+        options["streams"] = args.streams
+    state = ddp.State(probe="off", timeout=args.timeout, **options)
     checker = Checked(state, ref_group, size)
     net.register_comm_hook(checker, checked_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
@@ -292,8 +297,9 @@ def run_job(tb: object, args: argparse.Namespace, scheme: str, schedule: list[fa
         progress, stop = out / "progress", out / "stop"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-side", str(out),
                "--options", json.dumps(SCHEMES[scheme]), "--timeout", str(args.timeout),
-               "--hang", str(args.hang), "--scale", str(args.scale), "--dim", str(args.dim),
-               "--batch", str(args.batch), "--bag", str(args.bag), "--corrupt", str(args.corrupt)]
+               "--hang", str(args.hang), "--streams", str(args.streams), "--scale",
+               str(args.scale), "--dim", str(args.dim), "--batch", str(args.batch), "--bag",
+               str(args.bag), "--corrupt", str(args.corrupt)]
         env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HVD_SPARSE_CACHE_DIR": tmp,
                "HVD_SPARSE_FALLBACK": fallback}
         result: dict = {}
