@@ -2,7 +2,8 @@
 while links fail and the aggregator host is killed or stopped; every bucket of every step is
 checked against a dense float64 allreduce of the same gradients.
 
-The default tier runs a short soak with one wrong sum planted (rank 1 changes one value of a
+The default tier runs a short soak (about 22 s of training, 70-100 s in all on a quiet box)
+with one wrong sum planted (rank 1 changes one value of a
 bucket's result after the hook, at step 5): the check must count exactly that one, and the
 ranks' parameters must differ, so a check that saw nothing could not pass. `make
 test-extended` runs the 5-minute soak: 0 wrong sums, 0 hangs, no failed step, every fault
@@ -40,9 +41,10 @@ def soak(tmp_path: Path, name: str, *args: str, timeout: float) -> tuple[int, di
 
 
 def test_a_planted_wrong_sum_is_counted(tmp_path: Path) -> None:
-    code, report, out = soak(tmp_path, f"hvs{os.getpid() % 10000}", "--minutes", "0.75",
-                             "--seed", "2", "--kinds", "dup,reorder,link_down", "--gap", "4",
-                             "--corrupt", "5", timeout=400)
+    # about 22 s of training: 5 s, 10% of w0's frames duplicated for 5 s, w1's link cut 4 s
+    code, report, out = soak(tmp_path, f"hvs{os.getpid() % 10000}", "--minutes", "0.5",
+                             "--seed", "2", "--kinds", "dup,reorder,link_down", "--gap", "3",
+                             "--warmup", "5", "--corrupt", "5", timeout=500)
     (s,) = report["summaries"]
     assert s["wrong_sums"] == 1, out[-4000:]
     assert s["identical"] is False and s["ok"] is False and code == 1
