@@ -28,6 +28,7 @@ FILE_TIERS = {
     "test_testbed.py": "testbed", "test_dpdk.py": "testbed", "test_switch_emu.py": "testbed",
     "test_hostile.py": "testbed", "test_testbed_colocated.py": "testbed",
     "test_testbed_budgets.py": "testbed", "test_compose.py": "testbed",
+    "test_testbed_faults.py": "testbed", "test_soak.py": "testbed",
     "test_gpu.py": "gpu",
 }
 # Fixtures that start aggregator processes: a test using one is an integration test.

@@ -49,10 +49,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="write what bound the run (per host CPU and link use, verdict) as "
                         "JSON; a summary is printed to stderr either way")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
-    s = sp("set", "change loss, rate or link state while jobs run")
+    s = sp("set", "change loss, rate, link state, duplication or reordering while jobs run")
     s.add_argument("--host", help="w0.., a0..; default: every port (loss, rate)")
     s.add_argument("--loss", type=float)
     s.add_argument("--rate")
+    s.add_argument("--dup", type=float,
+                   help="share of frames to and from --host the switch sends twice")
+    s.add_argument("--reorder", type=float,
+                   help="share of frames to and from --host held back behind the others")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--down", dest="link_up", action="store_false", default=None)
     g.add_argument("--up", dest="link_up", action="store_true")
@@ -84,6 +88,7 @@ def status(tb: Testbed) -> dict:
                 "cfs_quota_us": cpu.quota_us(tb.cpu_per_host),
                 "switch_cpu_s": used[cpu.SWITCH]["cpu_ns"] / 1e9} if used else {}),
             "hosts": [{"host": h.name, "namespace": h.ns, "ip": h.ip, "loss": h.loss,
+                       "dup": h.dup, "reorder": h.reorder,
                        "rate": h.rate or tb.rate,
                        "link": "down" if h.down else "up",
                        "processes": len(links.pids_in(h.ns)), **c[h.name], **budget(h.name)}
@@ -95,14 +100,16 @@ def _print_status(d: dict) -> None:
     from rich.table import Table
     t = Table(title=f"testbed {d['name']}: {d['rate']} links, MTU {d['mtu']}, loss {d['loss']} "
                     f"({d['loss_proto']}), {d['dropped_by_loss']} frames dropped by loss rules")
-    cols = ["host", "namespace", "ip", "rate", "link", "loss", "processes", "rx MB", "tx MB"]
+    cols = ["host", "namespace", "ip", "rate", "link", "loss", "dup", "reorder", "processes",
+            "rx MB", "tx MB"]
     budgets = bool(d["cpu_per_host"])
     cols += ["CPU budget", "CPU s", "throttled"] if budgets else []
     for col in cols:
         t.add_column(col)
     for h in d["hosts"]:
         row = [h["host"], h["namespace"], h["ip"], h["rate"], h["link"], f"{h['loss']:g}",
-               str(h["processes"]), f"{h['rx_bytes'] / 1e6:.1f}", f"{h['tx_bytes'] / 1e6:.1f}"]
+               f"{h['dup']:g}", f"{h['reorder']:g}", str(h["processes"]),
+               f"{h['rx_bytes'] / 1e6:.1f}", f"{h['tx_bytes'] / 1e6:.1f}"]
         if budgets:
             row += [f"{h['cpu_budget']:.3g} core", f"{h['cpu_s']:.2f}",
                     f"{h['cpu_throttled']}/{h['cpu_periods']}"]
@@ -135,7 +142,8 @@ def main(argv: list[str]) -> int:
             removed = lifecycle.down(a.name)
             print(f"testbed {a.name}: removed {len(removed)} namespace(s)")
         elif a.cmd == "set":
-            lifecycle.update(Testbed.load(a.name), a.host, a.loss, a.rate, a.link_up)
+            lifecycle.update(Testbed.load(a.name), a.host, a.loss, a.rate, a.link_up, a.dup,
+                             a.reorder)
         elif a.cmd == "status":
             d = status(Testbed.load(a.name))
             print(json.dumps(d, indent=1)) if a.json else _print_status(d)

@@ -70,29 +70,48 @@ def start_aggregators(tb: Testbed) -> None:
     if tb.auth and tb.aggregator_hosts and not tb.secret_file().exists():
         write_secret_file(tb.secret_file())
     for h in tb.aggregator_hosts:
-        port_file = tb.log_dir() / f"{h.name}.port"
-        port_file.unlink(missing_ok=True)
-        cmd = [str(binary()), "--bind", f"{h.ip}:{AGGREGATOR_PORT}", "--workers",
-               str(tb.workers), "--port-file", str(port_file)]
-        if tb.auth:
-            cmd += ["--secret-file", str(tb.secret_file())]
-        if tb.transport == "dpdk":
-            cmd += ["--transport", "dpdk", "--dpdk", dpdk_args(tb, h.name)]
-            # DPDK owns the host's address: without it the kernel answers neither ARP nor,
-            # with ICMP port-unreachable, the workers' datagrams.
-            links.flush_addresses(h.ns)
-        with open(tb.log_dir() / f"{h.name}.log", "w") as log:
-            p = subprocess.Popen(
-                cpu.wrap(tb, h.name, ["ip", "netns", "exec", h.ns, *cmd]),
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                process_group=0)  # the caller's session: see above
-        tb.pids[h.name] = p.pid
-        deadline = time.monotonic() + 20
-        while not port_file.exists():
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"testbed: aggregator on {h.name} did not start: "
-                                   + (tb.log_dir() / f"{h.name}.log").read_text()[-1000:])
-            time.sleep(0.01)
+        start_aggregator(tb, h.name)
+
+
+def start_aggregator(tb: Testbed, host: str) -> int:
+    """Starts the aggregator of aggregator host ``host`` (again, after a crash: same address,
+    same secret) and waits until it listens.
+
+    Args:
+        tb: the testbed; ``tb.pids[host]`` is set to the new process.
+        host: "a0", "a1", ...
+
+    Returns:
+        Its process id.
+
+    Raises:
+        RuntimeError: it exited or did not listen within 20 s (its log's end in the message).
+    """
+    h = tb.host(host)
+    port_file = tb.log_dir() / f"{h.name}.port"
+    port_file.unlink(missing_ok=True)
+    cmd = [str(binary()), "--bind", f"{h.ip}:{AGGREGATOR_PORT}", "--workers",
+           str(tb.workers), "--port-file", str(port_file)]
+    if tb.auth:
+        cmd += ["--secret-file", str(tb.secret_file())]
+    if tb.transport == "dpdk":
+        cmd += ["--transport", "dpdk", "--dpdk", dpdk_args(tb, h.name)]
+        # DPDK owns the host's address: without it the kernel answers neither ARP nor,
+        # with ICMP port-unreachable, the workers' datagrams.
+        links.flush_addresses(h.ns)
+    with open(tb.log_dir() / f"{h.name}.log", "a") as log:
+        p = subprocess.Popen(
+            cpu.wrap(tb, h.name, ["ip", "netns", "exec", h.ns, *cmd]),
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            process_group=0)  # the caller's session: see above
+    tb.pids[h.name] = p.pid
+    deadline = time.monotonic() + 20
+    while not port_file.exists():
+        if p.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"testbed: aggregator on {h.name} did not start: "
+                               + (tb.log_dir() / f"{h.name}.log").read_text()[-1000:])
+        time.sleep(0.01)
+    return p.pid
 
 
 def start_switch(tb: Testbed) -> None:

@@ -37,11 +37,48 @@ def up(tb: Testbed) -> Testbed:
 
 
 def update(tb: Testbed, host: str | None = None, loss_rate: float | None = None,
-           rate: str | None = None, link_up: bool | None = None) -> Testbed:
-    """Changes loss, rate or link state of one host (or loss of every port) in a running
-    testbed; jobs running on it see the change at once."""
+           rate: str | None = None, link_up: bool | None = None,
+           dup: float | None = None, reorder: float | None = None) -> Testbed:
+    """Changes loss, rate, link state, duplication or reordering of one host (or loss of every
+    port) in a running testbed; jobs running on it see the change at once.
+
+    Args:
+        tb: the testbed (as ``Testbed.load`` gives it); saved with the change.
+        host: the host ("w0", "a0", ...); None: every port (loss, rate only).
+        loss_rate: share of the frames to and from the host dropped, in [0, 1).
+        rate: the link's rate ("1gbit").
+        link_up: False cuts the host's link at the switch, True restores it.
+        dup: share of the frames to and from the host the switch sends twice, in [0, 1).
+        reorder: share of the frames to and from the host held back behind the others, in
+            [0, 1).
+
+    Returns:
+        ``tb``, changed.
+
+    Raises:
+        PermissionError: not root.
+        ValueError: a share out of range, or duplication/reordering without a host or on the
+            emulated switch.
+        RuntimeError: nft or tc failed.
+    """
     require_root()
     target = tb.host(host) if host else None
+    for what, share in (("dup", dup), ("reorder", reorder)):
+        if share is None:
+            continue
+        if not 0 <= share < 1:
+            raise ValueError(f"{what} must be in [0, 1), got {share}")
+        if target is None:
+            raise ValueError(f"{what} needs --host")
+    if dup is not None or reorder is not None:
+        assert target is not None
+        before = any(h.reorder > 0 for h in tb.hosts)
+        target.dup = target.dup if dup is None else dup
+        target.reorder = target.reorder if reorder is None else reorder
+        if before != any(h.reorder > 0 for h in tb.hosts):
+            links.shape(tb)  # the ports' slow class, or their plain cap again
+        if loss_rate is None:
+            loss.apply(tb)
     if loss_rate is not None:
         if not 0 <= loss_rate < 1:
             raise ValueError(f"loss must be in [0, 1), got {loss_rate}")
@@ -51,11 +88,14 @@ def update(tb: Testbed, host: str | None = None, loss_rate: float | None = None,
             tb.loss = loss_rate
         loss.apply(tb)
     if rate is not None:
+        htb = any(h.reorder > 0 for h in tb.hosts)  # the switch's side: shape() sets it
         for h in [target] if target else tb.hosts:
-            links.set_rate(tb, h, parse_rate(rate))
+            links.set_rate(tb, h, parse_rate(rate), sides=((h.ns, "eth0"),) if htb else ())
             h.rate = rate
         if not target:
             tb.rate = rate
+        if htb:
+            links.shape(tb)
     if link_up is not None:
         if target is None:
             raise ValueError("link up/down needs --host")

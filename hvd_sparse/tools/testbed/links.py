@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pyroute2 import IPRoute, NetNS, netns
 
-from .topology import Host, Testbed
+from .topology import Host, Testbed, parse_rate
 
 
 def _tbf_args(rate_bps: int) -> dict:
@@ -90,10 +90,40 @@ def mac(ns_name: str) -> str:
         return ns.get_links(ns.link_lookup(ifname="eth0")[0])[0].get_attr("IFLA_ADDRESS")
 
 
-def set_rate(tb: Testbed, host: Host, rate_bps: int) -> None:
-    for ns_name, ifname in ((host.ns, "eth0"), (tb.switch_ns, host.port)):
+def set_rate(tb: Testbed, host: Host, rate_bps: int,
+             sides: tuple[tuple[str, str], ...] = ()) -> None:
+    """Caps ``host``'s link at ``rate_bps`` (tbf), both ends, or the (namespace, interface)
+    ``sides`` given."""
+    for ns_name, ifname in sides or ((host.ns, "eth0"), (tb.switch_ns, host.port)):
         with NetNS(ns_name) as ns:
             _cap(ns, ns.link_lookup(ifname=ifname)[0], rate_bps)
+
+
+def _tc(ns_name: str, *args: str, check: bool = True) -> None:
+    cmd = ["ip", "netns", "exec", ns_name, "tc", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"testbed: {' '.join(cmd)}: {p.stderr.strip()}")
+
+
+def shape(tb: Testbed) -> None:
+    """The switch ports' qdiscs for the hosts' reordering: while any host reorders, every
+    port's rate cap is an HTB of two classes, ``1:1`` at the port's rate (every frame, by
+    default) and ``1:2`` at a tenth of it, where the frames the forward chain marked wait
+    (loss.py); otherwise the tbf cap alone, as ``create`` made it."""
+    reorder = any(h.reorder > 0 for h in tb.hosts)
+    for h in tb.hosts:
+        bps = parse_rate(h.rate or tb.rate)
+        _tc(tb.switch_ns, "qdisc", "del", "dev", h.port, "root", check=False)
+        if not reorder:
+            set_rate(tb, h, bps, sides=((tb.switch_ns, h.port),))
+            continue
+        burst = _tbf_args(bps)["burst"]
+        _tc(tb.switch_ns, "qdisc", "add", "dev", h.port, "root", "handle", "1:", "htb",
+            "default", "1")
+        for cls, rate in (("1:1", bps), ("1:2", max(bps // 10, 1_000_000))):
+            _tc(tb.switch_ns, "class", "add", "dev", h.port, "parent", "1:", "classid", cls,
+                "htb", "rate", f"{rate}bit", "burst", str(burst), "quantum", "60000")
 
 
 def set_link(tb: Testbed, host: Host, up: bool) -> None:

@@ -1,10 +1,22 @@
-"""Frame loss on the switch: nftables rules in the switch namespace's bridge forward chain, or
-the emulated switch's own loss (it reads frames before netfilter could drop them).
+"""Frame loss, duplication and reordering on the switch: nftables rules in the switch
+namespace, or the emulated switch's own loss (it reads frames before netfilter could drop them).
 
 Loss is dropped on the path (never in a sender's own output chain, which a sender would see
 as a send error). A rule per lossy host drops frames entering or leaving its port at random
 (``numgen random``); the testbed-wide rate applies to every port. Rules are rewritten whole
-from the state on every change, so a job can see loss change while it runs."""
+from the state on every change, so a job can see loss change while it runs.
+
+This kernel has no netem, so duplication and reordering are built from what it has:
+
+* duplication: a netdev ``ingress`` chain on each port sends a copy of a frame (``dup to
+  "br0"``: transmitted on the bridge device, the bridge forwards the copy by its MAC table as
+  it forwards the original) for frames from the host, and, on every other port, for frames
+  addressed to it (a copy made on the host's own port's ``egress`` would pass that hook again
+  and be copied again);
+* reordering: the bridge's forward chain sets the priority of a share of the frames to and
+  from the host to ``1:2``, which the ports' HTB qdiscs (links.shape) send through a class of a
+  tenth of the link's rate: those frames wait there while the others pass them.
+"""
 from __future__ import annotations
 
 import json
@@ -14,6 +26,7 @@ from .topology import Testbed
 
 TABLE = "hvd_sparse"
 SCALE = 1_000_000  # loss rates in millionths
+SLOW_CLASS = "1:2"  # the HTB class a reordered frame waits in (links.shape)
 
 
 def _nft(tb: Testbed, *args: str, script: str | None = None) -> str:
@@ -31,6 +44,9 @@ def _nft(tb: Testbed, *args: str, script: str | None = None) -> str:
 def apply(tb: Testbed) -> None:
     """Installs the testbed's loss rates (replacing any earlier rules)."""
     if tb.switch == "emu":
+        if any(h.dup or h.reorder for h in tb.hosts):
+            raise ValueError("testbed: duplication and reordering need the bridge switch "
+                             "(--switch bridge): the emulated switch has no rules for them")
         from hvd_sparse.tools.switch import control
         c = control.Client(tb.switch_control)
         c.call(f"loss * {tb.loss} {tb.loss_proto}")
@@ -46,11 +62,36 @@ def apply(tb: Testbed) -> None:
             n = int(h.loss * SCALE)
             rules += [f'iifname "{h.port}" {match}numgen random mod {SCALE} < {n} counter drop',
                       f'oifname "{h.port}" {match}numgen random mod {SCALE} < {n} counter drop']
+    for h in tb.hosts:  # after the drops: a dropped frame is not also reordered
+        if h.reorder > 0:
+            n = int(h.reorder * SCALE)
+            rules += [f'{d}ifname "{h.port}" {match}numgen random mod {SCALE} < {n} counter '
+                      f'meta priority set {SLOW_CLASS}' for d in ("i", "o")]
     script = (f"table bridge {TABLE}\ndelete table bridge {TABLE}\n"  # first makes delete safe
+              f"table netdev {TABLE}\ndelete table netdev {TABLE}\n"
               f"table bridge {TABLE} {{\n chain forward {{\n"
               "  type filter hook forward priority 0; policy accept;\n"
-              + "".join(f"  {r}\n" for r in rules) + " }\n}\n")
+              + "".join(f"  {r}\n" for r in rules) + " }\n}\n" + _dup_table(tb, match))
     _nft(tb, "-f", "-", script=script)
+
+
+def _dup_table(tb: Testbed, match: str) -> str:
+    """The netdev table of the duplication rules ("" when no host has any): per port, an
+    ingress chain that copies a share of the frames from its host and of those to each host
+    that duplicates."""
+    dups = [h for h in tb.hosts if h.dup > 0]
+    if not dups:
+        return ""
+    chains = []
+    for port in tb.hosts:
+        rules = [f"{match}numgen random mod {SCALE} < {int(h.dup * SCALE)} counter dup to "
+                 f'"br0"' if h is port else
+                 f"ip daddr {h.ip} {match}numgen random mod {SCALE} < {int(h.dup * SCALE)} "
+                 'counter dup to "br0"' for h in dups]
+        chains.append(f" chain in_{port.port} {{\n  type filter hook ingress device "
+                      f'"{port.port}" priority 0; policy accept;\n'
+                      + "".join(f"  {r}\n" for r in rules) + " }\n")
+    return f"table netdev {TABLE} {{\n" + "".join(chains) + "}\n"
 
 
 def dropped(tb: Testbed) -> int:
@@ -58,10 +99,22 @@ def dropped(tb: Testbed) -> int:
     if tb.switch == "emu":
         from hvd_sparse.tools.switch import control
         return sum(p["lost"] for p in control.Client(tb.switch_control).stats()["ports"])
-    out = json.loads(_nft(tb, "-j", "list", "table", "bridge", TABLE))
-    total = 0
-    for item in out.get("nftables", []):
-        for expr in item.get("rule", {}).get("expr", []):
-            if "counter" in expr:
-                total += expr["counter"]["packets"]
-    return total
+    return counted(tb)["dropped"]
+
+
+def counted(tb: Testbed) -> dict[str, int]:
+    """Frames the rules have dropped, duplicated and held back (reordered) so far (bridge
+    switch only); the counts start again at each change of the rules."""
+    out = {"dropped": 0, "duplicated": 0, "reordered": 0}
+    for family in ("bridge", "netdev"):
+        listed = json.loads(_nft(tb, "-j", "list", "ruleset", family))
+        for item in listed.get("nftables", []):
+            rule = item.get("rule")
+            if not rule or rule.get("table") != TABLE:
+                continue
+            exprs = rule.get("expr", [])
+            n = sum(e["counter"]["packets"] for e in exprs if "counter" in e)
+            kind = ("dropped" if any("drop" in e for e in exprs) else
+                    "duplicated" if any("dup" in e for e in exprs) else "reordered")
+            out[kind] += n
+    return out

@@ -33,6 +33,8 @@ class Host:
     ip: str
     loss: float = 0.0  # drop rate of frames to and from it on the switch
     down: bool = False  # its link is cut
+    dup: float = 0.0  # share of frames to and from it the switch sends twice
+    reorder: float = 0.0  # share of frames to and from it the switch holds back (reordered)
     rate: str = ""  # its link's rate when set apart from the testbed's
 
     @property
