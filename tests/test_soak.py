@@ -7,9 +7,7 @@ with one wrong sum planted (rank 1 changes one value of a
 bucket's result after the hook, at step 5): the check must count exactly that one, and the
 ranks' parameters must differ, so a check that saw nothing could not pass. `make
 test-extended` runs the 5-minute soak: 0 wrong sums, 0 hangs, no failed step, every fault
-recovered from, identical parameters. It fails today: with the hook's 2 streams the ranks fall
-out of step after an aggregator fault (docs/fault-tolerance.md, "The soak"; with --streams 1
-the aggregator faults pass). Needs root."""
+recovered from, identical parameters. Needs root."""
 from __future__ import annotations
 
 import json
