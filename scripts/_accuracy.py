@@ -325,11 +325,12 @@ def _equal(a: object, b: object) -> bool:
 
 def train(task_name: str, method: str, seed: int, density: float = DENSITY,
           epochs_x: int = 1, resume_at: int | None = None,
-          sparsify: str = "gradient") -> dict[str, object]:
+          sparsify: str = "gradient", dense_steps: int = 0) -> dict[str, object]:
     """Trains ``task_name`` with ``method`` (sparsifiers at ``density``) for ``epochs_x`` times
     its epochs; returns scores per epoch and bytes per step. ``sparsify``: what the
-    sparsifiers sparsify (``hvd_sparse.DistributedOptimizer``'s argument: "gradient" or
-    "update"). ``resume_at``: after that many
+    sparsifiers sparsify (``hvd_sparse.DistributedOptimizer``'s argument: "gradient",
+    "update" or "frozen"); ``dense_steps``: its dense warm-up (sparsified methods only; the
+    bytes counted). ``resume_at``: after that many
     epochs, checkpoint model and optimizer (the sparsifier's residuals and momentum with it)
     through torch.save/torch.load and go on with a new model, optimizer and sparsifier loaded
     from it, as a restarted job would."""
@@ -345,7 +346,8 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
             task.make_optimizer(list(model.parameters())),
             named_parameters=list(zip(names, model.parameters(), strict=True)), sparsifier=sp,
             scheme="dense" if sp is None else "allgather",
-            block_size=None if sp is None else 4, sparsify=sparsify)
+            block_size=None if sp is None else 4, sparsify=sparsify,
+            dense_steps=0 if sp is None else dense_steps)
 
     ddp_bytes, restored = None, None
     if method in POWERSGD:
@@ -391,7 +393,7 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
     total = steps * task.epochs
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"task": task_name, "method": method, "seed": seed, "density": density,
-            "sparsify": sparsify,
+            "sparsify": sparsify, "dense_steps": dense_steps if method in SPARSIFIED else 0,
             "metric": task.metric, "resumed_at": resume_at, "restored": restored,
             "scores": scores, "score": scores[-1], "steps": total,
             "bytes_per_step": ddp_bytes if ddp_bytes is not None else sent / total,
@@ -405,7 +407,8 @@ def main() -> None:
     """Under horovodrun: HVD_SPARSE_ACC_RUNS="task:method:seed,..." (sparsifiers at
     HVD_SPARSE_ACC_DENSITY, default 1%, on what HVD_SPARSE_ACC_SPARSIFY says, default "gradient";
     HVD_SPARSE_ACC_EPOCHS_X times each task's epochs, default 1; the language model's steps
-    HVD_SPARSE_ACC_LM_STEPS) -> rank<r>.json lines in HVD_SPARSE_TEST_OUT
+    HVD_SPARSE_ACC_LM_STEPS; a dense warm-up of HVD_SPARSE_ACC_DENSE_STEPS steps) -> rank<r>.json
+    lines in HVD_SPARSE_TEST_OUT
     (scripts/convergence.py reads rank 0's)."""
     import json
     from pathlib import Path
@@ -418,7 +421,8 @@ def main() -> None:
         res = train(task, method, int(seed),
                     float(os.environ.get("HVD_SPARSE_ACC_DENSITY", DENSITY)),
                     int(os.environ.get("HVD_SPARSE_ACC_EPOCHS_X", "1")),
-                    sparsify=os.environ.get("HVD_SPARSE_ACC_SPARSIFY", "gradient"))
+                    sparsify=os.environ.get("HVD_SPARSE_ACC_SPARSIFY", "gradient"),
+                    dense_steps=int(os.environ.get("HVD_SPARSE_ACC_DENSE_STEPS", "0")))
         with out.open("a") as f:
             f.write(json.dumps(res) + "\n")
         if hvd.rank() == 0:
