@@ -353,7 +353,10 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
     if method in POWERSGD:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         torch_group()
-        net = nn.parallel.DistributedDataParallel(model)
+        # one bucket: the hook all-reduces from callback threads, and two buckets' callbacks
+        # may do so in different orders on different ranks (Gloo: the LM hung in its first
+        # PowerSGD step with two buckets, DDP's first one capped at 1 MiB by default)
+        net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=256)
         opt = task.make_optimizer(list(model.parameters()))
         r = POWERSGD[method]
         # From the second step on (its default waits 1,000 steps with plain allreduce).

@@ -75,7 +75,7 @@ def run_seed(seed: int, tasks: list[str], methods: list[str], np_: int, timeout:
         results = [json.loads(ln) for ln in path.read_text().splitlines()] \
             if path.exists() else []
     if proc.returncode != 0 or len(results) != len(tasks) * len(methods):
-        console.print("".join(tail))
+        console.print("".join(tail), markup=False, highlight=False)
         raise SystemExit(f"seed {seed}: the job failed (exit {proc.returncode}) after "
                          f"{len(results)} of {len(tasks) * len(methods)} runs")
     return results

@@ -3,7 +3,8 @@
 Held to a float64 reference written here from the recipe alone: plain torch Adam/AdamW on the
 ranks' averaged gradients for W steps, then, per rank, error feedback on g / d with an exact
 top-k (DGC: its momentum correction and masking), the average of what was sent, and Adam's
-momentum and step with d = sqrt(v_hat) + eps frozen. Every rank ends with the same parameters,
+momentum and step with d = sqrt(v_hat) + eps frozen; at step 2W a dense step that refreshes v
+weighted by the steps since the last. Every rank ends with the same parameters,
 the warm-up goes dense, and the optimizer's state_dict loads into plain torch and resumes the
 run exactly.
 """
@@ -25,7 +26,8 @@ from hvd_sparse.optimizer import FROZEN_FLOOR, STEPS_KEY
 LAUNCHES = [Launch(np=2, timeout=300)]
 OPTS = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)}
-WARM, STEPS, DENSITY = 3, 9, 0.1
+WARM, STEPS, DENSITY = 3, 10, 0.1
+REFRESH = (6,)  # dense steps after the warm-up below STEPS: 2W (then 4W, 8W, ...)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -81,6 +83,15 @@ def reference(opt_name: str, sparsifier: str) -> list[torch.Tensor]:
     resid = [[torch.zeros_like(p) for p in params] for _ in range(n)]
     veloc = [[torch.zeros_like(p) for p in params] for _ in range(n)]
     denoms: list[torch.Tensor] = []
+    last = WARM - 1  # the last dense step
+
+    def denominators(v_steps: int) -> list[torch.Tensor]:
+        out = []
+        for p in params:
+            d = (adam.state[p]["exp_avg_sq"] / (1 - b2 ** v_steps)).sqrt() + eps
+            out.append(d.clamp(min=FROZEN_FLOOR * float(d.mean())))
+        return out
+
     for t in range(STEPS):
         grads = []
         for r in range(n):
@@ -94,14 +105,20 @@ def reference(opt_name: str, sparsifier: str) -> list[torch.Tensor]:
             adam.step()
             continue
         if not denoms:
-            for p in params:
-                d = (adam.state[p]["exp_avg_sq"] / (1 - b2 ** WARM)).sqrt() + eps
-                denoms.append(d.clamp(min=FROZEN_FLOOR * float(d.mean())))
+            denoms = denominators(WARM)
         with torch.no_grad():
+            if t in REFRESH:  # v takes the dense average as the gradient of the steps since
+                keep = b2 ** (t - last)
+                for i, p in enumerate(params):
+                    g = sum(gr[i] for gr in grads) / n
+                    adam.state[p]["exp_avg_sq"].mul_(keep).add_((1 - keep) * g * g)
+                denoms, last = denominators(t + 1), t
             for i, p in enumerate(params):
                 d, k = denoms[i], max(1, round(DENSITY * p.numel()))
                 sent = []
-                for r in range(n):
+                if t in REFRESH:  # the dense average, in units of d, nothing sparsified
+                    sent = [g[i] / d for g in grads]
+                for r in range(n if t not in REFRESH else 0):
                     if sparsifier == "dgc":  # u = b1 u + g/d; v += u; send top-k of v
                         veloc[r][i] = b1 * veloc[r][i] + grads[r][i] / d
                         resid[r][i] += veloc[r][i]
@@ -141,10 +158,16 @@ def test_frozen_matches_float64_reference(opt_name, sparsifier):
     first = f"{tag}.0.weight"
     assert hvd_sparse.metrics()[first]["scheme"] == "dense", "the warm-up goes dense"
     v_at_freeze = opt.state[model[0].weight]["exp_avg_sq"].clone()
-    run(opt, model, range(WARM, STEPS))
+    run(opt, model, range(WARM, REFRESH[0]))
+    assert torch.equal(opt.state[model[0].weight]["exp_avg_sq"], v_at_freeze), "v moved"
+    run(opt, model, range(REFRESH[0], REFRESH[0] + 1))
+    assert hvd_sparse.metrics()[first]["scheme"] == "dense", "the refresh goes dense"
+    v_refreshed = opt.state[model[0].weight]["exp_avg_sq"].clone()
+    assert not torch.equal(v_refreshed, v_at_freeze)
+    run(opt, model, range(REFRESH[0] + 1, STEPS))
     m = hvd_sparse.metrics()[first]
     assert m["scheme"] == "allgather" and m["selected"] == round(DENSITY * 512), m
-    assert torch.equal(opt.state[model[0].weight]["exp_avg_sq"], v_at_freeze), "v moved"
+    assert torch.equal(opt.state[model[0].weight]["exp_avg_sq"], v_refreshed), "v moved"
     assert identical_on_every_rank(model, tag), "ranks differ"
     ref = reference(opt_name, sparsifier)
     for (name, p), want in zip(model.named_parameters(), ref, strict=True):
@@ -169,12 +192,12 @@ def test_frozen_state_dict_loads_into_plain_torch_and_resumes_exactly():
 
     model = net()
     opt = make("adam", model, "resumed", "topk")
-    run(opt, model, range(WARM + 2))
+    run(opt, model, range(WARM + 4))  # past the refresh at 2W
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
     ckpt = torch.load(buf)
-    assert ckpt["opt"][STEPS_KEY] == WARM + 2
+    assert ckpt["opt"][STEPS_KEY] == WARM + 4
     plain = torch.optim.Adam(net().parameters(), lr=1e-2)
     plain.load_state_dict(ckpt["opt"])  # plain torch's: the extra keys are ignored
     assert set(plain.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
@@ -183,7 +206,7 @@ def test_frozen_state_dict_loads_into_plain_torch_and_resumes_exactly():
     model.load_state_dict(ckpt["model"])
     opt = make("adam", model, "resumed", "topk")
     opt.load_state_dict(ckpt["opt"])
-    run(opt, model, range(WARM + 2, STEPS))
+    run(opt, model, range(WARM + 4, STEPS))
     for a, b in zip(model.parameters(), straight.parameters(), strict=True):
         assert torch.equal(a, b), float((a - b).abs().max())
 

@@ -1,0 +1,67 @@
+"""The convergence suite's language model (task ``lm``: a byte-level transformer on the Python
+standard library's own source, ``torch.optim.Adam``), reduced to 60 steps, 4 ranks: dense
+(Horovod's allreduce), TopK 1% on the gradient (as users write it) and TopK 1% with
+``sparsify="frozen"`` after 6 dense steps (1-bit Adam's recipe). scripts/convergence.py runs
+the full 300 steps with every method and 3 seeds; docs/notes/adam-accuracy.md has the figures.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import horovod.torch as hvd
+import pytest
+from driver import Launch
+from ranktools import start
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from _accuracy import train  # noqa: E402
+
+LAUNCHES = [Launch(np=4, timeout=900, extended=True, env={"HVD_SPARSE_ACC_LM_STEPS": "60"})]
+
+SEED = 1
+RUNS = {"dense": ("dense", "gradient", 0), "topk": ("topk", "gradient", 0),
+        "frozen": ("topk", "frozen", 6)}
+# Held-out loss a sparsified run may end above dense's, in % of dense's, at 60 steps. Measured
+# (docs/notes/adam-accuracy.md): TopK 1% +12% and frozen +10% there (at 300 steps +21-24% and
+# +16-18%: the gap Adam leaves is real). The bound catches a collapse (a model that stays at
+# the unigram loss, ~3.2 nats/byte, is +30% above dense's ~2.5 at 60 steps), not a point.
+MARGIN = 25.0
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict]]:
+    """run -> every rank's result (every rank trains every run, in the same order)."""
+    start()
+    out = {}
+    for key, (method, sparsify, dense_steps) in RUNS.items():
+        res = train("lm", method, SEED, sparsify=sparsify, dense_steps=dense_steps)
+        out[key] = hvd.allgather_object(res, name=f"lm.{key}")
+    return out
+
+
+def test_dense_learns_the_text(runs):
+    dense = runs["dense"][0]
+    assert dense["steps"] == 60 and dense["finite"], dense
+    # from ~5.5 nats/byte (uniform over 256 bytes) to under the unigram model's ~3.2
+    assert dense["score"] < 3.0 and dense["scores"][0] > dense["score"], dense["scores"]
+    assert math.log(256) > dense["scores"][0]
+
+
+@pytest.mark.parametrize("run", ["topk", "frozen"])
+def test_sparsified_lm_learns_within_the_margin_of_dense(runs, run):
+    dense, mine = runs["dense"][0], runs[run][0]
+    assert mine["finite"] and mine["scores"][0] > mine["score"], mine["scores"]
+    gap = 100 * (mine["score"] / dense["score"] - 1)
+    assert gap <= MARGIN, f"{run}: {mine['scores']} vs dense {dense['scores']} (+{gap:.1f}%)"
+    # every rank holds the same model
+    assert len({r["checksum"] for r in runs[run]}) == 1, [r["checksum"] for r in runs[run]]
+
+
+@pytest.mark.parametrize("run", ["topk", "frozen"])
+def test_sparsified_lm_sends_a_fraction_of_dense_bytes(runs, run):
+    # TopK 1% sends ~12% of dense's bytes at 4 ranks (small tensors whole, the allgather of 4
+    # ranks' picks); frozen adds its 6 dense steps of 60 (10%): under a third either way
+    dense, mine = runs["dense"][0], runs[run][0]
+    assert mine["bytes_per_step"] < dense["bytes_per_step"] / 3, (mine, dense)
