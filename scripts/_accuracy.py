@@ -22,7 +22,7 @@ correction), ``exdyna4`` (ExDyna at 1% per rank, as TopK and DGC: a 4% union at 
 PowerSGD ranks 1, 2, 4 (``powersgd1`` ...)
 under PyTorch DDP with its built-in hook, on a Gloo group made beside Horovod in the same
 processes, so every method sees the same ranks, data and initial model. On request
-(``EXTRA``): ``topkw``, TopK with DGC's density warm-up.
+(``EXTRA``): ``topkw``, TopK with DGC's density warm-up; ``dgc0``, DGC without it.
 
 Bytes per step are what one rank puts on the wire: hvd_sparse's own count (ring collectives
 modelled) for its methods, the ring allreduce model for PowerSGD (its P and Q, and the tensors
@@ -48,12 +48,13 @@ import hvd_sparse
 from hvd_sparse.tools.workload import CTRModel, make_shard, vocab_sizes
 
 DENSITY = 0.01
-SPARSIFIED = ("topk", "dgc", "exdyna", "exdyna4", "topkw")
+SPARSIFIED = ("topk", "dgc", "exdyna", "exdyna4", "topkw", "dgc0")
 POWERSGD = {"powersgd1": 1, "powersgd2": 2, "powersgd4": 4}
-METHODS = ("dense", *SPARSIFIED[:-1], *POWERSGD)  # the suite's default
+METHODS = ("dense", *SPARSIFIED[:-2], *POWERSGD)  # the suite's default
 # on request only: "topkw" is TopK with DGC's density warm-up (25% down to the density over
-# the first two epochs; its bytes counted), a check of what warm-up buys with Adam
-EXTRA = ("topkw",)
+# the first two epochs; its bytes counted), a check of what warm-up buys with Adam; "dgc0" is
+# DGC without it (momentum correction alone)
+EXTRA = ("topkw", "dgc0")
 Batches = Callable[[int], Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]]
 
 
@@ -277,7 +278,7 @@ TASKS: dict[str, Callable[[int, int, int], Task]] = {"mlp": mlp, "digits": digit
 def sparsifier(method: str, warmup: int, density: float) -> hvd_sparse.Sparsifier | None:
     return {"dense": None, "topk": hvd_sparse.TopK(density),
             "topkw": hvd_sparse.TopK(density, warmup=warmup),
-            "dgc": hvd_sparse.DGC(density, warmup=warmup),
+            "dgc": hvd_sparse.DGC(density, warmup=warmup), "dgc0": hvd_sparse.DGC(density),
             # density is per rank: "exdyna" is the paper's setting (the union at density),
             # "exdyna4" sends per rank what TopK and DGC do (a union of density x ranks)
             "exdyna": hvd_sparse.ExDyna(density / hvd.size()),

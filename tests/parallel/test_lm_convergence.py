@@ -1,7 +1,7 @@
 """The convergence suite's language model (task ``lm``: a byte-level transformer on the Python
 standard library's own source, ``torch.optim.Adam``), reduced to 60 steps, 4 ranks: dense
-(Horovod's allreduce), TopK 1% on the gradient (as users write it) and TopK 1% with
-``sparsify="frozen"`` after 6 dense steps (1-bit Adam's recipe). scripts/convergence.py runs
+(Horovod's allreduce), TopK 1% on the gradient (as users write it) and DGC 1% with
+``sparsify="frozen"`` after 6 dense steps (1-bit Adam's recipe, DGC's momentum correction). scripts/convergence.py runs
 the full 300 steps with every method and 3 seeds; docs/notes/adam-accuracy.md has the figures.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ LAUNCHES = [Launch(np=4, timeout=900, extended=True, env={"HVD_SPARSE_ACC_LM_STE
 
 SEED = 1
 RUNS = {"dense": ("dense", "gradient", 0), "topk": ("topk", "gradient", 0),
-        "frozen": ("topk", "frozen", 6)}
+        "frozen": ("dgc", "frozen", 6)}
 # Held-out loss a sparsified run may end above dense's, in % of dense's, at 60 steps. Measured
 # (docs/notes/adam-accuracy.md): TopK 1% +12% and frozen +10% there (at 300 steps +21-24% and
 # +16-18%: the gap Adam leaves is real). The bound catches a collapse (a model that stays at
