@@ -25,10 +25,11 @@ SEED = 1
 RUNS = {"dense": ("dense", "gradient", 0), "topk": ("topk", "gradient", 0),
         "frozen": ("dgc", "frozen", 6)}
 # Held-out loss a sparsified run may end above dense's, in % of dense's, at 60 steps. Measured
-# (docs/notes/adam-accuracy.md): TopK 1% +12% and frozen +10% there (at 300 steps +21-24% and
-# +16-18%: the gap Adam leaves is real). The bound catches a collapse (a model that stays at
-# the unigram loss, ~3.2 nats/byte, is +30% above dense's ~2.5 at 60 steps), not a point.
-MARGIN = 25.0
+# (seed 1, docs/notes/adam-accuracy.md): dense 2.479, TopK 1% 2.988 (+20.5%), DGC 1% frozen
+# 2.670 (+7.7%); at 300 steps +22-24% and +9-10% over 3 seeds: Adam's gap is real, and this
+# test does not hide it. The bound catches a collapse or a broken reduction (a run that stops
+# learning stays near its first evaluation's 3.1-3.9 nats/byte), not a point.
+MARGIN = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def runs() -> dict[str, list[dict]]:
 def test_dense_learns_the_text(runs):
     dense = runs["dense"][0]
     assert dense["steps"] == 60 and dense["finite"], dense
-    # from ~5.5 nats/byte (uniform over 256 bytes) to under the unigram model's ~3.2
+    # from ln 256 = 5.5 nats/byte (uniform bytes) to 2.48 measured
     assert dense["score"] < 3.0 and dense["scores"][0] > dense["score"], dense["scores"]
     assert math.log(256) > dense["scores"][0]
 
@@ -53,7 +54,9 @@ def test_dense_learns_the_text(runs):
 @pytest.mark.parametrize("run", ["topk", "frozen"])
 def test_sparsified_lm_learns_within_the_margin_of_dense(runs, run):
     dense, mine = runs["dense"][0], runs[run][0]
-    assert mine["finite"] and mine["scores"][0] > mine["score"], mine["scores"]
+    # learning all along: 0.3 nats/byte or more below its first evaluation (step 10; measured
+    # 0.86 for TopK, 0.49 for DGC frozen, whose dense first steps start it lower)
+    assert mine["finite"] and mine["scores"][0] - mine["score"] > 0.3, mine["scores"]
     gap = 100 * (mine["score"] / dense["score"] - 1)
     assert gap <= MARGIN, f"{run}: {mine['scores']} vs dense {dense['scores']} (+{gap:.1f}%)"
     # every rank holds the same model
