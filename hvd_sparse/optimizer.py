@@ -22,10 +22,17 @@ from .engine import Handle
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
 from .reduction import densified
-from .sparsifiers import DGC, Sparsifier
+from .sparsifiers import DGC, MomentumMemory, Sparsifier
 
 SPARSIFIER_KEY = "hvd_sparse.sparsifier"  # the sparsifier's state in the state_dict
-SPARSIFY = ("gradient", "update")  # what a sparsifier sparsifies (docs/notes/adam-accuracy.md)
+# what a sparsifier sparsifies (docs/notes/adam-accuracy.md)
+SPARSIFY = ("gradient", "update", "frozen")
+STEPS_KEY = "hvd_sparse.steps"  # steps taken, in the state_dict: when the dense warm-up ends
+# "frozen": each frozen denominator sqrt(v) + eps is at least this times its tensor's mean, so a
+# coordinate with a tiny v at the freeze (an embedding row the warm-up hardly saw) does not
+# step by g / eps later (docs/notes/adam-accuracy.md: 1e-3 let the byte embedding move 52x as
+# far as under dense Adam)
+FROZEN_FLOOR = 0.1
 
 
 class _SparseDistributedOptimizer(torch.optim.Optimizer):
@@ -33,7 +40,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                  scheme: str | None, block_size: int | None, op: Any,
                  gradient_predivide_factor: float, backward_passes_per_step: int,
                  sparsifier: Sparsifier | None, process_set: hvd.ProcessSet,
-                 sparse_as_dense: bool, sparsify: str = "gradient") -> None:
+                 sparse_as_dense: bool, sparsify: str = "gradient",
+                 dense_steps: int = 0) -> None:
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._names = _names(named_parameters, all_params)
@@ -44,8 +52,18 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         # "update": each rank steps its optimizer on its own gradients and the ranks average
         # what it applied, sparsified with error feedback (``_step_update``)
         self._sparsify_update = sparsifier is not None and sparsify == "update"
+        # "frozen": after ``dense_steps`` dense Adam steps, Adam's second moment stops and the
+        # preconditioned gradient is sparsified (``_step_frozen``)
+        self._frozen = sparsifier is not None and sparsify == "frozen"
+        self._dense_steps = dense_steps
+        self._steps_taken = 0  # steps of this wrapper: the first dense_steps reduce dense
+        self._denoms: dict[torch.Tensor, torch.Tensor] = {}  # "frozen": sqrt(v_hat) + eps
         if isinstance(sparsifier, DGC):
             sparsifier.take_momentum(self.param_groups)
+            if self._frozen and isinstance(sparsifier.memory, MomentumMemory):
+                # its momentum correction is Adam's first moment, before selection
+                sparsifier.momentum = sparsifier.memory.momentum = \
+                    self.param_groups[0]["betas"][0]
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
         self._passes_per_step = backward_passes_per_step
@@ -61,9 +79,29 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
+    def _warming(self) -> bool:
+        """Whether this step reduces dense, without the sparsifier: one of the first
+        ``dense_steps`` or, with "frozen", a refresh of Adam's second moment."""
+        return self._dense_step(self._steps_taken)
+
+    def _dense_step(self, t: int) -> bool:
+        """Whether step ``t`` (from 0) is dense: t < W = ``dense_steps``, and with "frozen"
+        also t = 2W, 4W, 8W, ... (0/1 Adam's idea: v refreshed at intervals that double)."""
+        w = self._dense_steps
+        if t < w:
+            return True
+        return self._frozen and t >= 2 * w and t % w == 0 and ((t // w) & (t // w - 1)) == 0
+
+    def _last_dense(self, t: int) -> int:
+        """The last dense step at or before step ``t`` (from 0), for t >= W - 1."""
+        w = self._dense_steps
+        if t < 2 * w:
+            return min(t, w - 1)
+        return w * (1 << ((t // w).bit_length() - 1))
+
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self._sparsify_update:  # nothing leaves before the step: the update is reduced
-            return
+        if self._sparsify_update and not self._warming():
+            return  # nothing leaves before the step: the update is reduced
         if p in self._handles:
             raise HvdSparseError(
                 f"hvd_sparse: gradient of {self._names[id(p)]!r} computed more times than "
@@ -81,14 +119,26 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._sparse.add(p)
         pre, post = ((1.0 / self._predivide, self._predivide) if self._op == hvd.Average
                      else (1.0, 1.0))
+        if self._frozen and p.grad.is_sparse:
+            raise HvdSparseError(f"hvd_sparse: sparsify='frozen' takes dense gradients; "
+                                 f"{self._names[id(p)]!r} had a sparse one (use "
+                                 "sparsify='gradient')")
         grad = p.grad
         if self._sparse_as_dense and grad.is_sparse:
             grad = densified(grad)  # reduced by blocks, handed back sparse (as Horovod does)
+        scheme, sparsifier = self._scheme, self._sparsifier
+        if self._sparsifier is not None and self._warming():
+            scheme, sparsifier = "dense", None  # the warm-up: every byte, counted as usual
+        elif self._frozen:
+            # error feedback on what Adam would step by, in units of its frozen scaling
+            grad.div_(self._denominator(p))
+            pre, post = 1.0, 1.0  # Average: the mean of the preconditioned gradients
         start = allreduce_async_ if grad is p.grad and not grad.is_sparse else allreduce_async
-        self._handles[p] = start(grad, name=self._names[id(p)], op=self._op,
-                                 scheme=self._scheme, prescale_factor=pre,
+        self._handles[p] = start(grad, name=self._names[id(p)],
+                                 op=hvd.Average if self._frozen else self._op,
+                                 scheme=scheme, prescale_factor=pre,
                                  postscale_factor=post, block_size=self._block_size,
-                                 process_set=self.process_set, sparsifier=self._sparsifier)
+                                 process_set=self.process_set, sparsifier=sparsifier)
 
     def synchronize(self) -> None:
         """Waits for every gradient's reduction and writes the results into ``p.grad``.
@@ -96,7 +146,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         A failure (``HvdSparseInternalError``, which ``hvd.elastic.run`` recovers from)
         leaves nothing in flight here: the step's other reductions are forgotten (the engine
         abandons them when hvd_sparse joins the ranks again), so the step can run anew."""
-        if not self.process_set.included() or self._sparsify_update:
+        if not self.process_set.included() or (self._sparsify_update and not self._warming()):
             # sparsify="update": gradients stay this rank's own; step() reduces the update
             self._synchronized = True
             return
@@ -135,9 +185,98 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                               stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        if self._sparsify_update and self.process_set.included():
-            return self._step_update(closure)
-        return super(self.__class__, self).step(closure)
+        included = self.process_set.included()
+        try:
+            if self._sparsify_update and included and not self._warming():
+                return self._step_update(closure)
+            if self._frozen and included and self._steps_taken >= self._dense_steps:
+                return self._step_frozen(closure, refresh=self._warming())
+            return super(self.__class__, self).step(closure)
+        finally:
+            self._steps_taken += 1
+
+    def _denominator(self, p: torch.Tensor, upto: int | None = None) -> torch.Tensor:
+        """sparsify="frozen": Adam's denominator sqrt(v_hat) + eps of ``p`` as its state holds
+        it since the last dense step (v bias-corrected for that step's count), at least
+        ``FROZEN_FLOOR`` times its mean. The same on every rank: v was built from gradients
+        averaged over the ranks. Kept until the next dense step; computed from the
+        optimizer's state (so a loaded state_dict gives it back). ``upto``: the step whose
+        v it is (default: the last one taken)."""
+        d = self._denoms.get(p)
+        if d is None:
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            v = self.state[p].get("exp_avg_sq")
+            if v is None:
+                raise HvdSparseError(f"hvd_sparse: sparsify='frozen': {self._names[id(p)]!r} "
+                                     "has no second moment after the dense warm-up (no "
+                                     "gradient in its first dense_steps steps?)")
+            b2 = group["betas"][1]
+            upto = self._steps_taken - 1 if upto is None else upto
+            last = self._last_dense(upto) + 1  # the steps v has weighed: 1, 2, ...
+            d = (v / (1 - b2 ** last)).sqrt_().add_(group["eps"])
+            d = self._denoms[p] = d.clamp_(min=FROZEN_FLOOR * float(d.mean()))
+        return d
+
+    def _step_frozen(self, closure: Any, refresh: bool) -> Any:
+        """sparsify="frozen" after the warm-up: 1-bit Adam's recipe (Tang et al., 2021) with
+        this sparsifier in place of its 1-bit compression. Each gradient was divided by Adam's
+        frozen denominator d and reduced with error feedback on that (``_submit``): the
+        sparsifier's memory holds preconditioned residuals, so a coordinate's delayed spike
+        is not squared into a second moment, and TopK selects the coordinates Adam would
+        move most. Here, on every rank alike: the gradient g = mean(g / d) * d (left in
+        ``p.grad``), weight decay as the optimizer does it, Adam's first moment and step count
+        updated in its state, and p -= lr / (1 - b1^t) * m / d. The second moment stays as
+        the last dense step left it.
+
+        ``refresh``: a dense step after the warm-up (steps 2W, 4W, ...; the gradients were
+        averaged whole). Frozen since the last dense step k steps ago, v takes this gradient
+        as the one of those k steps: v = b2^k v + (1 - b2^k) g^2, so v weighs the run's
+        stretches as dense Adam's does (a v frozen at 15 of 300 steps held the start's
+        gradients only: unsparsified, it trailed dense Adam by 7%, docs/notes/adam-accuracy.md);
+        d is then recomputed, and the step goes on as above."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        momentum_corrected = isinstance(getattr(self._sparsifier, "memory", None),
+                                        MomentumMemory)
+        t = self._steps_taken
+        if refresh:
+            since = t - self._last_dense(t - 1)
+            self._denoms.clear()  # from the refreshed v, below (its last dense step: t)
+        with torch.no_grad():
+            for group in self.param_groups:
+                b1 = group["betas"][0]
+                lr, wd = float(group["lr"]), group["weight_decay"]
+                decoupled = group.get("decoupled_weight_decay",
+                                      isinstance(self, torch.optim.AdamW))
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    st = self.state[p]
+                    if refresh:  # p.grad: the dense average
+                        keep = group["betas"][1] ** since
+                        st["exp_avg_sq"].mul_(keep).addcmul_(p.grad, p.grad, value=1 - keep)
+                        p.grad.div_(self._denominator(p, upto=t))  # as a sparse step's
+                    d = self._denominator(p)
+                    if wd and decoupled:
+                        p.mul_(1 - lr * wd)
+                    st["step"] += 1
+                    if momentum_corrected:
+                        # DGC's memory did Adam's momentum before selection (sum u = b1 u +
+                        # g / d): the mean of what was sent, scaled as Adam's m is, is the step
+                        # (a refresh's dense g / d steps the same way, without momentum)
+                        p.sub_(p.grad, alpha=lr * (1 - b1))
+                        if wd and not decoupled:  # L2 on the parameters, the same on all
+                            p.addcdiv_(p, d, value=-lr * wd)
+                        p.grad.mul_(d)
+                        continue
+                    g = p.grad.mul_(d)
+                    if wd and not decoupled:
+                        g = g.add(p, alpha=wd)
+                    st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
+                    p.addcdiv_(st["exp_avg"], d, value=-lr / (1 - b1 ** float(st["step"])))
+        return loss
 
     def _step_update(self, closure: Any) -> Any:
         """sparsify="update": the wrapped optimizer steps on this rank's own gradients; what it
@@ -182,10 +321,14 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state and, with a sparsifier, its state (this rank's
-        error-feedback residuals: every rank saves and loads its own)."""
+        error-feedback residuals: every rank saves and loads its own); with ``dense_steps``,
+        the steps taken (``STEPS_KEY``: when the warm-up ends). Plain torch's optimizer loads
+        it: the extra keys are ignored."""
         d = super(self.__class__, self).state_dict()
         if self._sparsifier is not None:
             d[SPARSIFIER_KEY] = self._sparsifier.state_dict()
+        if self._dense_steps:
+            d[STEPS_KEY] = self._steps_taken
         return d
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -195,7 +338,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized, self._should_synchronize = False, True
         state_dict = dict(state_dict)
         sparsifier = state_dict.pop(SPARSIFIER_KEY, None)
+        self._steps_taken = int(state_dict.pop(STEPS_KEY, self._steps_taken))
         super(self.__class__, self).load_state_dict(state_dict)
+        self._denoms.clear()  # from the loaded second moments at the next use
         if sparsifier is not None and self._sparsifier is not None:
             self._sparsifier.load_state_dict(sparsifier)
 
@@ -241,6 +386,7 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     *,
     sparse_as_dense: bool = False,
     sparsify: str = "gradient",
+    dense_steps: int = 0,
     compression: Any = None,
     num_groups: int = 0,
     groups: Any = None,
@@ -279,7 +425,22 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
             per-coordinate scaling shrinks the delayed spikes of gradient error feedback;
             measured so far it closes little of that gap (docs/notes/adam-accuracy.md).
             "update" reduces every parameter in ``step()``, with ``op`` Average whatever
-            ``op`` is, and takes dense gradients only.
+            ``op`` is, and takes dense gradients only. "frozen" (``torch.optim.Adam`` or
+            ``AdamW`` only; needs ``dense_steps`` = W): 1-bit Adam's recipe with this
+            sparsifier. The first W steps are Adam on dense-averaged gradients; then Adam's
+            second moment v stays as it is (the same on every rank), each rank divides its
+            gradient by sqrt(v) + eps (at least 0.1x its tensor's mean, ``FROZEN_FLOOR``)
+            and sparsifies that with error feedback, and every rank applies Adam's momentum
+            and step to the average, so all end with the same parameters. Steps 2W, 4W,
+            8W, ... go dense again and refresh v (0/1 Adam's idea). With ``DGC``, its
+            momentum correction (at Adam's beta1) replaces Adam's first moment. Dense
+            gradients only; the reduction averages whatever ``op`` is. Measured on a
+            transformer LM it narrows the gap to dense Adam but does not close it
+            (docs/notes/adam-accuracy.md).
+        dense_steps: the first this many steps reduce every gradient dense, without the
+            sparsifier (a warm-up; its bytes show in ``metrics()`` as any reduction's; with
+            "frozen" the refreshes too); the steps taken are saved in the state_dict.
+            Default 0; "frozen" needs at least 1.
         compression: not supported (hvd_sparse compresses itself: ``scheme``, ``sparsifier``);
             only ``None`` or ``hvd.Compression.none``.
         num_groups: not supported (each gradient goes as soon as it is ready); only 0.
@@ -324,6 +485,15 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
         raise ValueError(f"sparsifier must be an hvd_sparse Sparsifier, got {sparsifier!r}")
     if sparsify not in SPARSIFY:
         raise ValueError(f"sparsify must be one of {SPARSIFY}, got {sparsify!r}")
+    if not isinstance(dense_steps, int) or dense_steps < 0:
+        raise ValueError(f"dense_steps must be an int >= 0, got {dense_steps!r}")
+    if sparsify == "frozen" and sparsifier is not None:  # without one: plain steps
+        _check_frozen(optimizer, dense_steps)
+    if dense_steps and isinstance(sparsifier, DGC) and sparsify == "gradient" and any(
+            g.get("momentum") for g in optimizer.param_groups):
+        raise ValueError("dense_steps with DGC and an optimizer with momentum: DGC takes the "
+                         "optimizer's momentum, so the dense steps would have none (use "
+                         "DGC(warmup=...) for a warm-up)")
     namespace = dict(_SparseDistributedOptimizer.__dict__)
     # hvd.broadcast_optimizer_state creates missing state with step() on the ranks that lack it
     # only, and skips the gradient reduction for classes from Horovod's optimizer module. Ours
@@ -332,4 +502,24 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, scheme, block_size, op,
                gradient_predivide_factor, backward_passes_per_step, sparsifier, process_set,
-               sparse_as_dense, sparsify)
+               sparse_as_dense, sparsify, dense_steps)
+
+
+def _check_frozen(optimizer: torch.optim.Optimizer, dense_steps: int) -> None:
+    """What sparsify="frozen" needs: Adam or AdamW as ``_step_frozen`` steps it, a warm-up.
+
+    Raises:
+        ValueError: another optimizer, an option it does not follow, or no warm-up.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise ValueError(f"sparsify='frozen' freezes Adam's second moment: it takes "
+                         f"torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+    if dense_steps < 1:
+        raise ValueError("sparsify='frozen' needs dense_steps >= 1: the second moment it "
+                         "freezes comes from those dense Adam steps")
+    for g in optimizer.param_groups:
+        bad = [k for k in ("amsgrad", "maximize", "capturable", "differentiable")
+               if g.get(k)]
+        if bad:
+            raise ValueError(f"sparsify='frozen' steps Adam itself and does not follow "
+                             f"{', '.join(bad)}=True")

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_seed(seed: int, tasks: list[str], methods: list[str], np_: int, timeout: float,
              density: float, epochs_x: int, lm_steps: int = LM_STEPS,
-             sparsify: str = "gradient") -> list[dict]:
+             sparsify: str = "gradient", dense_steps: int = 0) -> list[dict]:
     """One Horovod job: rank 0's results, one dict per (task, method)."""
     runs = ",".join(f"{t}:{m}:{seed}" for t in tasks for m in methods)
     bindir = Path(sys.executable).parent
@@ -53,6 +53,7 @@ def run_seed(seed: int, tasks: list[str], methods: list[str], np_: int, timeout:
                "HVD_SPARSE_ACC_RUNS": runs, "HVD_SPARSE_ACC_DENSITY": str(density),
                "HVD_SPARSE_ACC_EPOCHS_X": str(epochs_x),
                "HVD_SPARSE_ACC_LM_STEPS": str(lm_steps), "HVD_SPARSE_ACC_SPARSIFY": sparsify,
+               "HVD_SPARSE_ACC_DENSE_STEPS": str(dense_steps),
                "PYTHONWARNINGS": "ignore"}
         cmd = [str(bindir / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
                sys.executable, "-m", "hvd_sparse.tools.lab.accuracy"]
@@ -73,7 +74,7 @@ def run_seed(seed: int, tasks: list[str], methods: list[str], np_: int, timeout:
         results = [json.loads(ln) for ln in path.read_text().splitlines()] \
             if path.exists() else []
     if proc.returncode != 0 or len(results) != len(tasks) * len(methods):
-        console.print("".join(tail))
+        console.print("".join(tail), markup=False, highlight=False)
         raise SystemExit(f"seed {seed}: the job failed (exit {proc.returncode}) after "
                          f"{len(results)} of {len(tasks) * len(methods)} runs")
     return results
@@ -138,8 +139,11 @@ def main() -> int:
                     help="train every task this many times its epochs (same warm-up)")
     ap.add_argument("--lm-steps", type=int, default=LM_STEPS,
                     help="the language model's steps (fewer for a quick, reduced run)")
-    ap.add_argument("--sparsify", default="gradient", choices=("gradient", "update"),
+    ap.add_argument("--sparsify", default="gradient", choices=("gradient", "update", "frozen"),
                     help="what the sparsifiers sparsify (DistributedOptimizer's sparsify=)")
+    ap.add_argument("--dense-steps", type=int, default=0,
+                    help="sparsified methods: this many dense steps first (DistributedOptimizer's "
+                         "dense_steps=; their bytes counted); frozen needs >= 1")
     ap.add_argument("--np", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per seed's job")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
@@ -157,7 +161,7 @@ def main() -> int:
         console.print(f"[bold]seed {seed}[/]: {len(tasks)} tasks x {len(methods)} methods, "
                       f"{args.np} ranks")
         results += run_seed(seed, tasks, methods, args.np, args.timeout, args.density,
-                            args.epochs_x, args.lm_steps, args.sparsify)
+                            args.epochs_x, args.lm_steps, args.sparsify, args.dense_steps)
     rows = summarize(results, tasks, methods)
     print_table(rows, f"convergence, {args.np} ranks, seeds {args.seeds}, sparsifiers at "
                 f"{args.density:.2%}",
@@ -169,7 +173,8 @@ def main() -> int:
     stem = "convergence" + ("" if args.density == DENSITY else f"-{args.density:g}") \
         + ("" if args.epochs_x == 1 else f"-x{args.epochs_x}") \
         + ("" if args.lm_steps == LM_STEPS or "lm" not in tasks else f"-lm{args.lm_steps}") \
-        + ("" if args.sparsify == "gradient" else f"-{args.sparsify}")
+        + ("" if args.sparsify == "gradient" else f"-{args.sparsify}") \
+        + ("" if not args.dense_steps else f"-d{args.dense_steps}")
     out = write_json(args.out_dir / f"{stem}.json", rows, args=vars(args), runs=results)
     plot(results, tasks, methods, args.out_dir / f"{stem}.png")
     console.print(f"wrote {out} and {stem}.png")

@@ -22,7 +22,7 @@ correction), ``exdyna4`` (ExDyna at 1% per rank, as TopK and DGC: a 4% union at 
 PowerSGD ranks 1, 2, 4 (``powersgd1`` ...)
 under PyTorch DDP with its built-in hook, on a Gloo group made beside Horovod in the same
 processes, so every method sees the same ranks, data and initial model. On request
-(``EXTRA``): ``topkw``, TopK with DGC's density warm-up.
+(``EXTRA``): ``topkw``, TopK with DGC's density warm-up; ``dgc0``, DGC without it.
 
 Bytes per step are what one rank puts on the wire: hvd_sparse's own count (ring collectives
 modelled) for its methods, the ring allreduce model for PowerSGD (its P and Q, and the tensors
@@ -48,12 +48,13 @@ import hvd_sparse
 from hvd_sparse.tools.workload import CTRModel, make_shard, vocab_sizes
 
 DENSITY = 0.01
-SPARSIFIED = ("topk", "dgc", "exdyna", "exdyna4", "topkw")
+SPARSIFIED = ("topk", "dgc", "exdyna", "exdyna4", "topkw", "dgc0")
 POWERSGD = {"powersgd1": 1, "powersgd2": 2, "powersgd4": 4}
-METHODS = ("dense", *SPARSIFIED[:-1], *POWERSGD)  # the suite's default
+METHODS = ("dense", *SPARSIFIED[:-2], *POWERSGD)  # the suite's default
 # on request only: "topkw" is TopK with DGC's density warm-up (25% down to the density over
-# the first two epochs; its bytes counted), a check of what warm-up buys with Adam
-EXTRA = ("topkw",)
+# the first two epochs; its bytes counted), a check of what warm-up buys with Adam; "dgc0" is
+# DGC without it (momentum correction alone)
+EXTRA = ("topkw", "dgc0")
 Batches = Callable[[int], Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]]
 
 
@@ -277,7 +278,7 @@ TASKS: dict[str, Callable[[int, int, int], Task]] = {"mlp": mlp, "digits": digit
 def sparsifier(method: str, warmup: int, density: float) -> hvd_sparse.Sparsifier | None:
     return {"dense": None, "topk": hvd_sparse.TopK(density),
             "topkw": hvd_sparse.TopK(density, warmup=warmup),
-            "dgc": hvd_sparse.DGC(density, warmup=warmup),
+            "dgc": hvd_sparse.DGC(density, warmup=warmup), "dgc0": hvd_sparse.DGC(density),
             # density is per rank: "exdyna" is the paper's setting (the union at density),
             # "exdyna4" sends per rank what TopK and DGC do (a union of density x ranks)
             "exdyna": hvd_sparse.ExDyna(density / hvd.size()),
@@ -325,11 +326,12 @@ def _equal(a: object, b: object) -> bool:
 
 def train(task_name: str, method: str, seed: int, density: float = DENSITY,
           epochs_x: int = 1, resume_at: int | None = None,
-          sparsify: str = "gradient") -> dict[str, object]:
+          sparsify: str = "gradient", dense_steps: int = 0) -> dict[str, object]:
     """Trains ``task_name`` with ``method`` (sparsifiers at ``density``) for ``epochs_x`` times
     its epochs; returns scores per epoch and bytes per step. ``sparsify``: what the
-    sparsifiers sparsify (``hvd_sparse.DistributedOptimizer``'s argument: "gradient" or
-    "update"). ``resume_at``: after that many
+    sparsifiers sparsify (``hvd_sparse.DistributedOptimizer``'s argument: "gradient",
+    "update" or "frozen"); ``dense_steps``: its dense warm-up (sparsified methods only; the
+    bytes counted). ``resume_at``: after that many
     epochs, checkpoint model and optimizer (the sparsifier's residuals and momentum with it)
     through torch.save/torch.load and go on with a new model, optimizer and sparsifier loaded
     from it, as a restarted job would."""
@@ -345,13 +347,17 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
             task.make_optimizer(list(model.parameters())),
             named_parameters=list(zip(names, model.parameters(), strict=True)), sparsifier=sp,
             scheme="dense" if sp is None else "allgather",
-            block_size=None if sp is None else 4, sparsify=sparsify)
+            block_size=None if sp is None else 4, sparsify=sparsify,
+            dense_steps=0 if sp is None else dense_steps)
 
     ddp_bytes, restored = None, None
     if method in POWERSGD:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         torch_group()
-        net = nn.parallel.DistributedDataParallel(model)
+        # one bucket: the hook all-reduces from callback threads, and two buckets' callbacks
+        # may do so in different orders on different ranks (Gloo: the LM hung in its first
+        # PowerSGD step with two buckets, DDP's first one capped at 1 MiB by default)
+        net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=256)
         opt = task.make_optimizer(list(model.parameters()))
         r = POWERSGD[method]
         # From the second step on (its default waits 1,000 steps with plain allreduce).
@@ -391,7 +397,7 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
     total = steps * task.epochs
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"task": task_name, "method": method, "seed": seed, "density": density,
-            "sparsify": sparsify,
+            "sparsify": sparsify, "dense_steps": dense_steps if method in SPARSIFIED else 0,
             "metric": task.metric, "resumed_at": resume_at, "restored": restored,
             "scores": scores, "score": scores[-1], "steps": total,
             "bytes_per_step": ddp_bytes if ddp_bytes is not None else sent / total,
@@ -405,8 +411,8 @@ def main() -> None:
     """Under horovodrun: HVD_SPARSE_ACC_RUNS="task:method:seed,..." (sparsifiers at
     HVD_SPARSE_ACC_DENSITY, default 1%, on what HVD_SPARSE_ACC_SPARSIFY says, default "gradient";
     HVD_SPARSE_ACC_EPOCHS_X times each task's epochs, default 1; the language model's steps
-    HVD_SPARSE_ACC_LM_STEPS) -> rank<r>.json lines in HVD_SPARSE_TEST_OUT
-    (scripts/checks/convergence.py reads rank 0's)."""
+    HVD_SPARSE_ACC_LM_STEPS; a dense warm-up of HVD_SPARSE_ACC_DENSE_STEPS steps) -> rank<r>.json
+    lines in HVD_SPARSE_TEST_OUT (scripts/checks/convergence.py reads rank 0's)."""
     import json
     from pathlib import Path
     torch.set_num_threads(1)
@@ -418,7 +424,8 @@ def main() -> None:
         res = train(task, method, int(seed),
                     float(os.environ.get("HVD_SPARSE_ACC_DENSITY", DENSITY)),
                     int(os.environ.get("HVD_SPARSE_ACC_EPOCHS_X", "1")),
-                    sparsify=os.environ.get("HVD_SPARSE_ACC_SPARSIFY", "gradient"))
+                    sparsify=os.environ.get("HVD_SPARSE_ACC_SPARSIFY", "gradient"),
+                    dense_steps=int(os.environ.get("HVD_SPARSE_ACC_DENSE_STEPS", "0")))
         with out.open("a") as f:
             f.write(json.dumps(res) + "\n")
         if hvd.rank() == 0:
