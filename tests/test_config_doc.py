@@ -56,7 +56,9 @@ def test_every_option_has_its_row_with_the_codes_default() -> None:
 
 def test_every_variable_the_package_reads_is_on_the_page() -> None:
     read = set()
+    lab = ROOT / "hvd_sparse" / "tools" / "lab"  # the scripts' helpers: their own variables
     for path in [*(ROOT / "hvd_sparse").rglob("*.py"), ROOT / "setup.py"]:
-        read |= set(re.findall(r"HVD_SPARSE_[A-Z0-9_]+", path.read_text()))
+        if lab not in path.parents:
+            read |= set(re.findall(r"HVD_SPARSE_[A-Z0-9_]+", path.read_text()))
     missing = sorted(v for v in read - NOT_VARIABLES if f"`{v}`" not in PAGE)
     assert not missing, missing
