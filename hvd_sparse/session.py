@@ -180,6 +180,7 @@ class Session:
         (an aggregator rescheduled under its name), else the same, so that the aggregator,
         which pins a worker's address per epoch, answers it."""
         probe, ip, _ = self._probes.pop(addr, (None, "", 0.0))
+        sent = time.monotonic()  # before the REGISTER: on loopback its REGACK beats any later read
         try:
             now_ip = socket.getaddrinfo(addr[0], addr[1], socket.AF_INET,
                                         socket.SOCK_DGRAM)[0][4][0]
@@ -196,7 +197,7 @@ class Session:
             pass
         except (OSError, RuntimeError) as e:  # a name that does not resolve (yet), a refusal
             log.debug("hvd_sparse: probing aggregator %s:%d: %s", *addr, e)
-        self._probes[addr] = (probe, ip, time.monotonic())
+        self._probes[addr] = (probe, ip, sent)
 
     def _record(self, member: Membership) -> None:
         """Tells the caller's record of memberships (``start``) that ``member``'s epoch was
@@ -399,9 +400,9 @@ def start(cfg: Config, comm: Collectives, memberships: dict[str, Membership] | N
     memberships of the job, by what they joined ("omni" here), read and updated in place as
     soon as the ranks agree on the new one (even if the join fails after, a retry then takes a
     later epoch); None or empty: a fresh process. Returns None when aggregation is off."""
-    addrs = cfg.aggregator_list()
-    if not addrs and cfg.local_aggregators == 0:
+    if not cfg.aggregates():
         return None
+    addrs = cfg.aggregator_list()
     member = _agree(comm, memberships, "omni")
     token = member.token
     local, placement = None, "remote"
