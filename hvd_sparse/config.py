@@ -172,6 +172,14 @@ class Config:
                              f"(HVD_SPARSE_PORTS), got {self.ports!r}")
         return lo, hi
 
+    def aggregates(self) -> bool:
+        """Whether the job joins aggregators: configured ones, or its own.
+
+        Returns:
+            False only with no ``aggregators`` and ``local_aggregators`` 0.
+        """
+        return bool(self.aggregator_list()) or self.local_aggregators != 0
+
     def aggregator_list(self) -> list[tuple[str, int]]:
         """``aggregators`` parsed.
 

@@ -161,7 +161,7 @@ class State:
         # two streams' threads would see it at different buckets on different ranks.
         count = self.stream_count
         if (cfg.fallback == "dense" and cfg.scheme in ("auto", "omnireduce")
-                and (cfg.aggregator_list() or cfg.local_aggregators != 0)):
+                and cfg.aggregates()):
             count = 1
         timeout = timedelta(seconds=cfg.timeout * 4)
         self.streams = [TorchCollectives(dist.new_group(ranks, timeout=timeout, backend="gloo",
