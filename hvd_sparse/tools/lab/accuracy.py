@@ -175,7 +175,7 @@ def ctr(seed: int, rank: int, size: int) -> Task:
 
 
 LOWER_IS_BETTER = {"nats/byte"}  # metrics where a smaller score is the better one
-LM_STEPS = 300  # the run; HVD_SPARSE_ACC_LM_STEPS for a reduced one
+LM_STEPS = 300  # the run the Adam diagnosis measured; HVD_SPARSE_ACC_LM_STEPS for a reduced one
 LM_EVALS = 6  # held-out loss measured this many times over the run (the "epochs")
 
 
