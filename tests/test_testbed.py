@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_sparse.tools.testbed import cpu, lifecycle, links, topology
+from hvd_sparse.tools.testbed import cpu, lifecycle, links, names, topology
 from hvd_sparse.tools.testbed import launch as testbed_launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,9 +26,10 @@ NAME = f"hvt{os.getpid() % 100000}"  # unique: never touches another run's names
 
 
 def leftovers(name: str) -> list[str]:
-    """Namespaces, veths, CPU budgets (cgroups) and processes of testbed `name` that still
-    exist."""
+    """Namespaces, veths, CPU budgets (cgroups), hosts files and processes of testbed `name`
+    that still exist."""
     out = links.namespaces(name) + [str(g) for g in cpu.groups(name)]
+    out += [str(d) for d in names.ROOT.glob(f"{name}-*")]
     ip = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     out += [line.split(":")[1].strip() for line in ip.splitlines()
             if line.split(":")[1].strip().split("@")[0].startswith(name)]
@@ -79,7 +80,7 @@ def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
     t0 = time.monotonic()
     outcome = run_job(testbed, "test_testbed_job.py", tmp_path, timeout=240)
     took = time.monotonic() - t0
-    assert len(outcome.tests()) == 6, outcome.tests()
+    assert len(outcome.tests()) == 7, outcome.tests()
     # The traffic went over the testbed's links: every worker and the aggregator host moved
     # megabytes (the tensors are 8 MiB each).
     after = links.counters(testbed)
@@ -202,6 +203,24 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
                                       capture_output=True, text=True, env=env).stdout)
         w1 = d["hosts"][1]
         assert (w1["rate"], w1["loss"], w1["link"]) == ("50mbit", 0.25, "down"), w1
+        # move: the aggregator host at another address, its name with it in every host
+        def resolve(host: str) -> str:
+            return subprocess.run(["ip", "netns", "exec", f"{name}-w0", "getent", "hosts",
+                                   f"{host}.{name}"], capture_output=True, text=True).stdout
+        assert resolve("a0").split() == ["10.77.0.101", f"a0.{name}"]
+        mv = subprocess.run([*cli, "move", "--name", name, "--host", "a0", "--ip",
+                             "10.77.0.150"], capture_output=True, text=True, env=env, timeout=60)
+        assert mv.returncode == 0, mv.stderr
+        assert resolve("a0").split() == ["10.77.0.150", f"a0.{name}"]
+        assert resolve("w1").split() == ["10.77.0.2", f"w1.{name}"]
+        d = json.loads(subprocess.run([*cli, "status", "--name", name, "--json"],
+                                      capture_output=True, text=True, env=env).stdout)
+        assert d["aggregators"] == "10.77.0.150:9999" and d["hosts"][2]["processes"] == 1, d
+        for bad in (["--host", "w0", "--ip", "10.77.0.151"], ["--host", "a0", "--ip",
+                    "10.77.0.2"], ["--host", "a0", "--ip", "10.78.0.1"]):
+            mv = subprocess.run([*cli, "move", "--name", name, *bad], capture_output=True,
+                                text=True, env=env, timeout=60)
+            assert mv.returncode == 1 and "move:" in mv.stderr, (bad, mv.stderr)
         # A crash that lost the state file, and a stray process in a host: down still
         # removes everything of this testbed.
         stray = subprocess.Popen(["ip", "netns", "exec", f"{name}-w1", "sleep", "300"])

@@ -9,7 +9,9 @@ host; no LAUNCHES of its own: it needs the testbed that test brings up):
   rank within the timeout; with fallback="dense" the right answer; down for 1.5 s only (a
   flap shorter than the timeout): the reductions complete, exact;
 * rank 0's own local aggregator, with ranks in different namespaces sharing a hostname:
-  reachable by every rank (it used to bind 127.0.0.1).
+  reachable by every rank (it used to bind 127.0.0.1);
+* the aggregator host moved to another address (a rescheduled pod) with the job naming it
+  ``a0.<testbed>``: found there, every result exact meanwhile (fallback="dense").
 Rank 0 changes the testbed itself (loss, link) through hvd_sparse.tools.testbed, as root.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ranktools import barrier, close_to, start
 
 import hvd_sparse
 from hvd_sparse import basics
+from hvd_sparse.session import RETRY_EVERY
 from hvd_sparse.tools.testbed import Testbed, lifecycle, loss
 
 LAUNCHES = []  # tests/test_testbed.py launches it on its testbed
@@ -166,6 +169,44 @@ def local_aggregator() -> str:
                     torch.float32)
 
 
+def moved_aggregator() -> str:
+    """Rank 0 moves a0 to another address between two reductions; the reduction after goes
+    dense on the timeout, the probes find a0's name at its new address, and at a look the job
+    regroups there. Moved back after (the testbed as it was for what follows)."""
+    tb = Testbed.load(os.environ["HVD_SPARSE_TESTBED"])
+    home, away = tb.host("a0").ip, tb.host("a0").ip.rsplit(".", 1)[0] + ".150"
+    hvd_sparse.init(probe="off", timeout=TIMEOUT, fallback="dense",
+                    aggregators=tb.aggregator_addresses(by_name=True))
+    omni = basics.state().omni
+    epoch, bad = omni.membership.epoch, []
+    try:
+        for i in range(4 * RETRY_EVERY):
+            if i == 1:
+                barrier("move")
+                if hvd.rank() == 0:
+                    lifecycle.move(Testbed.load(os.environ["HVD_SPARSE_TESTBED"]), "a0", away)
+                barrier("moved")
+            t = data(300 + i, density=0.3)[: 1 << 16]
+            ref = hvd.allreduce(t.double(), name=f"ref.move{i}", op=hvd.Average)
+            if w := close_to(hvd_sparse.allreduce(t, name="move", scheme="omnireduce"), ref,
+                             torch.float32):
+                bad.append(f"call {i}: {w}")
+            if i > 1 and omni.membership.epoch > epoch and not omni.down:
+                break
+        else:
+            bad.append(f"a0 not found at {away} within {4 * RETRY_EVERY} reductions")
+        if hvd_sparse.metrics()["move"]["scheme"] != "omnireduce":
+            bad.append(f"the last reduction went {hvd_sparse.metrics()['move']['scheme']}")
+    finally:
+        barrier("move back")
+        if hvd.rank() == 0:
+            tb = Testbed.load(os.environ["HVD_SPARSE_TESTBED"])
+            if tb.host("a0").ip != home:
+                lifecycle.move(tb, "a0", home)
+        barrier("moved back")
+    return "; ".join(bad)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def hvd_sparse_started():
     start(probe="off", timeout=TIMEOUT)
@@ -195,3 +236,7 @@ def test_link_flap_shorter_than_the_timeout_recovers():
 
 def test_rank0_local_aggregator_is_reachable():
     assert local_aggregator() == ""
+
+
+def test_a_moved_aggregator_is_found_under_its_name():
+    assert moved_aggregator() == ""

@@ -1,4 +1,4 @@
-"""``hvd-sparse testbed {up,run,set,status,down}``."""
+"""``hvd-sparse testbed {up,run,set,move,status,down}``."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     g = s.add_mutually_exclusive_group()
     g.add_argument("--down", dest="link_up", action="store_false", default=None)
     g.add_argument("--up", dest="link_up", action="store_true")
+    m = sp("move", "move an aggregator host to another address, as a rescheduled pod: its "
+                   "name (a0.NAME) follows")
+    m.add_argument("--host", required=True, help="a0, a1, ...")
+    m.add_argument("--ip", required=True, help="its new address, e.g. 10.77.0.150")
     st = sp("status", "hosts, addresses, rates and byte counters")
     st.add_argument("--json", action="store_true")
     sp("down", "remove everything the testbed created")
@@ -144,6 +148,9 @@ def main(argv: list[str]) -> int:
         elif a.cmd == "set":
             lifecycle.update(Testbed.load(a.name), a.host, a.loss, a.rate, a.link_up, a.dup,
                              a.reorder)
+        elif a.cmd == "move":
+            tb = lifecycle.move(Testbed.load(a.name), a.host, a.ip)
+            print(f"testbed {a.name}: {a.host} ({tb.hostname(tb.host(a.host))}) now at {a.ip}")
         elif a.cmd == "status":
             d = status(Testbed.load(a.name))
             print(json.dumps(d, indent=1)) if a.json else _print_status(d)

@@ -1,11 +1,15 @@
 """Bringing a testbed up, changing it while jobs run, and taking it down without leftovers."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
+import signal
+import time
+from pathlib import Path
 
-from . import cpu, launch, links, loss
-from .topology import Testbed, parse_rate
+from . import cpu, launch, links, loss, names
+from .topology import SUBNET, Testbed, parse_rate
 
 
 def require_root() -> None:
@@ -26,6 +30,7 @@ def up(tb: Testbed) -> Testbed:
         if tb.cpu_per_host:
             cpu.create(tb)  # before any process: each starts inside its host's budget
         links.create(tb)
+        names.write(tb)
         launch.start_switch(tb)  # before the loss: the emulated switch applies it itself
         loss.apply(tb)
         launch.start_aggregators(tb)
@@ -105,12 +110,80 @@ def update(tb: Testbed, host: str | None = None, loss_rate: float | None = None,
     return tb
 
 
+def move(tb: Testbed, host: str, ip: str) -> Testbed:
+    """Reschedules aggregator host ``host`` as Kubernetes does a StatefulSet's pod: its
+    aggregator killed, the host readdressed to ``ip``, the aggregator started again there (same
+    port, same secret). Its name (``a0.<testbed>``, names.py) follows: jobs that name their
+    aggregators so (``aggregator_addresses(by_name=True)``) find it again; jobs given its old
+    address lose it.
+
+    Args:
+        tb: the testbed (as ``Testbed.load`` gives it); saved with the change.
+        host: an aggregator host ("a0", ...).
+        ip: its new address, unused, in the testbed's subnet.
+
+    Returns:
+        ``tb``, changed.
+
+    Raises:
+        PermissionError: not root.
+        ValueError: not an aggregator host, an address taken or outside the subnet, or a
+            testbed whose hosts' addresses are bound elsewhere (DPDK, the emulated switch).
+        RuntimeError: the aggregator did not start at its new address.
+    """
+    require_root()
+    h = tb.host(host)
+    if h not in tb.aggregator_hosts:
+        raise ValueError(f"move: {host} is not an aggregator host")
+    net = ipaddress.ip_network(f"{SUBNET}.0/24")
+    if ipaddress.ip_address(ip) not in net or ip in (f"{SUBNET}.0", f"{SUBNET}.255"):
+        raise ValueError(f"move: {ip} is not a host address of the testbed's subnet {net}")
+    if ip in [x.ip for x in tb.hosts] + [tb.switch_address.split(":")[0]]:
+        raise ValueError(f"move: {ip} is taken")
+    if tb.transport != "udp" or tb.switch != "bridge":
+        # DPDK processes own their host's address and the emulated switch binds each host's
+        raise ValueError("move: only with kernel UDP aggregators behind the bridge")
+    if pid := tb.pids.pop(h.name, None):
+        _kill(pid)
+    links.readdress(h, ip)
+    h.ip = ip
+    loss.apply(tb)  # its rules match addresses
+    names.write(tb)
+    tb.save()  # the new address, before a process that `down` must find
+    launch.start_aggregator(tb, h.name)
+    tb.save()
+    return tb
+
+
+def _kill(pid: int, wait: float = 5.0) -> None:
+    """SIGKILL, then until it is gone (or a zombie its launcher has not reaped)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1]
+        except (OSError, IndexError):
+            return
+        if state == "Z":
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"testbed: process {pid} outlived SIGKILL for {wait:g} s")
+
+
 def down(name: str) -> list[str]:
     """Removes testbed ``name``: its processes, namespaces, veths, CPU budgets (cgroups) and
     state. Safe to repeat and after a crash; touches nothing outside the testbed's own names."""
     require_root()
     removed = links.destroy(name)
     cpu.destroy(name)  # after the processes: a group with processes cannot be removed
+    names.remove(name)
     Testbed.state_path(name).unlink(missing_ok=True)
     shutil.rmtree(Testbed(name).log_dir(), ignore_errors=True)  # /run is memory: no leftovers
     return removed

@@ -139,6 +139,15 @@ def flush_addresses(ns_name: str) -> None:
         ns.flush_addr(index=ns.link_lookup(ifname="eth0")[0], family=2)
 
 
+def readdress(host: Host, ip: str) -> None:
+    """Gives a host's eth0 address ``ip`` in place of its own (``host.ip``)."""
+    with NetNS(host.ns) as ns:
+        idx = ns.link_lookup(ifname="eth0")[0]
+        # in this order: removing a subnet's primary address removes its secondaries too
+        ns.addr("del", index=idx, address=host.ip, prefixlen=24)
+        ns.addr("add", index=idx, address=ip, prefixlen=24)
+
+
 def counters(tb: Testbed) -> dict[str, dict[str, int]]:
     """Per host: bytes and packets its eth0 received and sent (the host's side of its link)."""
     out = {}

@@ -112,9 +112,15 @@ class Testbed:
         raise KeyError(f"testbed {self.name!r} has no host {name!r} "
                        f"(hosts: {', '.join(h.name for h in self.hosts)})")
 
-    def aggregator_addresses(self) -> str:
-        """HVD_SPARSE_AGGREGATORS for jobs on this testbed."""
-        return ",".join(f"{h.ip}:{AGGREGATOR_PORT}" for h in self.aggregator_hosts)
+    def hostname(self, h: Host) -> str:
+        """The name ``h`` has inside the testbed's namespaces: ``a0.hvdsp`` (names.py)."""
+        return f"{h.name}.{self.name}"
+
+    def aggregator_addresses(self, by_name: bool = False) -> str:
+        """HVD_SPARSE_AGGREGATORS for jobs on this testbed: by address, or by host name (a
+        job that names them so follows an aggregator host that moves)."""
+        return ",".join(f"{self.hostname(h) if by_name else h.ip}:{AGGREGATOR_PORT}"
+                        for h in self.aggregator_hosts)
 
     @staticmethod
     def state_path(name: str) -> Path:
