@@ -27,8 +27,8 @@ from hvd_sparse.session import RETRY_EVERY
 TIMEOUT = 3.0  # HVD_SPARSE_TIMEOUT of the launches
 LAUNCHES = [Launch(np=2, env={"HVD_SPARSE_TIMEOUT": "3"}, args=("-k", "not stopped"),
                    timeout=300),
-            Launch(np=4, id="np4", env={"HVD_SPARSE_TIMEOUT": "3"}, args=("-k", "not moved"),
-                   timeout=400, extended=True)]
+            Launch(np=4, id="np4", env={"HVD_SPARSE_TIMEOUT": "3"}, timeout=400,
+                   extended=True)]
 NUMEL = 1 << 18
 NAME = "hvd-sparse-agg.test"  # the moved aggregator's name, in /etc/hosts while the test runs
 HOSTS = Path("/etc/hosts")
