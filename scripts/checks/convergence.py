@@ -5,6 +5,7 @@
     .venv/bin/python scripts/checks/convergence.py --density 0.001 --methods dense,topk,dgc,exdyna
     .venv/bin/python scripts/checks/convergence.py --density 0.001 --tasks mlp --epochs-x 4
     .venv/bin/python scripts/checks/convergence.py --tasks lm --methods dense,topk --lm-steps 60
+    .venv/bin/python scripts/checks/convergence.py --tasks lm --methods dense+bf16,topk,topk+bf16
 
 One ``horovodrun -np 4 --gloo`` job per seed trains each task with each method
 (hvd_sparse/tools/lab/accuracy.py: tasks, methods, how bytes count). Prints per task and
@@ -35,6 +36,7 @@ from hvd_sparse.tools.lab.accuracy import (
     LOWER_IS_BETTER,
     METHODS,
     TASKS,
+    known,
 )
 from hvd_sparse.tools.lab.report import console, print_table, save_png, write_json
 
@@ -149,10 +151,10 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
     args = ap.parse_args()
     tasks, methods = args.tasks.split(","), args.methods.split(",")
-    bad = [t for t in tasks if t not in TASKS] + [m for m in methods
-                                                  if m not in METHODS + EXTRA]
+    bad = [t for t in tasks if t not in TASKS] + [m for m in methods if not known(m)]
     if bad:
-        ap.error(f"unknown: {bad} (tasks {list(TASKS)}, methods {list(METHODS + EXTRA)})")
+        ap.error(f"unknown: {bad} (tasks {list(TASKS)}, methods {list(METHODS + EXTRA)}, "
+                 "those of hvd_sparse with +bf16)")
     if "dense" not in methods:
         methods.insert(0, "dense")  # the reference every gap is taken against
     results: list[dict] = []

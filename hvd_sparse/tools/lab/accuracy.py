@@ -22,7 +22,9 @@ correction), ``exdyna4`` (ExDyna at 1% per rank, as TopK and DGC: a 4% union at 
 PowerSGD ranks 1, 2, 4 (``powersgd1`` ...)
 under PyTorch DDP with its built-in hook, on a Gloo group made beside Horovod in the same
 processes, so every method sees the same ranks, data and initial model. On request
-(``EXTRA``): ``topkw``, TopK with DGC's density warm-up; ``dgc0``, DGC without it.
+(``EXTRA``): ``topkw``, TopK with DGC's density warm-up; ``dgc0``, DGC without it. Any of
+hvd_sparse's methods with ``+bf16`` (``dense+bf16``, ``topk+bf16``) sends its values as
+bfloat16 (option ``wire="bf16"``), summed in float32.
 
 Bytes per step are what one rank puts on the wire: hvd_sparse's own count (ring collectives
 modelled) for its methods, the ring allreduce model for PowerSGD (its P and Q, and the tensors
@@ -55,6 +57,13 @@ METHODS = ("dense", *SPARSIFIED[:-2], *POWERSGD)  # the suite's default
 # the first two epochs; its bytes counted), a check of what warm-up buys with Adam; "dgc0" is
 # DGC without it (momentum correction alone)
 EXTRA = ("topkw", "dgc0")
+BF16 = "+bf16"  # suffix: the method with wire="bf16"
+
+
+def known(method: str) -> bool:
+    """Whether ``method`` is one of the suite's (PowerSGD has no 16-bit wire here)."""
+    base = method.removesuffix(BF16)
+    return base in METHODS + EXTRA and not (method.endswith(BF16) and base in POWERSGD)
 Batches = Callable[[int], Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]]
 
 
@@ -337,12 +346,15 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
     from it, as a restarted job would."""
     task = TASKS[task_name](seed, hvd.rank(), hvd.size())
     task = replace(task, epochs=task.epochs * epochs_x)
+    base, wire = method.removesuffix(BF16), "bf16" if method.endswith(BF16) else ""
+    if hvd_sparse.basics.state().config.wire != wire:  # a global option: set per run
+        hvd_sparse.init(wire=wire)
     model = task.model()
     steps = sum(1 for _ in task.batches(0))
     names = [f"{task_name}.{method}.{seed}.{n}" for n, _ in model.named_parameters()]
 
     def ours(model: nn.Module) -> torch.optim.Optimizer:
-        sp = sparsifier(method, warmup=2 * steps, density=density)
+        sp = sparsifier(base, warmup=2 * steps, density=density)
         return hvd_sparse.DistributedOptimizer(
             task.make_optimizer(list(model.parameters())),
             named_parameters=list(zip(names, model.parameters(), strict=True)), sparsifier=sp,
@@ -351,7 +363,7 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
             dense_steps=0 if sp is None else dense_steps)
 
     ddp_bytes, restored = None, None
-    if method in POWERSGD:
+    if base in POWERSGD:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         torch_group()
         # one bucket: the hook all-reduces from callback threads, and two buckets' callbacks
@@ -359,7 +371,7 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
         # PowerSGD step with two buckets, DDP's first one capped at 1 MiB by default)
         net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=256)
         opt = task.make_optimizer(list(model.parameters()))
-        r = POWERSGD[method]
+        r = POWERSGD[base]
         # From the second step on (its default waits 1,000 steps with plain allreduce).
         net.register_comm_hook(psgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2,
@@ -378,7 +390,7 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
             if ddp_bytes is None:
                 m = hvd_sparse.metrics()
                 sent += sum(m[n]["bytes_sent"] for n in names)
-                union += sum(m[n].get("union", 0) for n in names) if method != "dense" else 0
+                union += sum(m[n].get("union", 0) for n in names) if base != "dense" else 0
         net.eval()
         scores.append(task.score(model))
         if epoch + 1 == resume_at and ddp_bytes is None:
@@ -397,12 +409,13 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
     total = steps * task.epochs
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"task": task_name, "method": method, "seed": seed, "density": density,
-            "sparsify": sparsify, "dense_steps": dense_steps if method in SPARSIFIED else 0,
+            "sparsify": sparsify, "dense_steps": dense_steps if base in SPARSIFIED else 0,
+            "wire": wire or "float32",
             "metric": task.metric, "resumed_at": resume_at, "restored": restored,
             "scores": scores, "score": scores[-1], "steps": total,
             "bytes_per_step": ddp_bytes if ddp_bytes is not None else sent / total,
             "dense_bytes_per_step": 2 * (hvd.size() - 1) / hvd.size() * numel * 4,
-            "union_density": union / total / numel if method in SPARSIFIED else None,
+            "union_density": union / total / numel if base in SPARSIFIED else None,
             "seconds": time.perf_counter() - t0, "checksum": checksum,
             "finite": all(math.isfinite(s) for s in scores)}
 
