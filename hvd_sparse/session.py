@@ -233,7 +233,9 @@ class Session:
         self._down_calls.clear()
         try:
             self.worker = OmniWorker(self.addrs, epoch=member.epoch, **self._worker_options)
-            self.worker.register(self.cfg.timeout)
+            # Half the timeout: the peers wait for this rank's verdict in a collective that
+            # times out after the whole of it. Every rank's probe was just answered.
+            self.worker.register(self.cfg.timeout / 2)
         except RuntimeError as e:
             return f"regrouping over {self.addrs}: {e}"
         return ""
