@@ -33,6 +33,7 @@ hang or fault not recovered from.
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import math
@@ -262,6 +263,7 @@ def rank_side_horovod(args: argparse.Namespace) -> None:
     ``hvd_sparse.DistributedOptimizer``, and the check after the optimizer's synchronize."""
     import horovod.torch as hvd
     import torch
+    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
     from torch import nn
 
     import hvd_sparse
@@ -336,6 +338,17 @@ def rank_side_horovod(args: argparse.Namespace) -> None:
         write({"event": "start", "rank": rank, "size": size, "step": state.step,
                "t": time.time()})
         pool = pools.setdefault(rank, batches(rank, rows, 8, args.batch, args.bag))
+        try:
+            steps(state, rank, size, pool)
+        except (HorovodInternalError, HostsUpdatedInterrupt) as e:
+            # what made hvd.elastic.run restore and reset (said in the report), then
+            # raised on to it
+            write({"event": "reset", "rank": rank, "step": state.step, "t": time.time(),
+                   "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                          [:300]})
+            raise
+
+    def steps(state: hvd.elastic.TorchState, rank: int, size: int, pool: list) -> None:
         while True:
             ids, dense, y = pool[state.step % len(pool)]
             hvd_sparse.reset_metrics()
@@ -475,7 +488,8 @@ def run_job(tb: object, args: argparse.Namespace, scheme: str, schedule: list[fa
                     launch.list_hosts(tb)  # every worker host; worker_lost changes it
                     proc = launch.run_elastic(
                         tb, cmd, env={**env, "HOROVOD_GLOO_TIMEOUT_SECONDS":
-                                      f"{args.gloo_timeout:g}"},
+                                      f"{args.gloo_timeout:g}",
+                                      "HVD_SPARSE_LOG_LEVEL": "INFO"},  # joins, regroups
                         capture=True, timeout=limit, min_np=2)
                 else:
                     proc = launch.run(tb, cmd, env=env, launcher="torch", capture=True,
@@ -578,6 +592,13 @@ def horovod_ranks(job: dict) -> tuple[list[str], list[dict], int]:
     return errors, ends, max(0, starts - 1)
 
 
+def reset_causes(job: dict) -> dict[str, int]:
+    """Why rank 0's training function started again: the exceptions, counted by what they
+    said (their type and first words)."""
+    return dict(collections.Counter(d["why"][:120] for p in job["procs"] for d in p["lines"]
+                                    if d.get("event") == "reset" and d.get("rank") == 0))
+
+
 def analyse(job: dict) -> tuple[list[dict], dict]:
     """Per fault a row (steps overlapped, worst step, stall, recovery, wrong sums) and the
     job's summary."""
@@ -630,6 +651,8 @@ def analyse(job: dict) -> tuple[list[dict], dict]:
                "identical": identical, "ranks": finished, "rc": job["rc"], "hang": job["hang"],
                "error": "; ".join(errors) or job["launch"],
                "injector_errors": job["injector_errors"]}
+    if horovod:
+        summary["reset_causes"] = reset_causes(job)
     summary["ok"] = (summary["wrong_sums"] == 0 and not summary["hangs"]
                      and not summary["errors"] and summary["identical"] and job["rc"] == 0
                      and summary["recovered"] == summary["faults"])
@@ -721,6 +744,8 @@ def drive(args: argparse.Namespace) -> int:
                 f"faults ({what})", COLS + (["least_size"] if horovod else []), caption)
     print_table(summaries, "Per job", SUMMARY)
     for s in summaries:
+        if s.get("reset_causes"):
+            console.print(f"{s['scheme']}: resets: {s['reset_causes']}", markup=False)
         for k in ("hang", "error", "injector_errors"):
             if s[k]:
                 console.print(f"{s['scheme']}: {k}: {s[k]}", style="red", markup=False)
