@@ -2,10 +2,12 @@
 (hvd_sparse/tools/lab/dlrm.py) with the DDP hook while a thread of this driver cuts, degrades
 and restores links and kills, stops and restarts the aggregator host
 (hvd_sparse.tools.testbed.faults). Every bucket of every step is checked against a dense
-float64 Gloo allreduce of the same local gradients.
+float64 Gloo allreduce of the same local gradients. ``--front horovod``: the same under
+Horovod elastic, where a worker may also be lost (below).
 
     python scripts/testbed/soak.py --matrix                 # each fault once, per scheme (a table)
     python scripts/testbed/soak.py --minutes 5 --seed 1     # faults drawn at random for 5 minutes
+    python scripts/testbed/soak.py --front horovod --minutes 5 --seed 1 --first worker_lost
 
 ``--matrix``: per scheme (dense, allgather, omnireduce with the testbed's aggregator host,
 omnireduce with the job's own aggregators on the worker hosts, auto), one job with, one after
@@ -29,6 +31,23 @@ step minus the median step of the run's fault-free steps), the time from its end
 step back under twice the median ("recovered"); table to stdout, JSON and a PNG timeline of
 step times with the faults marked to --out-dir. Needs root. Exits 1 on any wrong sum, error,
 hang or fault not recovered from.
+
+``--front horovod``: the ranks are workers of a Horovod elastic job (``horovodrun --gloo -np 4
+--min-np 2`` through ``launch.run_elastic``: horovodrun in w0's namespace, an ssh shim into the
+others'), written as Horovod's elastic docs write one: ``hvd_sparse.DistributedOptimizer``,
+``hvd.elastic.TorchState(model=, optimizer=, step=0)``, a training function under
+``@hvd.elastic.run`` committing every ``--commit-every`` steps. The fault kinds add
+``worker_lost``: every process of a worker host other than w0 killed (SIGKILL) and the host off
+the discovery list for 3-6 s, then listed again; the ranks left restore the last commit and go
+on, and the job grows back to 4 when Horovod takes the host back (the next fault waits
+``--regrow`` seconds more). ``--first worker_lost`` makes it the first fault. The check: each
+rank copies its own gradients as backward makes them (a hook registered before the
+optimizer's); after the optimizer's synchronize every reduced gradient must equal the mean of
+every rank's copy (allgathered, summed in float64) within float32 rounding. A step's time runs
+from the end of the step before, so that a reset and the steps it redoes count; a lost worker
+is recovered at the first step back at 4 ranks under twice the median. The report adds the
+resets (and what raised each), the least size, and the world size over time in the PNG.
+Horovod's Gloo timeout is ``--gloo-timeout`` (the ranks left see a killed worker at it).
 """
 from __future__ import annotations
 
