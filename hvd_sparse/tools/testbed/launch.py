@@ -1,5 +1,6 @@
 """Processes on the testbed: the aggregator on each aggregator host, and a job with one rank per
-worker host: Horovod under Open MPI, or torch.distributed (torchrun's environment, no launcher).
+worker host: Horovod under Open MPI, torch.distributed (torchrun's environment, no launcher),
+or a Horovod elastic job under horovodrun (``run_elastic``: ssh into the hosts' namespaces).
 
 mpirun runs in the root namespace and each rank in its host's namespace, where the launcher's
 PMIx server (127.0.0.1:PORT in the root namespace) is out of reach: a forwarder listens on
