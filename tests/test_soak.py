@@ -1,13 +1,18 @@
 """scripts/testbed/soak.py on the netns testbed: 4 ranks train the DLRM-like model with the DDP hook
-while links fail and the aggregator host is killed or stopped; every bucket of every step is
-checked against a dense float64 allreduce of the same gradients.
+(or with hvd_sparse.DistributedOptimizer in a Horovod elastic job) while links fail, the
+aggregator host is killed or stopped (and, under elastic, a worker is lost); every bucket of
+every step (every reduced gradient) is checked against a float64 reduction of the same
+gradients.
 
-The default tier runs a short soak (about 22 s of training, 70-100 s in all on a quiet box)
-with one wrong sum planted (rank 1 changes one value of a
-bucket's result after the hook, at step 5): the check must count exactly that one, and the
-ranks' parameters must differ, so a check that saw nothing could not pass. `make
-test-extended` runs the 5-minute soak: 0 wrong sums, 0 hangs, no failed step, every fault
-recovered from, identical parameters. Needs root."""
+The default tier runs two short soaks, each with one wrong sum planted at step 5 (rank 1
+changes one value of a result after the reduction), which the check must count exactly once:
+with the DDP hook (about 22 s of training, 35-100 s in all), where the ranks' parameters must
+then differ, so a check that saw nothing could not pass; and under Horovod elastic (a worker
+lost and the job grown back, about 35 s of training, 50-95 s in all), where the reset after
+the lost worker makes the parameters alike again. `make test-extended` runs 5 minutes of soak:
+2.5 with the DDP hook, then 2.5 under Horovod elastic, whose first fault is a worker lost (and
+a second one is drawn): 0 wrong sums, 0 hangs, no failed step, every fault recovered from (a
+lost worker: the job back at 4 ranks), identical parameters. Needs root."""
 from __future__ import annotations
 
 import json
@@ -51,15 +56,51 @@ def test_a_planted_wrong_sum_is_counted(tmp_path: Path) -> None:
     assert (tmp_path / "soak-2.png").stat().st_size > 0
 
 
+def test_a_worker_lost_under_horovod_elastic(tmp_path: Path) -> None:
+    # w1 or another worker host lost after 5 s of training, listed again 3-6 s later
+    code, report, out = soak(tmp_path, f"hvs{os.getpid() % 10000}", "--front", "horovod",
+                             "--minutes", "0.5", "--seed", "2", "--first", "worker_lost",
+                             "--kinds", "worker_lost", "--gap", "3", "--warmup", "5",
+                             "--gloo-timeout", "10", "--regrow", "22", "--corrupt", "5",
+                             timeout=500)
+    (s,) = report["summaries"]
+    assert s["front"] == "horovod" and s["wrong_sums"] == 1, out[-4000:]
+    assert [st["step"] for st in report["jobs"][0]["steps"] if st["wrong"]] == [5]
+    assert s["ok"] is False and code == 1, out[-4000:]  # the planted wrong sum, alone
+    assert s["hangs"] == 0 and s["errors"] == 0 and s["ranks"] == 4, out[-4000:]
+    (lost,) = report["rows"]
+    assert lost["fault"] == "worker_lost" and lost["outcome"] == "ok", out[-4000:]
+    assert lost["least_size"] == 3 and s["resets"] >= 2 and s["identical"], out[-4000:]
+    assert (tmp_path / "soak-horovod-2.png").stat().st_size > 0
+
+
 @pytest.mark.extended
-@pytest.mark.timeout(1200)
-def test_five_minute_soak(tmp_path: Path) -> None:
-    code, report, out = soak(tmp_path, f"hvs{os.getpid() % 10000}", "--minutes", "5",
-                             "--seed", "1", timeout=1100)
+@pytest.mark.timeout(1500)
+def test_soaks_with_both_front_ends(tmp_path: Path) -> None:
+    # the DDP hook: link faults on any worker, the aggregator killed and stopped
+    code, report, out = soak(tmp_path / "ddp", f"hvs{os.getpid() % 10000}", "--minutes",
+                             "2.5", "--seed", "1", timeout=700)
     (s,) = report["summaries"]
     assert s["wrong_sums"] == 0 and s["hangs"] == 0 and s["errors"] == 0, out[-6000:]
     assert s["identical"] and s["ranks"] == 4 and s["steps"] > 100, out[-6000:]
     assert s["faults"] >= 8 and s["recovered"] == s["faults"], out[-6000:]
+    kinds = {r["fault"] for r in report["rows"]}
+    assert {"agg_kill", "agg_stop"} & kinds and {"link_down", "loss", "dup", "reorder"} & kinds
+    assert code == 0 and s["ok"], out[-6000:]
+    print(out[-5000:])
+
+    # Horovod elastic: a worker lost first (and once more, drawn), link and aggregator faults
+    code, report, out = soak(tmp_path / "horovod", f"hvs{os.getpid() % 10000}", "--front",
+                             "horovod", "--minutes", "2.5", "--seed", "1", "--first",
+                             "worker_lost", timeout=700)
+    (s,) = report["summaries"]
+    assert s["front"] == "horovod", out[-6000:]
+    assert s["wrong_sums"] == 0 and s["hangs"] == 0 and s["errors"] == 0, out[-6000:]
+    assert s["identical"] and s["ranks"] == 4 and s["steps"] > 60, out[-6000:]
+    assert s["faults"] >= 5 and s["recovered"] == s["faults"], out[-6000:]
+    lost = [r for r in report["rows"] if r["fault"] == "worker_lost"]
+    assert len(lost) >= 1 and all(r["least_size"] == 3 for r in lost), out[-6000:]
+    assert s["resets"] >= 2 * len(lost) and s["least_size"] == 3, out[-6000:]
     kinds = {r["fault"] for r in report["rows"]}
     assert {"agg_kill", "agg_stop"} & kinds and {"link_down", "loss", "dup", "reorder"} & kinds
     assert code == 0 and s["ok"], out[-6000:]

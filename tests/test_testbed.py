@@ -156,6 +156,50 @@ def test_torch_job_on_testbed(tmp_path: Path) -> None:
         assert fail.returncode == 3 and time.monotonic() - t0 < 15, fail.stdout
 
 
+ELASTIC_RANK = textwrap.dedent("""
+    import json, os, socket
+    import horovod.torch as hvd, torch
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
+    names = hvd.allgather_object(socket.gethostname())  # a process set's Gloo context
+    out = {"rank": hvd.rank(), "size": hvd.size(), "total": float(total), "names": names,
+           "host": os.environ["HOROVOD_HOSTNAME"], "netns": os.readlink("/proc/self/ns/net"),
+           "elastic": os.environ.get("HOROVOD_ELASTIC")}
+    open(os.path.join(os.environ["OUT"], f"rank{hvd.rank()}.json"), "w").write(json.dumps(out))
+""")
+
+
+def test_horovod_elastic_job_on_testbed(tmp_path: Path) -> None:
+    """`run(launcher="horovodrun")`: a Horovod elastic job, horovodrun in w0's namespace and
+    the other hosts' workers started through the ssh shim in theirs; Gloo over the links
+    (each host's address as its hostname); nothing left running after it."""
+    script = tmp_path / "rank.py"
+    script.write_text(ELASTIC_RANK)
+    with running(topology.Testbed(f"hve{os.getpid() % 100000}", workers=3, aggregators=0,
+                                  rate="1gbit")) as tb:
+        before = links.counters(tb)
+        proc = testbed_launch.run(tb, ["python", str(script)], capture=True,
+                                  env={"OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
+                                       "PYTHONPATH": str(ROOT)},
+                                  timeout=120, launcher="horovodrun")
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+        ips = sorted(h.ip for h in tb.worker_hosts)
+        assert sorted(g["host"] for g in got) == ips, got
+        assert len({g["netns"] for g in got}) == 3, got  # one per host's namespace
+        for g in got:
+            assert g["size"] == 3 and g["total"] == 6.0 and g["elastic"] == "1", g
+            assert sorted(g["names"]) == ips, g
+        after = links.counters(tb)
+        assert all(after[h]["rx_bytes"] - before[h]["rx_bytes"] > 1000 for h in ("w1", "w2"))
+        assert all(links.pids_in(h.ns) == [] for h in tb.worker_hosts)
+        # the discovery file: a host taken off and listed again
+        testbed_launch.list_hosts(tb, ["w0", "w2"])
+        assert testbed_launch.listed_hosts(tb) == ["w0", "w2"]
+        testbed_launch.list_hosts(tb)
+        assert testbed_launch.listed_hosts(tb) == ["w0", "w1", "w2"]
+
+
 def test_cli_up_status_down(tmp_path: Path) -> None:
     name = f"hvc{os.getpid() % 100000}"
     cli = [sys.executable, "-m", "hvd_sparse.tools.cli", "testbed"]

@@ -142,3 +142,11 @@ def test_injector_applies_and_reverts_a_schedule(testbed: topology.Testbed) -> N
     assert (h.down, h.loss, h.dup, h.reorder) == (False, 0.0, 0.0, 0.0)
     got, distinct, inv = exchange(testbed, "w0", "w1")
     assert got == distinct == COUNT and inv == 0
+
+
+def test_a_lost_worker_is_not_w0_nor_an_aggregator_host() -> None:
+    assert faults.Fault("worker_lost", at=0, duration=3, host="w2").label() == \
+        "worker_lost w2 3 s"
+    for host in ("w0", "a0"):
+        with pytest.raises(ValueError, match="other than w0"):
+            faults.Fault("worker_lost", at=0, duration=3, host=host)

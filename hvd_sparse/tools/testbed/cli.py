@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--no-auth", dest="auth", action="store_false",
                    help="aggregators without a secret: jobs run unauthenticated "
                         "(HVD_SPARSE_AUTH=0)")
+    u.add_argument("--any-job-size", action="store_true",
+                   help="the aggregators take jobs of any number of ranks, not only of --workers "
+                        "(an elastic job's size changes: run --launcher horovodrun)")
     u.add_argument("--loss", type=float, default=0.0, help="drop rate on every switch port")
     u.add_argument("--loss-proto", choices=("all", "udp"), default="all",
                    help="drop any frame, or only UDP (keeps MPI's TCP out of it)")
@@ -42,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=None, help="seconds before it is stopped")
     r.add_argument("--launcher", choices=launch.LAUNCHERS, default="mpirun",
                    help="mpirun: Horovod ranks under Open MPI; torch: torch.distributed ranks "
-                        "(RANK, WORLD_SIZE, MASTER_ADDR=w0 as torchrun sets them; Gloo on eth0)")
+                        "(RANK, WORLD_SIZE, MASTER_ADDR=w0 as torchrun sets them; Gloo on eth0); "
+                        "horovodrun: a Horovod elastic job (Gloo; horovodrun in w0's namespace, "
+                        "ssh to the others; at least half the ranks)")
     r.add_argument("--ranks-per-host", type=int, default=1,
                    help="ranks on each worker host (they share its link and aggregator shard)")
     r.add_argument("--report", metavar="PATH",
@@ -140,7 +145,8 @@ def main(argv: list[str]) -> int:
                     raise ValueError(f"--cpu-per-host must be > 0 or auto, got {a.cpu_per_host}")
             tb = lifecycle.up(Testbed(a.name, a.workers, a.aggregators, a.rate, a.mtu, a.loss,
                                       a.loss_proto, a.transport, a.switch, a.auth,
-                                      cpu_per_host=share))
+                                      cpu_per_host=share,
+                                      aggregator_workers=0 if a.any_job_size else -1))
             _print_status(status(tb))
         elif a.cmd == "down":
             removed = lifecycle.down(a.name)

@@ -7,7 +7,11 @@
 Link faults go through ``lifecycle.update`` (the same as ``hvd-sparse testbed set``): a cut
 link, loss, duplication, reordering on one host's link for ``duration`` seconds, then cleared.
 Aggregator faults act on an aggregator host's process: killed and started again (same address,
-same secret) after ``duration``, or stopped (SIGSTOP) for ``duration`` and continued. Every
+same secret) after ``duration``, or stopped (SIGSTOP) for ``duration`` and continued. A worker
+lost (a Horovod elastic job, ``launch.run_elastic``): every process of a worker host other
+than w0 killed (SIGKILL: the worker and the shell that ran it) and the host taken off the job's
+discovery list for ``duration``, then listed again (the job goes on with the ranks left, then
+grows back). Every
 fault is reverted when it ends, when the injector is stopped, and when applying it failed
 half-way; what was done, and when (``time.time()``, comparable with the ranks' clocks on one
 machine), is in ``done``.
@@ -23,12 +27,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import launch, lifecycle
+from . import launch, lifecycle, links
 from .topology import Testbed
 
 LINK = ("link_down", "loss", "dup", "reorder")
 AGGREGATOR = ("agg_kill", "agg_stop")
-KINDS = LINK + AGGREGATOR
+ELASTIC = ("worker_lost",)  # a Horovod elastic job's worker (launch.run_elastic)
+KINDS = LINK + AGGREGATOR + ELASTIC
 
 
 @dataclass
@@ -52,6 +57,9 @@ class Fault:
             raise ValueError(f"fault kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind in AGGREGATOR and not self.host.startswith("a"):
             raise ValueError(f"{self.kind}: an aggregator host (a0, ...), got {self.host!r}")
+        if self.kind in ELASTIC and (not self.host.startswith("w") or self.host == "w0"):
+            raise ValueError(f"{self.kind}: a worker host other than w0 (which runs "
+                             f"horovodrun), got {self.host!r}")
         if self.kind in ("loss", "dup", "reorder") and not 0 < self.rate < 1:
             raise ValueError(f"{self.kind}: rate must be in (0, 1), got {self.rate}")
 
@@ -78,6 +86,17 @@ def apply(tb: Testbed, f: Fault) -> None:
         os.kill(tb.pids[f.host], signal.SIGKILL)
     elif f.kind == "agg_stop":
         os.kill(tb.pids[f.host], signal.SIGSTOP)
+    elif f.kind == "worker_lost":
+        # off the list first: Horovod's driver must not start its worker there again
+        launch.list_hosts(tb, [h for h in launch.listed_hosts(tb) if h != f.host])
+        lost = links.pids_in(tb.host(f.host).ns)
+        if not lost:
+            raise RuntimeError(f"no process runs on {f.host}")
+        for pid in lost:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def revert(tb: Testbed, f: Fault) -> None:
@@ -100,6 +119,11 @@ def revert(tb: Testbed, f: Fault) -> None:
         tb.save()
     elif f.kind == "agg_stop":
         os.kill(tb.pids[f.host], signal.SIGCONT)
+    elif f.kind == "worker_lost":
+        listed = launch.listed_hosts(tb)
+        if f.host not in listed:
+            launch.list_hosts(tb, [h.name for h in tb.worker_hosts
+                                   if h.name in listed or h.name == f.host])
 
 
 class Injector(threading.Thread):

@@ -1,5 +1,6 @@
 """Processes on the testbed: the aggregator on each aggregator host, and a job with one rank per
-worker host: Horovod under Open MPI, or torch.distributed (torchrun's environment, no launcher).
+worker host: Horovod under Open MPI, torch.distributed (torchrun's environment, no launcher),
+or a Horovod elastic job under horovodrun (``run_elastic``: ssh into the hosts' namespaces).
 
 mpirun runs in the root namespace and each rank in its host's namespace, where the launcher's
 PMIx server (127.0.0.1:PORT in the root namespace) is out of reach: a forwarder listens on
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -90,8 +92,9 @@ def start_aggregator(tb: Testbed, host: str) -> int:
     h = tb.host(host)
     port_file = tb.log_dir() / f"{h.name}.port"
     port_file.unlink(missing_ok=True)
+    workers = tb.workers if tb.aggregator_workers < 0 else tb.aggregator_workers
     cmd = [str(binary()), "--bind", f"{h.ip}:{AGGREGATOR_PORT}", "--workers",
-           str(tb.workers), "--port-file", str(port_file)]
+           str(workers), "--port-file", str(port_file)]
     if tb.auth:
         cmd += ["--secret-file", str(tb.secret_file())]
     if tb.transport == "dpdk":
@@ -289,7 +292,7 @@ def command(tb: Testbed, cmd: Sequence[str], env: dict[str, str], per_host: int 
     return out
 
 
-LAUNCHERS = ("mpirun", "torch")
+LAUNCHERS = ("mpirun", "torch", "horovodrun")
 TORCH_PORT = 29500  # worker 0's rendezvous port (its namespace is the testbed's own)
 
 
@@ -298,7 +301,9 @@ def run(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
         launcher: str = "mpirun", per_host: int = 1) -> subprocess.CompletedProcess:
     """Runs ``cmd`` as ``per_host`` ranks per worker host (ranks 0..per_host-1 on w0, and so
     on) and returns the job's result (its output as text with ``capture``): under mpirun
-    (Horovod), or with ``launcher="torch"`` as torch.distributed ranks (see `torch_env`). Past
+    (Horovod), with ``launcher="torch"`` as torch.distributed ranks (see `torch_env`), or with
+    ``launcher="horovodrun"`` as a Horovod elastic job on every worker host (see
+    `run_elastic`, whose own arguments take more). Past
     ``timeout`` the job is stopped and TimeoutExpired raised; no rank outlives the call either
     way."""
     if not cmd:
@@ -314,6 +319,8 @@ def run(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
               "`testbed run` from one shell or script", file=sys.stderr)
     if launcher == "torch":
         return _run_torch(tb, cmd, env, timeout, capture, per_host)
+    if launcher == "horovodrun":
+        return run_elastic(tb, cmd, env, timeout, capture, per_host)
     fwd = PmixForwarder([h.ns for h in tb.worker_hosts])
     job = job_env(tb, env, per_host)
     full = {**os.environ, **job, "PMIX_MCA_ptl_tcp_ipv4_port": str(fwd.port)}
@@ -397,3 +404,175 @@ def _output(tb: Testbed, logs: list[IO[str]]) -> str:
         host = tb.worker_hosts[r * len(tb.worker_hosts) // len(logs)].name
         parts.append(f"--- rank {r} ({host}) ---\n{log.read()}")
     return "".join(parts)
+
+
+# ---- Horovod elastic: horovodrun in w0's namespace, ssh to the other hosts' namespaces --------
+
+DISCOVERY = "elastic-hosts"  # in the testbed's log folder: what the discovery script prints
+
+# ssh as horovodrun calls it (horovod/runner/util/remote.py: ``ssh -o OPT ... HOST [-p PORT]
+# [-i FILE] [-o OPT] 'cd DIR; env K=V ... CMD'``), for a testbed: the command runs in HOST's
+# namespace (and its CPU budget), where ssh would have run it on HOST, under a hostname of its
+# own (``HOSTNAME``). exec all the way, so that horovodrun's signals, stdin and the command's
+# exit status pass as through ssh.
+SSH_SHIM = """#!/bin/sh
+# ssh for testbed {name}: runs the command in the namespace of the host given by its address
+while [ $# -gt 0 ]; do
+  case "$1" in -o|-p|-i|-l|-F) shift 2 ;; -*) shift ;; *) break ;; esac
+done
+host=$1; shift
+while [ $# -gt 0 ]; do
+  case "$1" in -o|-p|-i|-l|-F) shift 2 ;; -*) shift ;; *) break ;; esac
+done
+case "$host" in
+{cases}
+  *) echo "ssh (testbed {name}): no worker host $host" >&2; exit 255 ;;
+esac
+"""
+
+
+# Each host's processes get a UTS namespace whose hostname is the host's address, as hosts have
+# names of their own that resolve to them: Horovod 0.28.1 builds its process sets' Gloo
+# contexts (the global one's included) without HOROVOD_GLOO_IFACE, so Gloo binds them to the
+# address the hostname resolves to, which for the machine's own name is 127.0.0.1 in every
+# namespace (gloo_context.cc, InitializeForProcessSet: the new context's own empty iface).
+HOSTNAME = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"']
+
+
+def _in_host(tb: Testbed, host: str, argv: list[str]) -> list[str]:
+    """``argv`` in ``host``'s namespace, CPU budget and hostname (its address)."""
+    h = tb.host(host)
+    return cpu.wrap(tb, h.name, ["ip", "netns", "exec", h.ns, *HOSTNAME, h.ip, *argv])
+
+
+def discovery_file(tb: Testbed) -> Path:
+    """The file an elastic job's discovery script prints: one ``address:slots`` a line."""
+    return tb.log_dir() / DISCOVERY
+
+
+def list_hosts(tb: Testbed, hosts: Sequence[str] | None = None, per_host: int = 1) -> None:
+    """Says which worker hosts an elastic job on ``tb`` may run on now (its discovery script
+    reads this at each look, about once a second): ``hosts`` by name ("w0", ...; None: every
+    worker host), ``per_host`` slots each. Written whole (a rename), never half."""
+    names = [h.name for h in tb.worker_hosts] if hosts is None else list(hosts)
+    lines = "".join(f"{tb.host(n).ip}:{per_host}\n" for n in names)
+    path = discovery_file(tb)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(lines)
+    tmp.replace(path)
+
+
+def listed_hosts(tb: Testbed) -> list[str]:
+    """The worker hosts (by name) the discovery file lists now (every worker host if none)."""
+    try:
+        text = discovery_file(tb).read_text()
+    except FileNotFoundError:
+        return [h.name for h in tb.worker_hosts]
+    ips = {line.split(":")[0] for line in text.split()}
+    return [h.name for h in tb.worker_hosts if h.ip in ips]
+
+
+def elastic_env(tb: Testbed, extra: dict[str, str] | None = None, per_host: int = 1
+                ) -> dict[str, str]:
+    """``job_env`` less what is Open MPI's: horovodrun runs Horovod on Gloo (its own
+    HOROVOD_CPU_OPERATIONS=gloo), over eth0 (``--network-interface``)."""
+    env = {k: v for k, v in job_env(tb, None, per_host).items()
+           if not k.startswith("OMPI_") and k != "HOROVOD_CPU_OPERATIONS"}
+    env.update(extra or {})
+    return env
+
+
+def run_elastic(tb: Testbed, cmd: Sequence[str], env: dict[str, str] | None = None,
+                timeout: float | None = None, capture: bool = False, per_host: int = 1,
+                min_np: int = 0, cooldown: tuple[int, int] = (1, 2),
+                log_level: str = "INFO") -> subprocess.CompletedProcess:
+    """Runs ``cmd`` as a Horovod elastic job (``horovodrun --gloo --min-np ... --max-np ...
+    --host-discovery-script``) on ``tb``'s worker hosts, ``per_host`` slots on each.
+
+    horovodrun runs in w0's namespace, so that its driver and rendezvous are at w0's address,
+    reached over the links, and w0's slots are local to it; it starts the other hosts' workers
+    with ``ssh HOST ...``, which a shim first on its PATH (``SSH_SHIM``) runs in HOST's
+    namespace. The hosts are the worker hosts' addresses, as ``list_hosts`` last listed them
+    (every worker host if never; the caller changes the list while the job runs: a host taken
+    off it loses its workers at Horovod's next look, one listed again gets them back). A host
+    whose worker failed is taken back ``cooldown`` seconds (a range) after it is listed again
+    (Horovod's blacklist). No process of the job outlives the call.
+
+    Args:
+        tb: the testbed.
+        cmd: the worker's command ("python ..." runs this interpreter).
+        env: over ``elastic_env``'s (HVD_SPARSE_*, the aggregators, the link rate).
+        timeout: seconds before the job is stopped (then ``TimeoutExpired``).
+        capture: the job's output as text in the result (else it goes to this stdout).
+        per_host: slots per worker host.
+        min_np: the fewest ranks the job goes on with (0: half of them, at least 1).
+        cooldown: Horovod's ``--blacklist-cooldown-range``, seconds.
+        log_level: horovodrun's ``--log-level`` (INFO: its driver's decisions).
+
+    Returns:
+        horovodrun's result (its exit status: 0 when every worker of the last membership
+        succeeded).
+
+    Raises:
+        RuntimeError: horovodrun is not installed beside this interpreter.
+        subprocess.TimeoutExpired: past ``timeout`` (the job stopped).
+    """
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    if not horovodrun.exists():
+        raise RuntimeError(f"testbed: {horovodrun} not found (Horovod; make build installs it)")
+    n = tb.workers * per_host
+    min_np = min_np or max(1, n // 2)
+    if not discovery_file(tb).exists():
+        list_hosts(tb, per_host=per_host)
+    job = elastic_env(tb, env, per_host)
+    w0 = tb.worker_hosts[0]
+    log = tempfile.TemporaryFile("w+") if capture else None
+    with tempfile.TemporaryDirectory(prefix=f"hvd-sparse-{tb.name}-ssh-") as tmp:
+        cases = "\n".join(
+            f"  {h.ip}|{h.name}) exec "
+            f"{shlex.join(_in_host(tb, h.name, ['sh', '-c']))}"
+            ' "$*" ;;' for h in tb.worker_hosts)
+        shim = Path(tmp) / "ssh"
+        shim.write_text(SSH_SHIM.format(name=tb.name, cases=cases))
+        discover = Path(tmp) / "discover.sh"
+        discover.write_text(f"#!/bin/sh\nexec cat {shlex.quote(str(discovery_file(tb)))}\n")
+        for f in (shim, discover):
+            f.chmod(0o755)
+        argv = _in_host(tb, w0.name, [
+            str(horovodrun), "--gloo", "-np", str(n),
+            "--min-np", str(min_np), "--max-np", str(n), "--host-discovery-script",
+            str(discover), "--network-interface", "eth0", "--blacklist-cooldown-range",
+            str(cooldown[0]), str(cooldown[1]), "--log-level", log_level, *_python(cmd)])
+        full = {**os.environ, **job, "PATH": f"{tmp}:{os.environ.get('PATH', '')}"}
+        proc = subprocess.Popen(argv, env=full, stdout=log,
+                                stderr=subprocess.STDOUT if log else None,
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        try:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.terminate()  # horovodrun stops its workers on SIGTERM
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                raise subprocess.TimeoutExpired(argv, timeout or 0, _read_log(log)) from None
+            return subprocess.CompletedProcess(argv, proc.returncode, _read_log(log),
+                                               "" if capture else None)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            # workers horovodrun lost track of, the ssh shims' commands, the discovery script
+            links.kill_processes([h.ns for h in tb.worker_hosts])
+            if log:
+                log.close()
+
+
+def _read_log(log: IO[str] | None) -> str | None:
+    if log is None:
+        return None
+    log.seek(0)
+    return log.read()

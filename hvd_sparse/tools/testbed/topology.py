@@ -56,6 +56,9 @@ class Testbed:
     switch: str = "bridge"  # a Linux bridge, or "emu": the emulated switch (DPDK, MAC learning)
     auth: bool = True  # aggregators take only authenticated jobs (the testbed's secret file)
     cpu_per_host: float = 0.0  # each host's CPU budget in cores (cpu.py); 0: none
+    # the aggregators' --workers: -1 the testbed's workers; 0 jobs of any size (an elastic
+    # job's ranks change as workers leave and come back)
+    aggregator_workers: int = -1
     hosts: list[Host] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # aggregator host -> its process
 
