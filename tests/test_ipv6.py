@@ -135,3 +135,19 @@ def test_whereabouts_lists_addresses_peers_can_use():
     assert not any(a.is_loopback or a.is_link_local for a in addrs), addrs
     versions = [a.version for a in addrs]
     assert versions == sorted(versions), addrs
+
+
+@pytest.mark.unit
+def test_an_ipv6_testbed_gives_hosts_ipv6_addresses_and_refuses_ipv4_only_parts():
+    from hvd_sparse.tools.testbed import loss, topology
+
+    tb = topology.Testbed("v6unit", workers=2, aggregators=2, ipv6=True)
+    assert [h.ip6 for h in tb.hosts] == ["fd77::1", "fd77::2", "fd77::101", "fd77::102"]
+    assert tb.aggregator_addresses() == "[fd77::101]:9999,[fd77::102]:9999"
+    assert topology.Testbed("v4unit", workers=1).hosts[0].ip6 == ""
+    tb.hosts[1].dup = 0.5  # copies of frames to w1 are chosen by either of its addresses
+    rules = loss._dup_table(tb, "")
+    assert "ip daddr 10.77.0.2 " in rules and "ip6 daddr fd77::2 " in rules, rules
+    for kw in ({"switch": "emu"}, {"transport": "dpdk"}):
+        with pytest.raises(ValueError, match="IPv4"):
+            topology.Testbed("v6unit", ipv6=True, **kw)

@@ -26,6 +26,7 @@ from pyroute2 import netns
 
 from ...aggregator import binary
 from ...auth import write_secret_file
+from ...config import format_address
 from . import cpu, links
 from .topology import AGGREGATOR_PORT, Testbed
 
@@ -90,7 +91,7 @@ def start_aggregator(tb: Testbed, host: str) -> int:
     h = tb.host(host)
     port_file = tb.log_dir() / f"{h.name}.port"
     port_file.unlink(missing_ok=True)
-    cmd = [str(binary()), "--bind", f"{h.ip}:{AGGREGATOR_PORT}", "--workers",
+    cmd = [str(binary()), "--bind", format_address(tb.address(h), AGGREGATOR_PORT), "--workers",
            str(tb.workers), "--port-file", str(port_file)]
     if tb.auth:
         cmd += ["--secret-file", str(tb.secret_file())]

@@ -9,10 +9,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ... import runfile
+from ...config import format_address
 from ...protocol import AGGREGATOR_PORT
 
 STATE_DIR = Path(os.environ.get("HVD_SPARSE_TESTBED_DIR", "/run/hvd-sparse"))
 SUBNET = "10.77.0"  # every testbed has its own switch, so testbeds never see each other's
+SUBNET6 = "fd77::"  # with ``ipv6``: a unique-local /64 beside the IPv4 one
 
 
 MAX_RATE = 8 * (2**32 - 1)  # tbf's rate field: 32-bit bytes per second (about 34 Gbit/s)
@@ -36,6 +38,7 @@ class Host:
     dup: float = 0.0  # share of frames to and from it the switch sends twice
     reorder: float = 0.0  # share of frames to and from it the switch holds back (reordered)
     rate: str = ""  # its link's rate when set apart from the testbed's
+    ip6: str = ""  # its IPv6 address on a testbed with ``ipv6`` ("": none)
 
     @property
     def port(self) -> str:
@@ -56,6 +59,9 @@ class Testbed:
     switch: str = "bridge"  # a Linux bridge, or "emu": the emulated switch (DPDK, MAC learning)
     auth: bool = True  # aggregators take only authenticated jobs (the testbed's secret file)
     cpu_per_host: float = 0.0  # each host's CPU budget in cores (cpu.py); 0: none
+    # Hosts get IPv6 addresses (fd77::N) beside their IPv4 ones, and the aggregators bind
+    # and are reached at those (MPI keeps IPv4); the udp transport and the bridge only.
+    ipv6: bool = False
     hosts: list[Host] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # aggregator host -> its process
 
@@ -73,12 +79,19 @@ class Testbed:
             raise ValueError("transport must be 'udp' or 'dpdk'")
         if self.switch not in ("bridge", "emu"):
             raise ValueError("switch must be 'bridge' or 'emu'")
+        if self.ipv6 and (self.transport != "udp" or self.switch != "bridge"):
+            raise ValueError("ipv6 needs the udp transport and the bridge switch: the DPDK "
+                             "aggregator and the emulated switch build Ethernet/IPv4/UDP frames "
+                             "and answer ARP only (docs/PROTOCOL.md, Transports and frames)")
         parse_rate(self.rate)
         if not self.hosts:
-            self.hosts = [Host(f"w{i}", f"{self.name}-w{i}", f"{SUBNET}.{i + 1}")
+            def v6(n: int) -> str:
+                return f"{SUBNET6}{n}" if self.ipv6 else ""
+
+            self.hosts = [Host(f"w{i}", f"{self.name}-w{i}", f"{SUBNET}.{i + 1}", ip6=v6(i + 1))
                           for i in range(self.workers)]
-            self.hosts += [Host(f"a{k}", f"{self.name}-a{k}", f"{SUBNET}.{101 + k}")
-                           for k in range(self.aggregators)]
+            self.hosts += [Host(f"a{k}", f"{self.name}-a{k}", f"{SUBNET}.{101 + k}",
+                                ip6=v6(101 + k)) for k in range(self.aggregators)]
 
     @property
     def switch_ns(self) -> str:
@@ -112,9 +125,14 @@ class Testbed:
         raise KeyError(f"testbed {self.name!r} has no host {name!r} "
                        f"(hosts: {', '.join(h.name for h in self.hosts)})")
 
+    def address(self, h: Host) -> str:
+        """Where jobs reach host ``h``'s aggregator: its IPv6 address with ``ipv6``."""
+        return h.ip6 if self.ipv6 else h.ip
+
     def aggregator_addresses(self) -> str:
         """HVD_SPARSE_AGGREGATORS for jobs on this testbed."""
-        return ",".join(f"{h.ip}:{AGGREGATOR_PORT}" for h in self.aggregator_hosts)
+        return ",".join(format_address(self.address(h), AGGREGATOR_PORT)
+                        for h in self.aggregator_hosts)
 
     @staticmethod
     def state_path(name: str) -> Path:
