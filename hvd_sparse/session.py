@@ -467,9 +467,8 @@ def _register(cfg: Config, comm: Collectives, session: Session) -> None:
     log.warning("hvd_sparse: aggregator(s) %s did not answer every rank (rank %d: %s); the "
                 "job aggregates over the %d others, and takes them back once they answer (at "
                 "a look with fallback='dense', else at the next join)",
-                [format_address(h, p) for h, p in session.addrs if (h, p) not in live], rank,
-                first,
-                len(live))
+                [format_address(h, p) for h, p in session.addrs if (h, p) not in live],
+                rank, first, len(live))
     why = session.regroup(live)
     whys = [w for w in comm.allgather_object(why, "hvd_sparse.omni.regrouped") if w]
     if whys:
@@ -674,12 +673,12 @@ def _family(addr: str) -> socket.AddressFamily:
 def _bind_address(host: str) -> str:
     """Where the job's own aggregators bind, given the address workers reach them at: that
     address itself when it is a loopback one (reached from this host only anyway), else
-    every address of its family (0.0.0.0, or :: for IPv6, which takes IPv4 too)."""
+    every address of its family (0.0.0.0, or :: for IPv6, which takes IPv4 too). A name this
+    host cannot resolve (one only the workers' side knows): 0.0.0.0."""
     try:
         ip = ipaddress.ip_address(resolve(host))
-    except (OSError, ValueError) as e:
-        raise HvdSparseError(f"hvd_sparse: the aggregators' address {host!r} "
-                             f"(HVD_SPARSE_AGGREGATOR_HOST) does not resolve: {e}") from e
+    except (OSError, ValueError):
+        return "0.0.0.0"
     if ip.is_loopback:
         return str(ip)
     return "::" if ip.version == 6 else "0.0.0.0"

@@ -109,9 +109,11 @@ def test_resolve_prefers_ipv4_then_ipv6():
 
 @pytest.mark.integration
 @pytest.mark.parametrize("host,bind", [("::1", "::1"), ("127.0.0.1", "127.0.0.1"),
-                                       ("fd00::5", "::"), ("10.9.9.9", "0.0.0.0")])
+                                       ("fd00::5", "::"), ("10.9.9.9", "0.0.0.0"),
+                                       ("no-such-host.invalid", "0.0.0.0")])
 def test_local_aggregators_bind_the_family_of_their_address(host, bind):
-    """Loopback: that address alone; else every address of the family (:: takes IPv4 too)."""
+    """Loopback: that address alone; else every address of the family (:: takes IPv4 too); a
+    name only the workers resolve: every IPv4 address, as before IPv6."""
     assert session._bind_address(host) == bind
 
 
