@@ -105,7 +105,8 @@ $(CUDA_CHECK)/ok: $(CUDA_SRC) | setup
 # The aggregator and the emulated switch (the code that parses what the network sends) built
 # with AddressSanitizer and UBSan, any finding fatal, under the tests that drive them with real
 # and malformed packets: fuzzed junk, loss, duplication and reordering, sums of every dtype,
-# the command line; the switch's raw jobs, control plane and forged frames on the testbed.
+# the command line, IPv6 and dual-stack sockets; the switch's raw jobs, control plane and
+# forged frames on the testbed.
 SANITIZE := build/sanitize/hvd-sparse-aggregator
 SANITIZE_SWITCH := build/sanitize/hvd-sparse-switch
 SANITIZE_FLAGS := -O1 -g -std=c++17 -march=x86-64-v2 -Wall -pthread -fno-omit-frame-pointer \
@@ -124,7 +125,8 @@ sanitize: dev
 	  ASAN_OPTIONS=log_path=$(CURDIR)/build/sanitize/report:detect_leaks=1 \
 	  UBSAN_OPTIONS=log_path=$(CURDIR)/build/sanitize/report:print_stacktrace=1 \
 	  $(PY) -m pytest -q tests/test_aggregator_junk.py tests/test_aggregator_loss.py \
-	  tests/test_aggregator_sums.py tests/test_aggregator_cli.py tests/test_aggregator_jobs.py
+	  tests/test_aggregator_sums.py tests/test_aggregator_cli.py tests/test_aggregator_jobs.py \
+	  tests/test_ipv6.py
 	@# DPDK's EAL keeps its memory to the end: leaks are not the switch's to report
 	@HVD_SPARSE_SWITCH_BINARY=$(CURDIR)/$(SANITIZE_SWITCH) \
 	  ASAN_OPTIONS=log_path=$(CURDIR)/build/sanitize/report:detect_leaks=0 \

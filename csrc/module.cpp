@@ -10,6 +10,7 @@ void register_omni(pybind11::module_& m);             // csrc/omni/worker/bindin
 void register_aggregation(pybind11::module_& m);      // csrc/omni/aggregator/binding.cpp
 void register_aggregator_core(pybind11::module_& m);  // csrc/omni/aggregator/binding.cpp
 void register_auth(pybind11::module_& m);             // csrc/omni/aggregator/binding.cpp
+void register_endpoint(pybind11::module_& m);         // csrc/omni/aggregator/binding.cpp
 void register_switch_pipeline(pybind11::module_& m);  // csrc/switch/binding.cpp
 }  // namespace omni
 }  // namespace hvd_sparse
@@ -28,5 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   hvd_sparse::omni::register_aggregation(m);  // the base of the next two
   hvd_sparse::omni::register_aggregator_core(m);
   hvd_sparse::omni::register_auth(m);
+  hvd_sparse::omni::register_endpoint(m);
   hvd_sparse::omni::register_switch_pipeline(m);
 }

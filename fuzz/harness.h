@@ -81,14 +81,16 @@ inline uint8_t control(unsigned from, bool seal = false, bool tick = false, unsi
 
 // Peer k: 10.0.0.(k+1), port 5000 + k.
 inline Endpoint peer(unsigned k) {
-  Endpoint e;
-  e.ip = htonl(0x0A000001u + k);
-  e.port = htons(uint16_t(5000 + k));
-  return e;
+  return Endpoint::v4(htonl(0x0A000001u + k), htons(uint16_t(5000 + k)));
 }
 inline Endpoint sender(uint8_t ctl, unsigned npeers) {
   const unsigned k = ctl & 7;
   if (k < 4) return peer(k % npeers);
+  if (k == 7) {  // IPv6 ::a00:1 (peer 0's 32 bits, not v4-mapped), peer 0's port: a stranger
+    Endpoint e = peer(0);
+    e.addr[10] = e.addr[11] = 0;
+    return e;
+  }
   Endpoint e = peer(k == 4 ? 0 : k);  // 4: peer 0's address with another port
   e.port = htons(uint16_t(6000 + k));
   return e;

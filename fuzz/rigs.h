@@ -71,7 +71,7 @@ struct SwitchConfig {
     if (automatic) return;
     std::vector<uint32_t> ips;
     if (bound)
-      for (unsigned k = 0; k < n; ++k) ips.push_back(peer(k).ip);
+      for (unsigned k = 0; k < n; ++k) ips.push_back(peer(k).ip4());
     sw.install(kToken, uint16_t(n), groups, now, ips);
   }
 };

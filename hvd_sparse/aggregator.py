@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .auth import write_secret_file
+from .config import format_address
 from .errors import HvdSparseError
 
 log = logging.getLogger("hvd_sparse")
@@ -43,7 +44,8 @@ class LocalAggregators:
     several hosts share one (session.py, colocated layout). ``args``: more of the binary's
     options (e.g. its fault injection, ``--drop-rate-out``), the same for each. A directory
     of their own (no ``log_dir``) goes when they stop, unless one of them had exited with an
-    error: then only the secret goes, and a warning names the directory with their logs."""
+    error: then only the secret goes, and a warning names the directory with their logs.
+    ``bind``: the address they bind (port 0: any free one), IPv4 or IPv6 ("::": both)."""
 
     def __init__(self, count: int, workers: int, bind: str, log_dir: str | None = None,
                  secret: bool | bytes = False, args: Sequence[str] = (),
@@ -68,9 +70,9 @@ class LocalAggregators:
                 port_file.unlink(missing_ok=True)
                 with open(self.dir / f"agg{i}.log", "w") as out:  # (the child keeps its own)
                     self.procs.append(subprocess.Popen(
-                        [str(binary()), "--bind", f"{bind}:0", "--workers", str(workers),
-                         "--parent-pid", str(os.getpid()), "--port-file", str(port_file),
-                         *extra, *args],
+                        [str(binary()), "--bind", format_address(bind, 0), "--workers",
+                         str(workers), "--parent-pid", str(os.getpid()), "--port-file",
+                         str(port_file), *extra, *args],
                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
                 self.ports.append(self._wait_port(port_file, self.procs[-1], i))
         except BaseException:

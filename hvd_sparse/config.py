@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import math
 import os
@@ -33,8 +34,10 @@ class Config:
         cache_dir: where the probed network model is cached.
         log_level: the level of the library's logger (``logging.getLogger("hvd_sparse")``).
         threads: codec threads per rank; 0: cores / ranks on this host.
-        aggregators: omnireduce: "host:port,..." (or a list) of running aggregators; empty:
-            the job starts its own (``aggregator_layout``).
+        aggregators: omnireduce: "host:port,..." (or a list) of running aggregators, each
+            a name, an IPv4 address or an IPv6 one in brackets ("[fd00::1]:9999"); a name
+            with both IPv4 and IPv6 addresses is reached over IPv4. Empty: the job starts its
+            own (``aggregator_layout``).
         aggregator_layout: where the job's own aggregators run: "colocated", on every host of
             the job (its lowest rank starts them, slots spread over all: every host link
             carries about the same bytes); "rank0", all on rank 0's host; "auto": colocated
@@ -43,7 +46,8 @@ class Config:
             ranks they serve (the host's own when colocated, the job's on rank 0's host), at
             least 1; 0: none.
         aggregator_host: the address workers reach the job's own aggregators at (each host's
-            own: its environment's value when colocated); "": automatic.
+            own: its environment's value when colocated), a name, an IPv4 or an IPv6 address
+            (bare or in brackets); "": automatic.
         fallback: when aggregation fails: "error" raises, "dense" redoes it dense.
         auth: omnireduce: authenticate every packet to and from the aggregators
             (docs/PROTOCOL.md "Authentication"); turn off only on a fabric no one else can
@@ -54,8 +58,9 @@ class Config:
         fixed_point: omnireduce: send values as int32 fixed point with one agreed exponent per
             tensor (what a switch sums; docs/PROTOCOL.md "Fixed point"); tensors holding
             NaN/Inf go dense.
-        switch: scheme "switch": the in-network aggregator ("ip:port"; set by ``hvd-sparse
-            testbed run`` when the testbed's switch is the emulator); "": none.
+        switch: scheme "switch": the in-network aggregator ("ip:port", "[ipv6]:port"; set by
+            ``hvd-sparse testbed run`` when the testbed's switch is the emulator, which is
+            IPv4 only); "": none.
         switch_control: the switch's control socket: rank 0 installs the job there with every
             worker's address, so that the switch takes the job's packets from those hosts only
             (set by ``hvd-sparse testbed run``); "": the switch must install jobs at their
@@ -152,6 +157,8 @@ class Config:
         self.aggregator_list()
         self.switch_address()
         self.port_range()
+        if self.aggregator_host:
+            self.aggregator_host = _host("aggregator_host", str(self.aggregator_host))
         return self
 
     def port_range(self) -> tuple[int, int]:
@@ -184,10 +191,11 @@ class Config:
         """``aggregators`` parsed.
 
         Returns:
-            [(host, port), ...]; empty when none is configured.
+            [(host, port), ...], an IPv6 address without its brackets; empty when none is
+            configured.
 
         Raises:
-            ValueError: an entry is not ``host:port``.
+            ValueError: an entry is not ``host:port`` or ``[IPv6]:port``.
         """
         items = self.aggregators
         if isinstance(items, str):
@@ -195,7 +203,8 @@ class Config:
         out = []
         for item in items:
             if isinstance(item, tuple | list):
-                out.append((str(item[0]), int(item[1])))
+                out.append(_address("aggregators", format_address(str(item[0]).strip("[]"),
+                                                                  item[1])))
                 continue
             item = item.strip()
             if item:
@@ -209,7 +218,7 @@ class Config:
             (ip, port), or None when no switch is configured.
 
         Raises:
-            ValueError: it is not ``ip:port``.
+            ValueError: it is not ``ip:port`` or ``[IPv6]:port``.
         """
         return _address("switch", self.switch.strip()) if self.switch.strip() else None
 
@@ -221,12 +230,58 @@ def _finite_positive(x: float) -> bool:
         return False
 
 
+ACCEPTED = ("host:port, IPv4:port or [IPv6]:port (e.g. node1:9999, 10.0.0.1:9999, "
+            "[fd00::1]:9999), port in 1..65535")
+
+
+def format_address(host: str, port: int | str) -> str:
+    """``host:port``, an IPv6 address in brackets (``[fd00::1]:9999``).
+
+    Args:
+        host: a name, an IPv4 or an IPv6 address (without brackets).
+        port: the port.
+
+    Returns:
+        The text that ``aggregators`` and ``switch`` accept.
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _host(option: str, host: str, item: str | None = None) -> str:
+    """``host`` checked: an IPv6 literal (brackets stripped) that is not link-local, or
+    anything without a colon (a name or an IPv4 address, resolved when used)."""
+    item = host if item is None else item
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if ":" not in bare and bare == host and bare.strip() and not any(c.isspace() for c in bare):
+        return bare
+    what = (ACCEPTED if item is not host else
+            "a name, an IPv4 address or an IPv6 one (fd00::1 or [fd00::1])")
+    try:
+        ip = ipaddress.IPv6Address(bare)
+    except ValueError:
+        raise ValueError(f"{option}: expected {what}, got {item!r}") from None
+    if ip.is_link_local or ip.scope_id:
+        raise ValueError(f"{option}: link-local IPv6 addresses (fe80::/10, %zone) are not "
+                         f"supported (they need an interface): expected {what} with a global "
+                         f"or unique-local (fd00::/8) address, got {item!r}")
+    return str(ip)
+
+
 def _address(option: str, item: str) -> tuple[str, int]:
-    host, _, port = item.rpartition(":")
+    if item.startswith("["):  # [IPv6]:port
+        host, sep, port = item.rpartition("]:")
+        host += "]" if sep else ""
+    else:
+        host, _, port = item.rpartition(":")
+        if ":" in host:  # "fd00::1:9999": where the address ends is a guess
+            raise ValueError(f"{option}: an IPv6 address takes brackets before its port "
+                             f"([fd00::1]:9999): expected {ACCEPTED}, got {item!r}")
     # ASCII digits (str.isdigit takes "²", which int() refuses), a port a socket can reach
     if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{option}: expected host:port with a port in 1..65535, got {item!r}")
-    return host, int(port)
+        raise ValueError(f"{option}: expected {ACCEPTED}, got {item!r}")
+    if host.startswith("[") != host.endswith("]") or host == "[]":
+        raise ValueError(f"{option}: expected {ACCEPTED}, got {item!r}")
+    return _host(option, host, item), int(port)
 
 
 def _parse(env: str, kind: type) -> object:

@@ -37,19 +37,18 @@ from ._protocol import layout as _layout
 from ._protocol import stream_block as _stream_block
 from ._protocol import stream_length as _stream_length
 
-# The constants, as named in protocol.h: MAGIC, VERSION, HEADER_BYTES, BITMAP_BYTES, LANE_BYTES
-# (per lane: {uint32 offset, uint32 next}), INF (lane position "none"), MAX_LANES, MAX_WORKERS,
-# MAX_DATAGRAM (largest UDP payload over IPv4), AGGREGATOR_PORT (the UDP port of the docs,
-# testbed and images). Authentication: a packet flagged AUTH ends with AUTH_BYTES of trailer,
-# {uint64 sequence number, TAG_BYTES of GMAC tag}; an aggregator's sender id in the nonce is
-# AGGREGATOR_SENDER + its index in the job's list (a worker's: its worker id). HELD_AFTER:
-# seconds a round waits before a resend into it is answered HELD. The switch's
-# (docs/PROTOCOL.md "In-network aggregation"), the emulator's defaults and what its program
-# declares: SWITCH_VALUES_PER_PASS (int32 values one pass sums, 256 B), SWITCH_CELLS_PER_SLOT
-# (cells, i.e. passes, one slot holds), SWITCH_MAX_WORKERS (workers per job: a 32-bit
-# seen-bitmap), SWITCH_CELLS (cells of the register pool). A switch's REGACK carries the
-# geometry it actually has, which the worker engine reads (OmniWorker.slot_geometry(),
-# payload_bytes()).
+# The constants, as named in protocol.h: MAGIC, VERSION, HEADER_BYTES, BITMAP_BYTES, LANE_BYTES (per
+# lane: {uint32 offset, uint32 next}), INF (lane position "none"), MAX_LANES, MAX_WORKERS,
+# MAX_DATAGRAM (largest UDP payload over IPv4, and below IPv6's), AGGREGATOR_PORT (the UDP port of
+# the docs, testbed and images). Authentication: a packet flagged AUTH ends with AUTH_BYTES of
+# trailer, {uint64 sequence number, TAG_BYTES of GMAC tag}; an aggregator's sender id in the nonce
+# is AGGREGATOR_SENDER + its index in the job's list (a worker's: its worker id). HELD_AFTER:
+# seconds a round waits before a resend into it is answered HELD. The switch's (docs/PROTOCOL.md
+# "In-network aggregation"), the emulator's defaults and what its program declares:
+# SWITCH_VALUES_PER_PASS (int32 values one pass sums, 256 B), SWITCH_CELLS_PER_SLOT (cells, i.e.
+# passes, one slot holds), SWITCH_MAX_WORKERS (workers per job: a 32-bit seen-bitmap), SWITCH_CELLS
+# (cells of the register pool). A switch's REGACK carries the geometry it actually has, which the
+# worker engine reads (OmniWorker.slot_geometry(), payload_bytes()).
 __all__ = ["AGGREGATOR_PORT", "AGGREGATOR_SENDER", "AUTH_BYTES", "BITMAP_BYTES", "DTYPES",
            "ELEM_SIZE", "ERRORS", "FIELDS", "FIXED32", "FLAGS", "HEADER_BYTES", "HELD_AFTER",
            "INF", "LANE_BYTES", "MAGIC", "MAX_DATAGRAM", "MAX_LANES", "MAX_WORKERS",

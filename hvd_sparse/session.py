@@ -12,6 +12,7 @@ rank derives the same id whatever order it submits in.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import math
 import os
@@ -29,7 +30,7 @@ from . import auth, costmodel, logs, protocol, runfile, switch_control
 from ._C import AggregatorTimeout, OmniWorker, set_threads
 from .aggregator import LocalAggregators
 from .comm import Collectives
-from .config import Config
+from .config import Config, format_address
 from .errors import HvdSparseError
 from .fixedpoint import exponent
 
@@ -182,8 +183,7 @@ class Session:
         probe, ip, _ = self._probes.pop(addr, (None, "", 0.0))
         sent = time.monotonic()  # before the REGISTER: on loopback its REGACK beats any later read
         try:
-            now_ip = socket.getaddrinfo(addr[0], addr[1], socket.AF_INET,
-                                        socket.SOCK_DGRAM)[0][4][0]
+            now_ip = resolve(addr[0])
             if probe is not None and now_ip != ip:
                 probe.close()
                 probe = None
@@ -196,7 +196,7 @@ class Session:
         except AggregatorTimeout:
             pass
         except (OSError, RuntimeError) as e:  # a name that does not resolve (yet), a refusal
-            log.debug("hvd_sparse: probing aggregator %s:%d: %s", *addr, e)
+            log.debug("hvd_sparse: probing aggregator %s: %s", format_address(*addr), e)
         self._probes[addr] = (probe, ip, sent)
 
     def _record(self, member: Membership) -> None:
@@ -344,8 +344,8 @@ def join_switch(cfg: Config, comm: Collectives,
                          "min").value()
     control = _install_on_switch(cfg, comm, member, addr) if cfg.switch_control else None
     if isinstance(control, str):
-        log.warning("hvd_sparse: the switch at %s:%d cannot aggregate this job (%s); scheme "
-                    "'switch' falls back", *addr, control)
+        log.warning("hvd_sparse: the switch at %s cannot aggregate this job (%s); scheme "
+                    "'switch' falls back", format_address(*addr), control)
         return None
     session = _open(cfg, comm, [addr], token, None, int(mtu), switch=True, control=control,
                     epoch=member.epoch)
@@ -358,10 +358,10 @@ def join_switch(cfg: Config, comm: Collectives,
     if any(refused):
         session.close()
         rank, why = next((r, w) for r, w in enumerate(refused) if w)
-        log.warning("hvd_sparse: the switch at %s:%d cannot aggregate this job (rank %d: %s); "
-                    "scheme 'switch' falls back", *addr, rank, why)
+        log.warning("hvd_sparse: the switch at %s cannot aggregate this job (rank %d: %s); "
+                    "scheme 'switch' falls back", format_address(*addr), rank, why)
         return None
-    log.debug("hvd_sparse: switch %s:%d joined", *addr)
+    log.debug("hvd_sparse: switch %s joined", format_address(*addr))
     return session
 
 
@@ -469,8 +469,8 @@ def _register(cfg: Config, comm: Collectives, session: Session) -> None:
     log.warning("hvd_sparse: aggregator(s) %s did not answer every rank (rank %d: %s); the "
                 "job aggregates over the %d others, and takes them back once they answer (at "
                 "a look with fallback='dense', else at the next join)",
-                [f"{h}:{p}" for h, p in session.addrs if (h, p) not in live], rank, first,
-                len(live))
+                [format_address(h, p) for h, p in session.addrs if (h, p) not in live],
+                rank, first, len(live))
     why = session.regroup(live)
     whys = [w for w in comm.allgather_object(why, "hvd_sparse.omni.regrouped") if w]
     if whys:
@@ -529,7 +529,7 @@ def _local(cfg: Config, comm: Collectives, token: int
         try:
             others = [w[2] for r, w in enumerate(where) if r not in mine]
             host = cfg.aggregator_host or ("127.0.0.1" if together else _address_toward(others))
-            local = LocalAggregators(count, comm.size, "127.0.0.1" if together else "0.0.0.0",
+            local = LocalAggregators(count, comm.size, _bind_address(host),
                                      secret=secret or cfg.auth, ports=cfg.port_range())
             reply = [(host, p) for p in local.ports]
         except (HvdSparseError, OSError) as e:  # every rank must hear of it, not wait
@@ -625,7 +625,9 @@ def _start_run_file(cfg: Config, comm: Collectives, net: costmodel.NetModel,
 
 
 def _whereabouts() -> tuple[str, int, list[str]]:
-    """(kernel boot id, network namespace, IPv4 addresses): what tells ranks apart."""
+    """(kernel boot id, network namespace, addresses): what tells ranks apart, and where
+    they are reached: IPv4 addresses first, then IPv6 ones (neither loopback nor link-local,
+    which a peer cannot use without an interface)."""
     import psutil
     try:
         boot = open("/proc/sys/kernel/random/boot_id").read().strip()
@@ -635,20 +637,65 @@ def _whereabouts() -> tuple[str, int, list[str]]:
         netns = os.stat("/proc/self/ns/net").st_ino
     except OSError:
         netns = 0
-    addrs = [a.address for nic in psutil.net_if_addrs().values() for a in nic
-             if a.family == socket.AF_INET and not a.address.startswith(("127.", "169.254."))]
-    return boot, netns, addrs
+    addrs: dict[int, list[str]] = {socket.AF_INET: [], socket.AF_INET6: []}
+    for nic in psutil.net_if_addrs().values():
+        for a in nic:
+            if a.family in addrs:
+                ip = ipaddress.ip_address(a.address.split("%")[0])
+                if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
+                    addrs[a.family].append(str(ip))
+    return boot, netns, addrs[socket.AF_INET] + addrs[socket.AF_INET6]
+
+
+def resolve(host: str) -> str:
+    """The address ``host`` is reached at, as the worker engine resolves it
+    (csrc/omni/worker/worker.cpp): its first IPv4 address, else its first IPv6 one.
+
+    Args:
+        host: a name or an IP literal.
+
+    Returns:
+        The address, as text.
+
+    Raises:
+        OSError: it does not resolve (socket.gaierror) or has neither kind of address.
+    """
+    infos = socket.getaddrinfo(host.strip("[]"), None, socket.AF_UNSPEC, socket.SOCK_DGRAM)
+    for family in (socket.AF_INET, socket.AF_INET6):
+        for fam, _, _, _, sockaddr in infos:
+            if fam == family:
+                return str(sockaddr[0])
+    raise OSError(f"{host} has no IPv4 or IPv6 address")
+
+
+def _family(addr: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+
+def _bind_address(host: str) -> str:
+    """Where the job's own aggregators bind, given the address workers reach them at: that
+    address itself when it is a loopback one (reached from this host only anyway), else
+    every address of its family (0.0.0.0, or :: for IPv6, which takes IPv4 too). A name this
+    host cannot resolve (one only the workers' side knows): 0.0.0.0."""
+    try:
+        ip = ipaddress.ip_address(resolve(host))
+    except (OSError, ValueError):
+        return "0.0.0.0"
+    if ip.is_loopback:
+        return str(ip)
+    return "::" if ip.version == 6 else "0.0.0.0"
 
 
 def _address_toward(peers: list[list[str]]) -> str:
     """The address of this host that the routing table uses toward the other ranks: the
-    one they can reach it at (no default route needed, unlike probing a far address)."""
+    one they can reach it at (no default route needed, unlike probing a far address), of
+    the family of the first peer address that has a route."""
     for addrs in peers:
         for addr in addrs:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            with socket.socket(_family(addr), socket.SOCK_DGRAM) as s:
                 try:
                     s.connect((addr, 9))  # no packet is sent: this only picks a route
-                    return s.getsockname()[0]
+                    return str(s.getsockname()[0])
                 except OSError:
                     continue
     raise HvdSparseError("hvd_sparse: no route from rank 0 to any address of the other ranks "
@@ -656,14 +703,23 @@ def _address_toward(peers: list[list[str]]) -> str:
 
 
 IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux <linux/in.h>
+IPV6_MTU = getattr(socket, "IPV6_MTU", 24)  # Linux <linux/in6.h>
 
 
 def _max_datagram(host: str, port: int) -> int:
-    """The largest UDP payload that reaches (host, port) in one frame: path MTU - 28."""
+    """The largest UDP payload that reaches (host, port) in one frame: path MTU - 28 over
+    IPv4, - 48 over IPv6 (its header is 40 bytes)."""
     cap = protocol.MAX_DATAGRAM
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, port))
+    try:
+        ip = resolve(host)
+    except OSError:
+        return cap
+    v6 = _family(ip) == socket.AF_INET6
+    try:
+        with socket.socket(_family(ip), socket.SOCK_DGRAM) as s:
+            s.connect((ip, port))
+            if v6:
+                return min(cap, s.getsockopt(socket.IPPROTO_IPV6, IPV6_MTU) - 48)
             return min(cap, s.getsockopt(socket.IPPROTO_IP, IP_MTU) - 28)
-        except OSError:
-            return cap
+    except OSError:
+        return cap

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hvd_sparse import aggregator, blocks, protocol
+from hvd_sparse.config import format_address
 from hvd_sparse.tools import wire
 
 HOST = "127.0.0.1"
@@ -35,16 +36,18 @@ WAIT = 60.0  # generous: the test machine is shared and loaded
 # ------------------------------------------------------------------------------------------
 
 class Agg:
-    """One aggregator process; its stdout (the stats lines) goes to a file."""
+    """One aggregator process; its stdout (the stats lines) goes to a file. ``host``: the
+    address it binds, an IPv6 one bare ("::1"; "::": both families, reached at ::1)."""
 
-    def __init__(self, directory: Path, workers: int, flags: tuple[str, ...]) -> None:
+    def __init__(self, directory: Path, workers: int, flags: tuple[str, ...],
+                 host: str = HOST) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.log = directory / "stdout.log"
         port_file = directory / "port"
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                [str(aggregator.binary()), "--bind", f"{HOST}:0", "--port-file", str(port_file),
-                 "--workers", str(workers), *flags],
+                [str(aggregator.binary()), "--bind", format_address(host, 0), "--port-file",
+                 str(port_file), "--workers", str(workers), *flags],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 15
         while not port_file.exists():
@@ -53,7 +56,7 @@ class Agg:
                 raise RuntimeError(f"aggregator did not start: {self.log.read_text()}")
             time.sleep(0.005)
         self.port = int(port_file.read_text())
-        self.addr = (HOST, self.port)
+        self.addr = ({"::": "::1", "0.0.0.0": HOST}.get(host, host), self.port)
 
     def stat_lines(self) -> list[dict]:
         prefix = "hvd-sparse aggregator stats "

@@ -74,13 +74,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def aggs(tmp_path):
-    """start(workers, *flags) -> a running aggregator process; all killed at teardown."""
-    from aggregator_helpers import Agg
+    """start(workers, *flags, host=...) -> a running aggregator process bound to host
+    (aggregator_helpers.HOST by default); all killed at teardown."""
+    from aggregator_helpers import HOST, Agg
 
     started: list = []
 
-    def start(workers: int, *flags: str):
-        a = Agg(tmp_path / f"agg{len(started)}", workers, flags)
+    def start(workers: int, *flags: str, host: str = HOST):
+        a = Agg(tmp_path / f"agg{len(started)}", workers, flags, host)
         started.append(a)
         return a
 

@@ -19,10 +19,15 @@ from aggregator_helpers import (
 )
 
 from hvd_sparse import _C
+from hvd_sparse.config import format_address
+
+# The aggregator and its workers over IPv4 and over IPv6 (loopback): the same protocol
+FAMILIES = pytest.mark.parametrize("host", [HOST, "::1"], ids=["ipv4", "ipv6"])
 
 
-def test_two_jobs_share_an_aggregator_without_mixing(aggs, make_workers):
-    agg = aggs(2)
+@FAMILIES
+def test_two_jobs_share_an_aggregator_without_mixing(aggs, make_workers, host):
+    agg = aggs(2, host=host)
     a = make_workers([agg], 2, token=111, payload_bytes=1024, slots_per_aggregator=4)
     b = make_workers([agg], 2, token=222, payload_bytes=1024, slots_per_aggregator=4)
     rng = np.random.default_rng(2)
@@ -63,15 +68,16 @@ def test_register_refused_for_a_job_of_another_size(aggs, make_workers):
     assert agg.stats()["jobs"] == 0
 
 
-def test_register_with_nobody_listening_times_out_naming_the_address(make_workers):
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind((HOST, 0))
+@FAMILIES
+def test_register_with_nobody_listening_times_out_naming_the_address(make_workers, host):
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((host, 0))
     port = s.getsockname()[1]
     s.close()
-    w = _C.OmniWorker([(HOST, port)], 5, 0, 1)
+    w = _C.OmniWorker([(host, port)], 5, 0, 1)
     try:
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match=re.escape(f"{HOST}:{port}")):
+        with pytest.raises(RuntimeError, match=re.escape(format_address(host, port))):
             w.register(1.0)
         assert 0.9 < time.monotonic() - t0 < 5
     finally:

@@ -81,3 +81,50 @@ def test_what_is_valid_still_parses(monkeypatch):
     assert (cfg.timeout, cfg.rto, cfg.auth, cfg.log_level) == (60.0, 0.01, False, "debug")
     assert cfg.aggregator_list() == [("10.0.0.1", 9999), ("10.0.0.2", 1)]
     assert cfg.switch_address() == ("10.0.0.9", 65535) and cfg.port_range() == (20000, 20100)
+
+
+@pytest.mark.parametrize("value,want", [
+    ("[fd00::1]:7777", [("fd00::1", 7777)]),
+    ("[FD00:0::0:1]:1, 10.0.0.1:2", [("fd00::1", 1), ("10.0.0.1", 2)]),  # canonical text
+    ("[::1]:9999,node-1:3", [("::1", 9999), ("node-1", 3)]),
+    ("[::ffff:10.0.0.1]:5", [("::ffff:a00:1", 5)])])
+def test_ipv6_aggregators_in_brackets(monkeypatch, value, want):
+    monkeypatch.setenv("HVD_SPARSE_AGGREGATORS", value)
+    monkeypatch.setenv("HVD_SPARSE_SWITCH", value.split(",")[0])
+    cfg = config.from_env_and_kwargs()
+    assert cfg.aggregator_list() == want and cfg.switch_address() == want[0]
+
+
+@pytest.mark.parametrize("option", ["aggregators", "switch"])
+@pytest.mark.parametrize("value,why", [
+    ("fd00::1:7777", "takes brackets"),  # where the address ends would be a guess
+    ("fd00::1", "takes brackets"), ("[fd00::1]", "expected"), ("[fd00::1]:", "expected"),
+    ("[fd00::1]:0", "expected"), ("[fd00::g]:9", "expected"), ("[10.0.0.1]:9", "expected"),
+    ("[]:9", "expected"), ("[fd00::1:9", "expected"), ("fd00::1]:9", "takes brackets"),
+    ("[fe80::1]:9", "link-local"), ("[fd00::1%eth0]:9", "link-local"),
+    ("node 1:9", "expected")])
+def test_a_malformed_address_names_variable_value_and_what_is_accepted(monkeypatch, option,
+                                                                      value, why):
+    message = refused(monkeypatch, **{option: value})
+    assert f"HVD_SPARSE_{option.upper()}={value!r}" in message, message
+    assert why in message and "[fd00::1]:9999" in message, message
+
+
+@pytest.mark.parametrize("value,want", [("fd00::1", "fd00::1"), ("[fd00::0:1]", "fd00::1"),
+                                        ("10.0.0.1", "10.0.0.1"), ("node-1", "node-1")])
+def test_aggregator_host_takes_a_bare_ipv6_literal(monkeypatch, value, want):
+    """An address without a port: a bare IPv6 literal is unambiguous there."""
+    monkeypatch.setenv("HVD_SPARSE_AGGREGATOR_HOST", value)
+    assert config.from_env_and_kwargs().aggregator_host == want
+
+
+@pytest.mark.parametrize("value", ["fd00::zz", "[fd00::1", "fe80::1", "a b"])
+def test_aggregator_host_refused_names_its_variable(monkeypatch, value):
+    message = refused(monkeypatch, aggregator_host=value)
+    assert f"HVD_SPARSE_AGGREGATOR_HOST={value!r}" in message, message
+
+
+def test_format_address_brackets_ipv6_only():
+    assert config.format_address("fd00::1", 9) == "[fd00::1]:9"
+    assert config.format_address("10.0.0.1", 9) == "10.0.0.1:9"
+    assert config.format_address("node", 9) == "node:9"

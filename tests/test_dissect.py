@@ -30,6 +30,8 @@ from aggregator_helpers import Job, reduce_under_junk, round0, sync
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scapy.layers.inet import IP, UDP
+from scapy.layers.inet6 import IPv6
+from scapy.layers.l2 import Ether
 from scapy.packet import Raw, fuzz
 
 from hvd_sparse import _C, auth, blocks, protocol
@@ -146,6 +148,23 @@ def test_bound_to_the_aggregation_port_both_ways() -> None:
     assert HvdSparse not in IP(other)
     bind_port(4242)
     assert IP(other)[HvdSparse].type == T["BYE"]
+
+
+def test_ipv6_frames_are_dissected_with_bracketed_addresses() -> None:
+    """Over IPv6 as over IPv4: the layer binds to the UDP port, and the report names IPv6
+    peers as [addr]:port."""
+    table, carried, fields = data_cases()[0]
+    p = scapy_data(table, carried, **fields)
+    frame = Ether(bytes(Ether() / IPv6(src="fd77::1", dst="fd77::101")
+                        / UDP(sport=40000, dport=AGGREGATOR_PORT) / p))
+    assert header_values(frame[HvdSparse]) == header_values(HvdSparse(bytes(p)))
+    junk = Ether(bytes(Ether() / IPv6(src="fd77::2", dst="fd77::101")
+                       / UDP(sport=40001, dport=AGGREGATOR_PORT) / Raw(b"\x00" * 3)))
+    d = dissect.summarize([frame, junk])
+    assert d["datagrams"] == 2 and len(d["jobs"]) == 1, d
+    assert d["jobs"][0]["workers"] == [fields.get("worker", 0)], d["jobs"][0]
+    assert d["malformed"]["listed"][0]["from"] == "[fd77::2]:40001", d["malformed"]
+    assert d["malformed"]["listed"][0]["to"] == f"[fd77::101]:{AGGREGATOR_PORT}"
 
 
 # ------------------------------------------------------------------------------------------

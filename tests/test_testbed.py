@@ -1,6 +1,7 @@
 """The netns testbed: 4 worker hosts and 1 aggregator host at 1 Gbit/s, every scheme against
-Horovod, loss, a cut link, a torch.distributed job (the DDP front end) on 2 hosts, and nothing
-left behind. Needs root (CI runs as root)."""
+Horovod, loss, a cut link, the same over IPv6 aggregators (`testbed up --ipv6`), a
+torch.distributed job (the DDP front end) on 2 hosts, and nothing left behind. Needs root (CI
+runs as root)."""
 from __future__ import annotations
 
 import contextlib
@@ -50,23 +51,32 @@ def running(tb: topology.Testbed) -> Iterator[topology.Testbed]:
 
 
 def run_job(tb: topology.Testbed, module: str, out: Path, timeout: float = 300,
-            select: str | None = None) -> Outcome:
-    """Runs tests/parallel/``module`` (its tests chosen by ``select``, pytest's -k) as one rank
-    per worker host, under `hvd-sparse testbed run`'s launcher; fails with the failing (rank,
-    test) pairs unless every rank passed every test."""
+            select: str | None = None, env: dict[str, str] | None = None) -> Outcome:
+    """Runs tests/parallel/``module`` (its tests chosen by ``select``, pytest's -k; ``env``:
+    more of the ranks' environment) as one rank per worker host, under `hvd-sparse testbed
+    run`'s launcher; fails with the failing (rank, test) pairs unless every rank passed every
+    test."""
     launch = Launch("mpirun", np=tb.workers, timeout=timeout,
-                    args=("-k", select) if select else ())
+                    args=("-k", select) if select else (), env=env or {})
     outcome = run(ROOT / "tests" / "parallel" / module, launch, out, runner=lambda argv, env, t:
                   testbed_launch.run(tb, argv, env=env, timeout=t, capture=True))
     outcome.check()
     return outcome
 
 
-@pytest.fixture(scope="module")
-def testbed():
+@pytest.fixture(scope="module", params=["ipv4", "ipv6"])
+def testbed(request):
+    """The testbed; with ipv6 its hosts have fd77::N addresses too, and its aggregator binds
+    and is reached at its IPv6 one only (MPI stays on IPv4)."""
     with running(topology.Testbed(NAME, workers=4, aggregators=1, rate="1gbit", mtu=9000,
-                                  loss_proto="udp")) as tb:
+                                  loss_proto="udp", ipv6=request.param == "ipv6")) as tb:
         yield tb
+
+
+# Over IPv6, the tests whose addresses are IPv6: every scheme through the aggregator, the
+# error naming it as [fd77::101]:9999, rank 0's own aggregator at its IPv6 address (loss and
+# link flaps act on frames whatever they carry: the IPv4 run has them)
+V6_TESTS = "every_scheme or link_cut_is or rank0_local"
 
 
 def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
@@ -78,9 +88,18 @@ def test_job_on_testbed(testbed: topology.Testbed, tmp_path: Path) -> None:
     assert os.getsid(agg) == os.getsid(0)
     before = links.counters(testbed)
     t0 = time.monotonic()
-    outcome = run_job(testbed, "test_testbed_job.py", tmp_path, timeout=240)
+    if testbed.ipv6:
+        agg_host = testbed.aggregator_hosts[0]
+        assert testbed.aggregator_addresses() == f"[{agg_host.ip6}]:9999"
+        # rank 0's own aggregator (rank0 layout) advertised at w0's IPv6 address
+        outcome = run_job(testbed, "test_testbed_job.py", tmp_path, timeout=240,
+                          select=V6_TESTS,
+                          env={"HVD_SPARSE_AGGREGATOR_HOST": testbed.worker_hosts[0].ip6})
+        assert len(outcome.tests()) == 3, outcome.tests()
+    else:
+        outcome = run_job(testbed, "test_testbed_job.py", tmp_path, timeout=240)
+        assert len(outcome.tests()) == 7, outcome.tests()
     took = time.monotonic() - t0
-    assert len(outcome.tests()) == 7, outcome.tests()
     # The traffic went over the testbed's links: every worker and the aggregator host moved
     # megabytes (the tensors are 8 MiB each).
     after = links.counters(testbed)

@@ -74,7 +74,7 @@ constexpr uint32_t kAggregatorSender = 0x10000;
 constexpr uint32_t kInf = 0xFFFFFFFFu;  // lane position "none": no further non-zero block
 constexpr int kMaxLanes = 64;           // lanes per packet (fusion), bounded by the bitmap
 constexpr int kMaxWorkers = 1024;
-constexpr int kMaxDatagram = 65507;  // UDP over IPv4
+constexpr int kMaxDatagram = 65507;  // UDP over IPv4 (IPv6: 65527, so it fits both)
 // The UDP port aggregators and the switch listen on in the docs, the testbed and the images.
 constexpr uint16_t kAggregatorPort = 9999;
 

@@ -5,7 +5,8 @@
 //   hvd-sparse-udpblast --senders 4 --bytes 16440 --seconds 1
 //
 // With --to ADDR:PORT it only sends, for --seconds, to a receiver elsewhere (another host, or
-// an aggregator on any transport, which counts what arrives: scripts/bench/bench_transport.py).
+// an aggregator on any transport, which counts what arrives: scripts/bench/bench_transport.py);
+// ADDR is IPv4 or a bracketed IPv6 one ([fd00::1]:9999).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -28,22 +29,21 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-int udp_socket() {
-  int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  hvd_sparse::omni::deepen_buffers(fd);
-  return fd;
-}
+using hvd_sparse::omni::Endpoint;
 
-[[noreturn]] void sender(const sockaddr_in& to, size_t bytes, double seconds) {
-  int fd = udp_socket();
+[[noreturn]] void sender(const Endpoint& at, size_t bytes, double seconds) {
+  int fd = socket(at.family(), SOCK_DGRAM, 0);
+  hvd_sparse::omni::deepen_buffers(fd);
+  sockaddr_storage to;
+  const socklen_t len = at.to_sockaddr(at.family(), to);
   constexpr int kBatch = 32;
   std::vector<uint8_t> buf(bytes, 0x5a);
   std::vector<mmsghdr> msgs(kBatch);
   iovec iov{buf.data(), bytes};
   for (auto& m : msgs) {
     m.msg_hdr = {};
-    m.msg_hdr.msg_name = const_cast<sockaddr_in*>(&to);
-    m.msg_hdr.msg_namelen = sizeof to;
+    m.msg_hdr.msg_name = &to;
+    m.msg_hdr.msg_namelen = len;
     m.msg_hdr.msg_iov = &iov;
     m.msg_hdr.msg_iovlen = 1;
   }
@@ -74,13 +74,12 @@ int main(int argc, char** argv) {
   if (senders < 1 || bytes < 1 || bytes > 65507 || seconds <= 0) return 2;
   using namespace hvd_sparse::omni;
   if (!to.empty()) {
-    sockaddr_in dst{};
-    dst.sin_family = AF_INET;
-    const size_t colon = to.rfind(':');
-    if (colon == std::string::npos ||
-        inet_pton(AF_INET, to.substr(0, colon).c_str(), &dst.sin_addr) != 1)
+    Endpoint dst;
+    std::string why;
+    if (!parse_endpoint(to, dst, &why)) {
+      std::fprintf(stderr, "%s: bad --to: %s\n", argv[0], why.c_str());
       return 2;
-    dst.sin_port = htons(uint16_t(std::atoi(to.c_str() + colon + 1)));
+    }
     std::vector<pid_t> kids;
     for (int s = 0; s < senders; ++s) {
       pid_t p = fork();
@@ -90,16 +89,12 @@ int main(int argc, char** argv) {
     for (pid_t p : kids) waitpid(p, nullptr, 0);
     return 0;
   }
-  UdpTransport rx(Endpoint{htonl(INADDR_LOOPBACK), 0}, false);
+  UdpTransport rx(Endpoint::v4(htonl(INADDR_LOOPBACK), 0), false);
   const Endpoint at = rx.local();
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = at.ip;
-  a.sin_port = at.port;
   std::vector<pid_t> kids;
   for (int s = 0; s < senders; ++s) {
     pid_t p = fork();
-    if (p == 0) sender(a, bytes, seconds);
+    if (p == 0) sender(at, bytes, seconds);
     kids.push_back(p);
   }
   std::vector<Datagram> in;

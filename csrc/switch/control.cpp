@@ -83,6 +83,9 @@ std::string install_job(Switch& sw, omni::Pipeline& p, std::istringstream& in) {
   std::stringstream addrs(list);
   for (std::string a; std::getline(addrs, a, ',');) {
     uint32_t ip = 0;
+    if (a.find(':') != std::string::npos)
+      return "{\"error\": \"worker " + std::to_string(ips.size()) + "'s address " + a +
+             " is IPv6: the emulated switch is IPv4 only\"}";
     if (inet_pton(AF_INET, a.c_str(), &ip) != 1 || !sw.bound(ip))
       return "{\"error\": \"worker " + std::to_string(ips.size()) + "'s address " + a +
              " is no bound host (host PORT MAC IP first)\"}";

@@ -111,11 +111,12 @@ Options parse(int argc, char** argv) {
 std::unique_ptr<AggregationEndpoint> endpoint(const Options& o) {
   if (o.aggregate.empty()) return nullptr;
   auto agg = std::make_unique<AggregationEndpoint>();
-  const size_t colon = o.aggregate.rfind(':');
-  if (colon == std::string::npos ||
-      inet_pton(AF_INET, o.aggregate.substr(0, colon).c_str(), &agg->self.ip) != 1)
-    fail("--aggregate wants IPV4:PORT, not " + o.aggregate);
-  agg->self.port = htons(uint16_t(std::atoi(o.aggregate.c_str() + colon + 1)));
+  std::string why;
+  if (!omni::parse_endpoint(o.aggregate, agg->self, &why))
+    fail("--aggregate wants IPV4:PORT: " + why);
+  if (!agg->self.is_v4())  // its ports parse and build Ethernet/IPv4/UDP, and answer ARP only
+    fail("--aggregate " + o.aggregate + ": the emulated switch is IPv4 only (Ethernet/IPv4/UDP "
+         "frames, ARP; no IPv6 neighbour discovery): give it an IPv4 address");
   agg->mac = {{0x02, 0x68, 0x73, 0x77, 0x00, 0x01}};  // locally administered: "hsw"
   try {
     agg->pipeline = std::make_unique<omni::Pipeline>(o.pipeline);

@@ -268,7 +268,9 @@ struct Pipeline::Impl {
       const std::vector<uint32_t>& ips = it->second.ips;
       Endpoint& pinned = it->second.addr[h.worker];
       // A REGISTER must not move a worker, nor claim one installed on another host: no reply
-      if ((pinned.port && !(pinned == from)) || (!ips.empty() && ips[h.worker] != from.ip)) {
+      // (installed hosts are IPv4: the emulated switch's frames are)
+      if ((pinned.port && !(pinned == from)) ||
+          (!ips.empty() && (!from.is_v4() || ips[h.worker] != from.ip4()))) {
         c.foreign++;
         return;
       }

@@ -188,8 +188,9 @@ std::string Switch::bind(const std::string& port, const std::string& mac, const 
   if (p == ports_.size()) return "no port " + port;
   if (rte_ether_unformat_addr(mac.c_str(), &b.mac) != 0 || !rte_is_unicast_ether_addr(&b.mac))
     return "not a unicast MAC: " + mac;
-  if (inet_pton(AF_INET, ip.c_str(), &addr) != 1 || addr == 0) return "not an IPv4 address: " + ip;
-  if (agg_ && (addr == agg_->self.ip || rte_is_same_ether_addr(&b.mac, &agg_->mac)))
+  if (inet_pton(AF_INET, ip.c_str(), &addr) != 1 || addr == 0)
+    return "not an IPv4 address (the emulated switch is IPv4 only): " + ip;
+  if (agg_ && (addr == agg_->self.ip4() || rte_is_same_ether_addr(&b.mac, &agg_->mac)))
     return "the switch's own address";
   if (!hosts_.count(addr) && hosts_.size() >= kMaxHosts)
     return "host table full (" + std::to_string(kMaxHosts) + ")";
@@ -214,7 +215,7 @@ bool Switch::spoofed(size_t in, rte_mbuf* m) const {
     sip = reinterpret_cast<const rte_ipv4_hdr*>(eth + 1)->src_addr;
   }
   if (sip == 0) return false;
-  if (agg_ && sip == agg_->self.ip) return true;
+  if (agg_ && sip == agg_->self.ip4()) return true;
   auto h = hosts_.find(sip);
   return h != hosts_.end() &&
          (h->second.port != in || !rte_is_same_ether_addr(&h->second.mac, &eth->src_addr));
@@ -269,9 +270,9 @@ bool Switch::take(size_t in, rte_mbuf* m) {
   AggregationEndpoint& a = *agg_;
   if (const rte_arp_hdr* arp = frames::arp_of(m)) {
     const rte_arp_ipv4& d = arp->arp_data;
-    if (d.arp_tip != a.self.ip) return false;
+    if (d.arp_tip != a.self.ip4()) return false;
     if (rte_be_to_cpu_16(arp->arp_opcode) == RTE_ARP_OP_REQUEST)
-      if (rte_mbuf* r = frames::arp_frame(pool_, RTE_ARP_OP_REPLY, a.mac, a.self.ip, d.arp_sha,
+      if (rte_mbuf* r = frames::arp_frame(pool_, RTE_ARP_OP_REPLY, a.mac, a.self.ip4(), d.arp_sha,
                                           d.arp_sha, d.arp_sip))
         queue(in, r, true);
     rte_pktmbuf_free(m);
@@ -282,7 +283,7 @@ bool Switch::take(size_t in, rte_mbuf* m) {
   frames::Udp u;
   if (frames::parse_udp(m, &u) && u.to == a.self && !u.fragment) {
     a.rx++;
-    if (!u.checksum_ok || !hosts_.count(u.from.ip)) {
+    if (!u.checksum_ok || !hosts_.count(u.from.ip4())) {
       ++(u.checksum_ok ? a.unbound : a.bad_checksum);
       rte_pktmbuf_free(m);
       return true;
@@ -301,7 +302,7 @@ bool Switch::take(size_t in, rte_mbuf* m) {
 // One datagram from the switch's endpoint, out of its addressee's bound port, checksummed.
 void Switch::send(const omni::Out& o) {
   AggregationEndpoint& a = *agg_;
-  auto it = hosts_.find(o.to.ip);
+  auto it = hosts_.find(o.to.ip4());
   rte_mbuf* m = it == hosts_.end() ? nullptr : rte_pktmbuf_alloc(pool_);
   if (!m || o.bytes->size() + frames::kHeaders > kDataRoom) {
     if (m) rte_pktmbuf_free(m);

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..config import format_address
 from ..engine import Stage
 from ..errors import HvdSparseError
 from ..job import Job
@@ -129,5 +130,5 @@ def regroup(job: Job, session: Session) -> Generator[Any, Any, None]:
     session.down = ""
     log.warning("hvd_sparse: aggregation resumes over %d of the job's %d aggregators%s",
                 len(live), len(session.names),
-                f" ({', '.join(f'{h}:{p}' for h, p in session.lost)} lost)" if session.lost
-                else "")
+                f" ({', '.join(format_address(h, p) for h, p in session.lost)} lost)"
+                if session.lost else "")

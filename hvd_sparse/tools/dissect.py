@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from scapy.layers.inet import IP, UDP, defragment
+from scapy.layers.inet6 import IPv6
 from scapy.packet import Packet
 
 from .. import protocol
@@ -165,7 +166,8 @@ class Summary:
         if UDP not in p or self.port not in (p[UDP].sport, p[UDP].dport):
             return
         u = p[UDP]
-        ip = p[IP].src if IP in p else "?", p[IP].dst if IP in p else "?"
+        ip = (p[IP].src, p[IP].dst) if IP in p else (
+            (f"[{p[IPv6].src}]", f"[{p[IPv6].dst}]") if IPv6 in p else ("?", "?"))
         payload = bytes(u.payload)
         if u.len and u.len - 8 < len(payload):  # Ethernet padding of short frames
             payload = payload[:u.len - 8]
@@ -200,7 +202,8 @@ class Summary:
 
 
 def summarize(packets: list[Packet], port: int = AGGREGATOR_PORT) -> dict[str, Any]:
-    """The report of captured frames (IP fragments reassembled first)."""
+    """The report of captured frames (IPv4 fragments reassembled first; IPv6 ones are not,
+    and workers never send any: they size datagrams to the path MTU)."""
     s = Summary(port)
     for p in defragment(packets):
         s.add_packet(p)

@@ -3,7 +3,8 @@ rank, bit-identical across ranks; async reductions submitted in different orders
 ranks, op=Sum with scaling factors, Compression.sparse, in place.
 
 Under horovodrun (2 and 4 ranks) and mpirun; staged through host memory as a GPU tensor is
-(HVD_SPARSE_CPU_AS_DEVICE: the same path for CPU tensors); HVD_SPARSE_TEST_DEVICE=cuda: the
+(HVD_SPARSE_CPU_AS_DEVICE: the same path for CPU tensors); over IPv6 (the job's aggregator
+bound to ::1 and reached there, HVD_SPARSE_AGGREGATOR_HOST); HVD_SPARSE_TEST_DEVICE=cuda: the
 tensors on the GPU, the references on the CPU (gpu launches, skipped without a GPU).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from driver import Launch
 from ranktools import DEVICE, close_to, codec_paths, differing_ranks, digest, start
 
 import hvd_sparse
-from hvd_sparse import device
+from hvd_sparse import basics, device
 
 # The full grid at 2 ranks; under mpirun and staged: 2 of its 4 dtypes, 4 of its 7 shapes
 # (HVD_SPARSE_TEST_QUICK=1); at 4 ranks (over 5 minutes of this 2-core machine in full, nearly
@@ -29,6 +30,8 @@ LAUNCHES = [
     Launch("mpirun", np=2, env={"HVD_SPARSE_TEST_QUICK": "1"}, timeout=480),
     Launch(np=2, id="staged-gloo-np2", timeout=480,
            env={"HVD_SPARSE_TEST_QUICK": "1", "HVD_SPARSE_CPU_AS_DEVICE": "1"}),
+    Launch(np=2, id="ipv6-gloo-np2", timeout=480,
+           env={"HVD_SPARSE_TEST_QUICK": "1", "HVD_SPARSE_AGGREGATOR_HOST": "::1"}),
     Launch(np=2, id="cuda-np2", gpu=True, timeout=600,
            env={"HVD_SPARSE_TEST_QUICK": "1", "HVD_SPARSE_TEST_DEVICE": "cuda"}),
     Launch(np=4, id="cuda-np4", gpu=True, timeout=600,
@@ -257,6 +260,15 @@ def test_inplace_bits(scheme, dtype):
     assert (torch.equal(t, out) if scheme == "auto"
             else torch.equal(t.view(ints), out.view(ints))), "in place differs from out of place"
     assert differ == [], f"result differs from rank 0's on ranks {differ}"
+
+
+def test_the_aggregators_are_where_the_launch_says():
+    """Rank 0's aggregator process, bound to and reached at 127.0.0.1, or at ::1 under
+    HVD_SPARSE_AGGREGATOR_HOST=::1 (bound to ::1 alone: no IPv4 datagram reaches it)."""
+    omni = basics.state().omni
+    want = os.environ.get("HVD_SPARSE_AGGREGATOR_HOST", "127.0.0.1")
+    assert omni.placement == "rank0" and {h for h, _ in omni.addrs} == {want}, omni.addrs
+    assert hvd_sparse.metrics()  # the grid above ran through them (FLOORS)
 
 
 def test_every_tensor_went_the_path_of_this_run():

@@ -24,17 +24,13 @@ namespace {
 
 Endpoint endpoint(const std::pair<std::string, int>& a) {
   Endpoint e;
-  if (inet_pton(AF_INET, a.first.c_str(), &e.ip) != 1)
-    throw std::invalid_argument("not an IPv4 address: " + a.first);
+  if (!parse_ip(a.first, e))
+    throw std::invalid_argument("not an IPv4 or IPv6 address: " + a.first);
   e.port = htons(uint16_t(a.second));
   return e;
 }
 
-py::tuple address(const Endpoint& e) {
-  char b[INET_ADDRSTRLEN];
-  inet_ntop(AF_INET, &e.ip, b, sizeof b);
-  return py::make_tuple(std::string(b), int(ntohs(e.port)));
-}
+py::tuple address(const Endpoint& e) { return py::make_tuple(e.host(), int(ntohs(e.port))); }
 
 // [((host, port), bytes)] of what a core asked to send.
 py::list sent(const std::vector<Out>& out) {
@@ -91,6 +87,21 @@ void register_aggregator_core(py::module_& m) {
            py::arg("max_job_bytes") = d.max_job_bytes, py::arg("max_tensors") = d.max_tensors,
            py::arg("secret") = py::bytes())
       .def("active_jobs", &AggregatorCore::active_jobs);
+}
+
+// transport.h's address parsing, for the tests that hold the aggregator's --bind to it.
+void register_endpoint(py::module_& m) {
+  m.def(
+      "parse_endpoint",
+      [](const std::string& s) {
+        Endpoint e;
+        std::string why;
+        if (!parse_endpoint(s, e, &why)) throw std::invalid_argument(why);
+        return py::make_tuple(e.host(), int(ntohs(e.port)), e.is_v4() ? 4 : 6, e.str());
+      },
+      py::arg("text"),
+      "ADDR:PORT as the aggregator's --bind takes it: (host, port, 4 or 6, canonical text); "
+      "ValueError saying what is accepted.");
 }
 
 // The key material of auth.h, for hvd_sparse/auth.py and the tests that hold it to the spec.

@@ -2,6 +2,7 @@
 // round's sum to every worker (docs/PROTOCOL.md). A plain process without torch:
 //
 //   hvd-sparse-aggregator --bind 0.0.0.0:9999 --workers 4 [--threads 1] [--stats 10]
+//   hvd-sparse-aggregator --bind [::]:9999   (IPv6 and, dual-stack, IPv4)
 //   hvd-sparse-aggregator --transport dpdk --dpdk "--no-huge --no-pci
 //   --vdev=net_af_packet0,iface=eth0" --bind 10.77.0.101:9999
 // (9999 is the port of the docs, the testbed and the images: protocol.h's kAggregatorPort.)
@@ -37,8 +38,7 @@ namespace hvd_sparse::omni {
 namespace {
 
 struct Options {
-  std::string host = "127.0.0.1";
-  int port = 0;
+  Endpoint bind = Endpoint::v4(htonl(INADDR_LOOPBACK), 0);  // --bind
   int port_lo = 0, port_hi = 0;  // --port-range: with port 0, the first free port in it
   std::string transport = "udp";
   std::string dpdk_args;
@@ -60,23 +60,25 @@ void on_signal(int sig) { (sig == SIGUSR1 ? g_dump : g_stop).store(true); }
 }
 
 std::vector<std::unique_ptr<Transport>> open_transports(const Options& o) {
-  Endpoint at;
-  if (inet_pton(AF_INET, o.host.c_str(), &at.ip) != 1) fail("bad bind address " + o.host);
-  at.port = htons(uint16_t(o.port));
+  Endpoint at = o.bind;
   std::vector<std::unique_ptr<Transport>> ts;
   if (o.transport == "udp") {
     // One socket per thread on one port (SO_REUSEPORT); the first picks the port when 0. In
     // a range, one thread's socket is exclusive: two aggregators started at one instant (two
     // jobs sharing a range) cannot both pass the probe and then share the port.
     if (at.port == 0 && o.port_lo > 0)
-      ts.push_back(UdpTransport::in_range(at.ip, o.port_lo, o.port_hi, o.threads > 1));
+      ts.push_back(UdpTransport::in_range(at, o.port_lo, o.port_hi, o.threads > 1));
     for (int i = int(ts.size()); i < o.threads; ++i) {
       ts.push_back(std::make_unique<UdpTransport>(at, true));
       at = ts[0]->local();
     }
   } else if (o.transport == "dpdk") {
 #ifdef HVD_SPARSE_DPDK
-    if (at.ip == 0 || at.port == 0)
+    if (!at.is_v4())
+      fail("--transport dpdk is IPv4 only (it builds Ethernet/IPv4/UDP frames and answers ARP; "
+           "IPv6 neighbour discovery is not implemented): --bind " + at.str() +
+           " needs --transport udp");
+    if (at.unspecified() || at.port == 0)
       fail("--transport dpdk needs an explicit --bind ADDR:PORT (it answers ARP for ADDR)");
     ts = open_dpdk({o.dpdk_args, at, o.threads});
 #else
@@ -134,6 +136,8 @@ void usage() {
       "         [--port-file PATH] [--port-range LO-HI] [--max-job-bytes B] [--max-tensors N]\n"
       "         [--drop-rate P] [--drop-rate-out P] [--dup-rate P] [--reorder-rate P] [--seed S]\n"
       "Sums the non-zero blocks hvd-sparse workers stream to it (docs/PROTOCOL.md).\n"
+      "--bind ADDR:PORT: an IPv4 address (0.0.0.0: all) or an IPv6 one in brackets\n"
+      "  ([fd00::1]:9999; [::]:9999: all, IPv4 too, dual-stack); PORT 0: any free port.\n"
       "--secret-file: the deployment's secret (>= 16 bytes, a file only its owner reads, or\n"
       "  its group where no other user is in it: docs/security.md):\n"
       "  every packet must then be authenticated under its job's key, as hvd_sparse jobs\n"
@@ -143,7 +147,7 @@ void usage() {
       "  the 2 GiB; tensors in flight, default 4096): a tensor beyond fails, other jobs go on.\n"
       "--transport dpdk runs on a DPDK port (the first of the EAL's devices, e.g.\n"
       "  --dpdk \"--no-huge --no-pci -m 256 --vdev=net_af_packet0,iface=eth0\"), answering ARP\n"
-      "  for ADDR itself; --threads is then its number of queues.\n"
+      "  for ADDR itself (IPv4 only); --threads is then its number of queues.\n"
       "--port-range LO-HI: with --bind ADDR:0, bind the first free port in LO..HI (a job kept\n"
       "  to the ports a firewall opens, HVD_SPARSE_PORTS); an error when all are taken. With\n"
       "  --threads > 1 two aggregators started at the same instant may share a port: start\n"
@@ -163,14 +167,11 @@ Options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--bind") {
-      std::string v = val();
-      auto colon = v.rfind(':');
-      if (colon == std::string::npos) {
-        usage();
+      std::string v = val(), why;
+      if (!parse_endpoint(v, o.bind, &why)) {
+        std::fprintf(stderr, "hvd-sparse-aggregator: bad --bind: %s\n", why.c_str());
         std::exit(2);
       }
-      o.host = v.substr(0, colon);
-      o.port = std::atoi(v.c_str() + colon + 1);
     } else if (a == "--workers") o.core.workers = std::atoi(val().c_str());
     else if (a == "--threads") o.threads = std::max(1, std::atoi(val().c_str()));
     else if (a == "--transport") o.transport = val();

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <stdexcept>
 
 #include "../transport/lossy.h"
@@ -15,18 +16,41 @@
 namespace hvd_sparse::omni {
 namespace {
 
-AggregatorPath resolve(const std::string& host, int port) {
+// A name or literal to one address: the first IPv4 address it resolves to, else its first
+// IPv6 one (so a name with both records is reached over IPv4, as before IPv6 was supported;
+// hvd_sparse/session.py's probes resolve the same way, to notice a name that moved).
+AggregatorPath resolve(std::string host, int port) {
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
   addrinfo hints{}, *res = nullptr;
-  hints.ai_family = AF_INET;
+  hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_DGRAM;
+  const std::string name = (host.find(':') != std::string::npos ? "[" + host + "]" : host) +
+                           ":" + std::to_string(port);
   int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
   if (rc != 0 || !res)
-    throw std::runtime_error("omnireduce: cannot resolve aggregator " + host + ": " +
+    throw std::runtime_error("omnireduce: cannot resolve aggregator " + name + ": " +
                              gai_strerror(rc));
+  const addrinfo* pick = nullptr;
+  for (const addrinfo* r = res; r && !pick; r = r->ai_next)
+    if (r->ai_family == AF_INET) pick = r;
+  for (const addrinfo* r = res; r && !pick; r = r->ai_next)
+    if (r->ai_family == AF_INET6) pick = r;
   AggregatorPath a;
-  a.addr = {reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr.s_addr, htons(uint16_t(port))};
-  a.name = host + ":" + std::to_string(port);
+  if (pick) {
+    sockaddr_storage s{};
+    std::memcpy(&s, pick->ai_addr, pick->ai_addrlen);
+    a.addr = Endpoint::from_sockaddr(s);
+    a.addr.port = htons(uint16_t(port));
+  }
   freeaddrinfo(res);
+  if (!pick)
+    throw std::runtime_error("omnireduce: aggregator " + name + " has no IPv4 or IPv6 address");
+  if (!a.addr.is_v4() && a.addr.addr[0] == 0xfe && (a.addr.addr[1] & 0xc0) == 0x80)
+    throw std::runtime_error("omnireduce: aggregator " + name +
+                             " is a link-local IPv6 address (fe80::/10), which needs an "
+                             "interface: give it a global or unique-local (fd00::/8) address");
+  a.name = name;
   return a;
 }
 
@@ -35,11 +59,16 @@ AggregatorPath resolve(const std::string& host, int port) {
 Worker::Worker(const std::vector<std::pair<std::string, int>>& aggs, const WorkerOptions& o) {
   std::vector<AggregatorPath> paths;
   for (auto& [host, port] : aggs) paths.push_back(resolve(host, port));
+  // An IPv4 socket while every aggregator is IPv4 (hosts without IPv6 keep working), else a
+  // dual-stack IPv6 one, which reaches both
+  bool v6 = false;
+  for (const AggregatorPath& p : paths) v6 = v6 || !p.addr.is_v4();
+  const Endpoint any = v6 ? Endpoint{} : Endpoint::v4(0, 0);
   try {
     if (o.port_lo > 0)
-      io_ = UdpTransport::in_range(0, o.port_lo, o.port_hi, false);
+      io_ = UdpTransport::in_range(any, o.port_lo, o.port_hi, false);
     else
-      io_ = std::make_unique<UdpTransport>(Endpoint{}, false);
+      io_ = std::make_unique<UdpTransport>(any, false);
   } catch (const std::exception& e) {
     throw std::runtime_error(std::string("omnireduce: ") + e.what());
   }

@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--any-job-size", action="store_true",
                    help="the aggregators take jobs of any number of ranks, not only of --workers "
                         "(an elastic job's size changes: run --launcher horovodrun)")
+    u.add_argument("--ipv6", action="store_true",
+                   help="hosts get IPv6 addresses (fd77::N) too, and the aggregators bind and "
+                        "are reached at those (udp transport, bridge switch only)")
     u.add_argument("--loss", type=float, default=0.0, help="drop rate on every switch port")
     u.add_argument("--loss-proto", choices=("all", "udp"), default="all",
                    help="drop any frame, or only UDP (keeps MPI's TCP out of it)")
@@ -92,11 +95,12 @@ def status(tb: Testbed) -> dict:
             "loss_proto": tb.loss_proto, "dropped_by_loss": loss.dropped(tb),
             "aggregators": tb.aggregator_addresses(), "transport": tb.transport,
             "switch": tb.switch, "auth": tb.auth, "cpu_per_host": tb.cpu_per_host,
+            "ipv6": tb.ipv6,
             "emulated": fidelity.emulated(tb),
             **({"cfs_period_us": cpu.period_us(tb.cpu_per_host),
                 "cfs_quota_us": cpu.quota_us(tb.cpu_per_host),
                 "switch_cpu_s": used[cpu.SWITCH]["cpu_ns"] / 1e9} if used else {}),
-            "hosts": [{"host": h.name, "namespace": h.ns, "ip": h.ip, "loss": h.loss,
+            "hosts": [{"host": h.name, "namespace": h.ns, "ip": h.ip, "ip6": h.ip6, "loss": h.loss,
                        "dup": h.dup, "reorder": h.reorder,
                        "rate": h.rate or tb.rate,
                        "link": "down" if h.down else "up",
@@ -109,14 +113,16 @@ def _print_status(d: dict) -> None:
     from rich.table import Table
     t = Table(title=f"testbed {d['name']}: {d['rate']} links, MTU {d['mtu']}, loss {d['loss']} "
                     f"({d['loss_proto']}), {d['dropped_by_loss']} frames dropped by loss rules")
-    cols = ["host", "namespace", "ip", "rate", "link", "loss", "dup", "reorder", "processes",
-            "rx MB", "tx MB"]
+    v6 = any(h["ip6"] for h in d["hosts"])
+    cols = ["host", "namespace", "ip", *(["ip6"] if v6 else []), "rate", "link", "loss", "dup",
+            "reorder", "processes", "rx MB", "tx MB"]
     budgets = bool(d["cpu_per_host"])
     cols += ["CPU budget", "CPU s", "throttled"] if budgets else []
     for col in cols:
         t.add_column(col)
     for h in d["hosts"]:
-        row = [h["host"], h["namespace"], h["ip"], h["rate"], h["link"], f"{h['loss']:g}",
+        row = [h["host"], h["namespace"], h["ip"], *([h["ip6"]] if v6 else []), h["rate"],
+               h["link"], f"{h['loss']:g}",
                f"{h['dup']:g}", f"{h['reorder']:g}", str(h["processes"]),
                f"{h['rx_bytes'] / 1e6:.1f}", f"{h['tx_bytes'] / 1e6:.1f}"]
         if budgets:
@@ -145,7 +151,7 @@ def main(argv: list[str]) -> int:
                     raise ValueError(f"--cpu-per-host must be > 0 or auto, got {a.cpu_per_host}")
             tb = lifecycle.up(Testbed(a.name, a.workers, a.aggregators, a.rate, a.mtu, a.loss,
                                       a.loss_proto, a.transport, a.switch, a.auth,
-                                      cpu_per_host=share,
+                                      cpu_per_host=share, ipv6=a.ipv6,
                                       aggregator_workers=0 if a.any_job_size else -1))
             _print_status(status(tb))
         elif a.cmd == "down":

@@ -28,6 +28,7 @@ from pyroute2 import netns
 
 from ...aggregator import binary
 from ...auth import write_secret_file
+from ...config import format_address
 from . import cpu, links
 from .topology import AGGREGATOR_PORT, Testbed
 
@@ -93,7 +94,7 @@ def start_aggregator(tb: Testbed, host: str) -> int:
     port_file = tb.log_dir() / f"{h.name}.port"
     port_file.unlink(missing_ok=True)
     workers = tb.workers if tb.aggregator_workers < 0 else tb.aggregator_workers
-    cmd = [str(binary()), "--bind", f"{h.ip}:{AGGREGATOR_PORT}", "--workers",
+    cmd = [str(binary()), "--bind", format_address(tb.address(h), AGGREGATOR_PORT), "--workers",
            str(workers), "--port-file", str(port_file)]
     if tb.auth:
         cmd += ["--secret-file", str(tb.secret_file())]

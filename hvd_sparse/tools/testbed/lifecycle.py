@@ -128,7 +128,8 @@ def move(tb: Testbed, host: str, ip: str) -> Testbed:
     Raises:
         PermissionError: not root.
         ValueError: not an aggregator host, an address taken or outside the subnet, or a
-            testbed whose hosts' addresses are bound elsewhere (DPDK, the emulated switch).
+            testbed whose hosts' addresses are bound elsewhere (DPDK, the emulated switch) or
+            whose jobs reach aggregators over IPv6.
         RuntimeError: the aggregator did not start at its new address.
     """
     require_root()
@@ -140,9 +141,10 @@ def move(tb: Testbed, host: str, ip: str) -> Testbed:
         raise ValueError(f"move: {ip} is not a host address of the testbed's subnet {net}")
     if ip in [x.ip for x in tb.hosts] + [tb.switch_address.split(":")[0]]:
         raise ValueError(f"move: {ip} is taken")
-    if tb.transport != "udp" or tb.switch != "bridge":
-        # DPDK processes own their host's address and the emulated switch binds each host's
-        raise ValueError("move: only with kernel UDP aggregators behind the bridge")
+    if tb.transport != "udp" or tb.switch != "bridge" or tb.ipv6:
+        # DPDK processes own their host's address and the emulated switch binds each host's;
+        # the names are the IPv4 addresses'
+        raise ValueError("move: only with kernel UDP aggregators behind the bridge, over IPv4")
     if pid := tb.pids.pop(h.name, None):
         _kill(pid)
     links.readdress(h, ip)

@@ -54,6 +54,8 @@ def create(tb: Testbed) -> None:
             for j in (idx, ns.link_lookup(ifname="lo")[0]):
                 ns.link("set", index=j, state="up")
             _cap(ns, idx, tb.rate_bps)
+        if h.ip6:  # nodad: usable at once, not after duplicate address detection's second
+            _ip(h.ns, "-6", "addr", "add", f"{h.ip6}/64", "dev", "eth0", "nodad")
         with NetNS(tb.switch_ns) as sw:
             idx = sw.link_lookup(ifname=sw_end)[0]
             sw.link("set", index=idx, ifname=h.port, mtu=tb.mtu,
@@ -67,6 +69,13 @@ def create(tb: Testbed) -> None:
             disable_offloads(h.ns, "eth0")
         if not bridge:
             disable_offloads(tb.switch_ns, h.port)
+
+
+def _ip(ns_name: str, *args: str) -> None:
+    cmd = ["ip", "-n", ns_name, *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    if p.returncode != 0:
+        raise RuntimeError(f"testbed: {' '.join(cmd)}: {p.stderr.strip()}")
 
 
 def disable_offloads(ns_name: str, ifname: str) -> None:

@@ -84,10 +84,14 @@ def _dup_table(tb: Testbed, match: str) -> str:
         return ""
     chains = []
     for port in tb.hosts:
-        rules = [f"{match}numgen random mod {SCALE} < {int(h.dup * SCALE)} counter dup to "
-                 f'"br0"' if h is port else
-                 f"ip daddr {h.ip} {match}numgen random mod {SCALE} < {int(h.dup * SCALE)} "
-                 'counter dup to "br0"' for h in dups]
+        rules = []
+        for h in dups:
+            n = int(h.dup * SCALE)
+            if h is port:
+                rules.append(f'{match}numgen random mod {SCALE} < {n} counter dup to "br0"')
+            else:  # to h: by its addresses (an IPv6 testbed's hosts have both)
+                rules += [f'{fam} daddr {ip} {match}numgen random mod {SCALE} < {n} counter '
+                          'dup to "br0"' for fam, ip in (("ip", h.ip), ("ip6", h.ip6)) if ip]
         chains.append(f" chain in_{port.port} {{\n  type filter hook ingress device "
                       f'"{port.port}" priority 0; policy accept;\n'
                       + "".join(f"  {r}\n" for r in rules) + " }\n")

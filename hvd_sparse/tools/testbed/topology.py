@@ -9,10 +9,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ... import runfile
+from ...config import format_address
 from ...protocol import AGGREGATOR_PORT
 
 STATE_DIR = Path(os.environ.get("HVD_SPARSE_TESTBED_DIR", "/run/hvd-sparse"))
 SUBNET = "10.77.0"  # every testbed has its own switch, so testbeds never see each other's
+SUBNET6 = "fd77::"  # with ``ipv6``: a unique-local /64 beside the IPv4 one
 
 
 MAX_RATE = 8 * (2**32 - 1)  # tbf's rate field: 32-bit bytes per second (about 34 Gbit/s)
@@ -36,6 +38,7 @@ class Host:
     dup: float = 0.0  # share of frames to and from it the switch sends twice
     reorder: float = 0.0  # share of frames to and from it the switch holds back (reordered)
     rate: str = ""  # its link's rate when set apart from the testbed's
+    ip6: str = ""  # its IPv6 address on a testbed with ``ipv6`` ("": none)
 
     @property
     def port(self) -> str:
@@ -59,6 +62,9 @@ class Testbed:
     # the aggregators' --workers: -1 the testbed's workers; 0 jobs of any size (an elastic
     # job's ranks change as workers leave and come back)
     aggregator_workers: int = -1
+    # Hosts get IPv6 addresses (fd77::N) beside their IPv4 ones, and the aggregators bind
+    # and are reached at those (MPI keeps IPv4); the udp transport and the bridge only.
+    ipv6: bool = False
     hosts: list[Host] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # aggregator host -> its process
 
@@ -76,12 +82,19 @@ class Testbed:
             raise ValueError("transport must be 'udp' or 'dpdk'")
         if self.switch not in ("bridge", "emu"):
             raise ValueError("switch must be 'bridge' or 'emu'")
+        if self.ipv6 and (self.transport != "udp" or self.switch != "bridge"):
+            raise ValueError("ipv6 needs the udp transport and the bridge switch: the DPDK "
+                             "aggregator and the emulated switch build Ethernet/IPv4/UDP frames "
+                             "and answer ARP only (docs/PROTOCOL.md, Transports and frames)")
         parse_rate(self.rate)
         if not self.hosts:
-            self.hosts = [Host(f"w{i}", f"{self.name}-w{i}", f"{SUBNET}.{i + 1}")
+            def v6(n: int) -> str:
+                return f"{SUBNET6}{n}" if self.ipv6 else ""
+
+            self.hosts = [Host(f"w{i}", f"{self.name}-w{i}", f"{SUBNET}.{i + 1}", ip6=v6(i + 1))
                           for i in range(self.workers)]
-            self.hosts += [Host(f"a{k}", f"{self.name}-a{k}", f"{SUBNET}.{101 + k}")
-                           for k in range(self.aggregators)]
+            self.hosts += [Host(f"a{k}", f"{self.name}-a{k}", f"{SUBNET}.{101 + k}",
+                                ip6=v6(101 + k)) for k in range(self.aggregators)]
 
     @property
     def switch_ns(self) -> str:
@@ -119,10 +132,15 @@ class Testbed:
         """The name ``h`` has inside the testbed's namespaces: ``a0.hvdsp`` (names.py)."""
         return f"{h.name}.{self.name}"
 
+    def address(self, h: Host) -> str:
+        """Where jobs reach host ``h``'s aggregator: its IPv6 address with ``ipv6``."""
+        return h.ip6 if self.ipv6 else h.ip
+
     def aggregator_addresses(self, by_name: bool = False) -> str:
         """HVD_SPARSE_AGGREGATORS for jobs on this testbed: by address, or by host name (a
         job that names them so follows an aggregator host that moves)."""
-        return ",".join(f"{self.hostname(h) if by_name else h.ip}:{AGGREGATOR_PORT}"
+        return ",".join(f"{self.hostname(h)}:{AGGREGATOR_PORT}" if by_name
+                        else format_address(self.address(h), AGGREGATOR_PORT)
                         for h in self.aggregator_hosts)
 
     @staticmethod

@@ -100,8 +100,8 @@ inline bool parse_udp(rte_mbuf* m, Udp* u) {
   auto* udp = reinterpret_cast<rte_udp_hdr*>(reinterpret_cast<uint8_t*>(ip) + ihl);
   const size_t ulen = rte_be_to_cpu_16(udp->dgram_len);
   if (ulen < sizeof(rte_udp_hdr) || ulen > total - ihl) return false;
-  u->from = {ip->src_addr, udp->src_port};
-  u->to = {ip->dst_addr, udp->dst_port};
+  u->from = Endpoint::v4(ip->src_addr, udp->src_port);
+  u->to = Endpoint::v4(ip->dst_addr, udp->dst_port);
   u->data = reinterpret_cast<const uint8_t*>(udp + 1);
   u->len = ulen - sizeof(rte_udp_hdr);
   u->fragment = (rte_be_to_cpu_16(ip->fragment_offset) &
@@ -132,8 +132,8 @@ inline rte_udp_hdr* write_udp(rte_mbuf* m, const rte_ether_addr& src_mac,
   ip->fragment_offset = rte_cpu_to_be_16(RTE_IPV4_HDR_DF_FLAG);
   ip->time_to_live = 64;
   ip->next_proto_id = IPPROTO_UDP;
-  ip->src_addr = from.ip;
-  ip->dst_addr = to.ip;
+  ip->src_addr = from.ip4();  // IPv4 endpoints only (the DPDK paths refuse IPv6 ones)
+  ip->dst_addr = to.ip4();
   ip->hdr_checksum = 0;
   auto* udp = reinterpret_cast<rte_udp_hdr*>(ip + 1);
   udp->src_port = from.port;

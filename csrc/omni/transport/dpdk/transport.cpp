@@ -160,7 +160,7 @@ class DpdkQueue : public Transport {
   void on_arp(const rte_arp_hdr* arp) {
     const rte_arp_ipv4& a = arp->arp_data;
     if (a.arp_sip) port_->learn(a.arp_sip, a.arp_sha);
-    if (rte_be_to_cpu_16(arp->arp_opcode) != RTE_ARP_OP_REQUEST || a.arp_tip != port_->self.ip)
+    if (rte_be_to_cpu_16(arp->arp_opcode) != RTE_ARP_OP_REQUEST || a.arp_tip != port_->self.ip4())
       return;
     rte_mbuf* r = arp_frame(RTE_ARP_OP_REPLY, a.arp_sha, a.arp_sha, a.arp_sip);
     if (r) flush(&r, 1);
@@ -168,7 +168,7 @@ class DpdkQueue : public Transport {
 
   rte_mbuf* arp_frame(uint16_t op, const rte_ether_addr& to_mac, const rte_ether_addr& target,
                       uint32_t target_ip) {
-    return frames::arp_frame(port_->pool, op, port_->mac, port_->self.ip, to_mac, target,
+    return frames::arp_frame(port_->pool, op, port_->mac, port_->self.ip4(), to_mac, target,
                              target_ip);
   }
 
@@ -177,11 +177,12 @@ class DpdkQueue : public Transport {
   rte_mbuf* build(const Datagram& d) {
     rte_ether_addr dst;
     if (d.len + kHeaders > kDataRoom) return drop();
-    if (!port_->lookup(d.peer.ip, &dst)) {
-      if (port_->should_ask(d.peer.ip, now())) {
+    if (!d.peer.is_v4()) return drop();  // IPv4 only: open_dpdk refuses an IPv6 address
+    if (!port_->lookup(d.peer.ip4(), &dst)) {
+      if (port_->should_ask(d.peer.ip4(), now())) {
         rte_ether_addr bcast, zero{};
         std::memset(&bcast, 0xff, sizeof bcast);
-        if (rte_mbuf* r = arp_frame(RTE_ARP_OP_REQUEST, bcast, zero, d.peer.ip)) flush(&r, 1);
+        if (rte_mbuf* r = arp_frame(RTE_ARP_OP_REQUEST, bcast, zero, d.peer.ip4())) flush(&r, 1);
       }
       return drop();
     }
@@ -253,6 +254,8 @@ std::vector<std::unique_ptr<Transport>> open_dpdk(const DpdkOptions& o) {
     port->id = pid;
     break;
   }
+  if (!o.bind.is_v4())  // Ethernet/IPv4/UDP and ARP only: no IPv6 header or neighbour discovery
+    fail("IPv4 only: cannot own " + o.bind.str() + " (use the udp transport for IPv6)");
   port->self = o.bind;
   const uint16_t q = uint16_t(o.queues);
   const unsigned mbufs = q * 2u * kRing + 2047;

@@ -13,15 +13,19 @@ namespace hvd_sparse::omni {
 
 class UdpTransport : public Transport {
  public:
-  // Binds to `at` (ip 0: every address, port 0: any free port). Throws std::runtime_error
-  // naming the address when that fails.
+  // Binds to `at` (0.0.0.0 or ::: every address, port 0: any free port): an IPv4 socket for
+  // an IPv4 address, else an IPv6 one, dual-stack when bound to :: (IPv4 peers then appear
+  // v4-mapped, which Endpoint stores alike). Throws std::runtime_error naming the address
+  // when that fails.
   UdpTransport(const Endpoint& at, bool reuse_port, size_t batch = 64);
-  // Bound to the first free port of [lo, hi] (host order) at `ip`: a job kept to a port range
+  // Bound to the first free port of [lo, hi] (host order) at `at` (its port ignored): a job
+  // kept to a port range
   // (HVD_SPARSE_PORTS). With `reuse_port` a port some other socket holds, shared or not, is
   // skipped, so a socket never joins another process's port group (but two processes probing
   // one port at the same instant may: prefer an exclusive socket). Throws naming the range
   // when every port is taken.
-  static std::unique_ptr<UdpTransport> in_range(uint32_t ip, int lo, int hi, bool reuse_port);
+  static std::unique_ptr<UdpTransport> in_range(const Endpoint& at, int lo, int hi,
+                                                bool reuse_port);
   ~UdpTransport() override;
   UdpTransport(const UdpTransport&) = delete;
   UdpTransport& operator=(const UdpTransport&) = delete;
@@ -35,10 +39,11 @@ class UdpTransport : public Transport {
 
  private:
   int fd_ = -1;
+  int family_ = AF_INET;
   std::vector<std::vector<uint8_t>> buf_;
   std::vector<mmsghdr> rmsg_, smsg_;
   std::vector<iovec> riov_, siov_;
-  std::vector<sockaddr_in> rfrom_, sto_;
+  std::vector<sockaddr_storage> rfrom_, sto_;
   AtomicCounters c_;
 };
 
