@@ -456,9 +456,9 @@ def matrix_schedule(args: argparse.Namespace) -> list[faults.Fault]:
 
 
 def soak_schedule(args: argparse.Namespace, workers: int) -> list[faults.Fault]:
-    """Faults drawn with ``args.seed`` until ``args.minutes`` less the tail (a gap) is
-    scheduled: kind uniformly from ``args.kinds``, the worker at random, rates and
-    durations in the ranges of the matrix's."""
+    """Faults drawn with ``args.seed`` until ``args.minutes`` less a gap is scheduled (the
+    run's tail, a gap and the timeout, comes after): kind uniformly from ``args.kinds``, the
+    worker at random, rates and durations in the ranges of the matrix's."""
     rng = random.Random(args.seed)
     end = args.minutes * 60 - args.warmup - args.gap
     out, at = [], 0.0
@@ -542,7 +542,9 @@ def run_job(tb: object, args: argparse.Namespace, scheme: str, schedule: list[fa
                     injecting = True
                     last = max((f.at + f.duration + (args.regrow if f.kind in faults.ELASTIC
                                                      else 0.0) for f in schedule), default=0.0)
-                    end_at = now + last + args.gap
+                    # the tail: a reduction the last fault held runs to the timeout, then
+                    # the job must show a step back to normal
+                    end_at = now + last + args.gap + args.timeout
                 if now > end_at and not stop.exists():
                     stop.touch()
                 limit = args.hang + (300 if step < 0 else 0)  # the start: imports, joins
