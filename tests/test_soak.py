@@ -4,12 +4,12 @@ aggregator host is killed or stopped (and, under elastic, a worker is lost); eve
 every step (every reduced gradient) is checked against a float64 reduction of the same
 gradients.
 
-The default tier runs two short soaks, each with one wrong sum planted at step 5 (rank 1
-changes one value of a result after the reduction), which the check must count exactly once:
-with the DDP hook (about 22 s of training, 35-100 s in all), where the ranks' parameters must
-then differ, so a check that saw nothing could not pass; and under Horovod elastic (a worker
-lost and the job grown back, about 35 s of training, 50-95 s in all), where the reset after
-the lost worker makes the parameters alike again. `make test-extended` runs 5 minutes of soak:
+Two short soaks have one wrong sum planted at step 5 (rank 1 changes one value of a result
+after the reduction), which the check must count exactly once: with the DDP hook (default
+tier; about 22 s of training, 35-100 s in all), where the ranks' parameters must then differ,
+so a check that saw nothing could not pass; and under Horovod elastic (extended; a worker lost
+and the job grown back, about 35 s of training, 50-95 s in all), where the reset after the
+lost worker makes the parameters alike again. `make test-extended` also runs 5 minutes of soak:
 2.5 with the DDP hook, then 2.5 under Horovod elastic, whose first fault is a worker lost (and
 a second one is drawn): 0 wrong sums, 0 hangs, no failed step, every fault recovered from (a
 lost worker: the job back at 4 ranks), identical parameters. Needs root."""
@@ -56,6 +56,7 @@ def test_a_planted_wrong_sum_is_counted(tmp_path: Path) -> None:
     assert (tmp_path / "soak-2.png").stat().st_size > 0
 
 
+@pytest.mark.extended  # a minute: make test has the launcher (tests/test_testbed.py)
 def test_a_worker_lost_under_horovod_elastic(tmp_path: Path) -> None:
     # w1 or another worker host lost after 5 s of training, listed again 3-6 s later
     code, report, out = soak(tmp_path, f"hvs{os.getpid() % 10000}", "--front", "horovod",
