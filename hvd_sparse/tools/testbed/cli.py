@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -129,7 +130,8 @@ def _print_status(d: dict) -> None:
             row += [f"{h['cpu_budget']:.3g} core", f"{h['cpu_s']:.2f}",
                     f"{h['cpu_throttled']}/{h['cpu_periods']}"]
         t.add_row(*row)
-    Console().print(t)
+    # to a pipe or a log, rich would cut the table to 80 columns: every column then reads "…"
+    Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200).print(t)
     print(d["emulated"])
     if budgets:
         print(f"CFS period {d['cfs_period_us'] / 1000:g} ms, quota {d['cfs_quota_us'] / 1000:g} "
