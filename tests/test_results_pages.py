@@ -38,8 +38,8 @@ def _unreleased(text: str) -> str:
 
 
 # The pages whose every speedup must be one of the data file's: the pages a reader meets first,
-# and the changelog entry that quotes the benchmark. The details pages (BENCHMARKS.md, SCALE.md)
-# hold the runs' own tables, checked claim by claim below.
+# and the changelog entry that quotes the benchmark. The details pages (BENCHMARKS.md, SCALE.md,
+# CONVERGENCE.md) hold the runs' own tables, checked claim by claim below.
 QUOTING = {
     "README.md": lambda t: t,
     "docs/index.md": lambda t: t,
