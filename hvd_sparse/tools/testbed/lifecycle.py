@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import time
-from pathlib import Path
 
 from . import cpu, launch, links, loss, names
 from .topology import SUBNET, Testbed, parse_rate
@@ -158,25 +157,20 @@ def move(tb: Testbed, host: str, ip: str) -> Testbed:
 
 
 def _kill(pid: int, wait: float = 5.0) -> None:
-    """SIGKILL, then until it is gone (or a zombie its launcher has not reaped)."""
+    """SIGKILL, then until it has ended (reaped here if it is our child)."""
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1]
-        except (OSError, IndexError):
-            return
-        if state == "Z":
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            return
+    while not links.ended(pid):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"testbed: process {pid} outlived SIGKILL for {wait:g} s")
         time.sleep(0.01)
-    raise RuntimeError(f"testbed: process {pid} outlived SIGKILL for {wait:g} s")
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # another process's child: its parent reaps it
+        pass
 
 
 def down(name: str) -> list[str]:

@@ -169,10 +169,14 @@ def counters(tb: Testbed) -> dict[str, dict[str, int]]:
     return out
 
 
+def is_namespace_of(name: str, ns: str) -> bool:
+    """Whether ``ns`` is a namespace name of testbed ``name`` (its exact naming pattern)."""
+    return re.fullmatch(rf"{re.escape(name)}-(sw|w\d+|a\d+)", ns) is not None
+
+
 def namespaces(name: str) -> list[str]:
-    """The namespaces of testbed ``name`` that exist, by their exact naming pattern."""
-    pat = re.compile(rf"{re.escape(name)}-(sw|w\d+|a\d+)")
-    return [n for n in netns.listnetns() if pat.fullmatch(n)]
+    """The namespaces of testbed ``name`` that exist."""
+    return [n for n in netns.listnetns() if is_namespace_of(name, n)]
 
 
 def pids_in(ns_name: str) -> list[int]:
@@ -203,7 +207,7 @@ def kill_processes(ns_names: list[str]) -> None:
                 pass
         deadline = time.monotonic() + 3
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if Path(f"/proc/{p}").exists() and not _zombie(p)]
+            pids = [p for p in pids if not ended(p)]
             time.sleep(0.02)
 
 
@@ -235,8 +239,9 @@ def _ours(name: str, ifname: str | None) -> bool:
     return bool(ifname and re.fullmatch(rf"{re.escape(name)}\d+[hs]", ifname))
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie (ended, not yet reaped by its parent)."""
+    try:  # the last ") ": a command name may hold one
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z")
     except (OSError, IndexError):
         return True

@@ -7,9 +7,9 @@ testbed's. When a host moves (lifecycle.move) the file is rewritten in place, be
 is what running processes have mounted: their next lookup of the name gives the new address."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
+from . import links
 from .topology import Testbed
 
 ROOT = Path("/etc/netns")
@@ -37,9 +37,8 @@ def write(tb: Testbed) -> None:
 def remove(name: str) -> None:
     """Removes the hosts files of testbed ``name`` (and their folders, when nothing else is
     in them)."""
-    pat = re.compile(rf"{re.escape(name)}-(sw|w\d+|a\d+)")
     for d in ROOT.glob(f"{name}-*"):
-        if pat.fullmatch(d.name):
+        if links.is_namespace_of(name, d.name):
             (d / "hosts").unlink(missing_ok=True)
             try:
                 d.rmdir()
