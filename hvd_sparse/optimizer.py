@@ -18,16 +18,19 @@ import torch
 from horovod.torch.optimizer import DistributedOptimizer as _HvdDistributedOptimizer
 
 from . import schemes
+from .comm import horovod as horovod_comm
 from .engine import Handle
 from .errors import HvdSparseError
 from .mpi_ops import allreduce_async, allreduce_async_, synchronize
 from .reduction import densified
-from .sparsifiers import DGC, MomentumMemory, Sparsifier
+from .sparsifiers import DGC, MomentumMemory, ResidualMemory, Sparsifier
 
 SPARSIFIER_KEY = "hvd_sparse.sparsifier"  # the sparsifier's state in the state_dict
 # what a sparsifier sparsifies (docs/notes/adam-accuracy.md)
 SPARSIFY = ("gradient", "update", "frozen")
 STEPS_KEY = "hvd_sparse.steps"  # steps taken, in the state_dict: when the dense warm-up ends
+# local_updates: the parameters every rank agrees on, in the state_dict (in parameter order)
+CONSENSUS_KEY = "hvd_sparse.consensus"
 # "frozen": each frozen denominator sqrt(v) + eps is at least this times its tensor's mean, so a
 # coordinate with a tiny v at the freeze (an embedding row the warm-up hardly saw) does not
 # step by g / eps later (docs/notes/adam-accuracy.md: 1e-3 let the byte embedding move 52x as
@@ -41,7 +44,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float, backward_passes_per_step: int,
                  sparsifier: Sparsifier | None, process_set: hvd.ProcessSet,
                  sparse_as_dense: bool, sparsify: str = "gradient",
-                 dense_steps: int = 0) -> None:
+                 dense_steps: int = 0, local_updates: bool = False) -> None:
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._names = _names(named_parameters, all_params)
@@ -58,12 +61,23 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._dense_steps = dense_steps
         self._steps_taken = 0  # steps of this wrapper: the first dense_steps reduce dense
         self._denoms: dict[torch.Tensor, torch.Tensor] = {}  # "frozen": sqrt(v_hat) + eps
+        # local_updates: per parameter, the value every rank agrees on; the parameter itself is
+        # that plus this rank's updates error feedback has not sent yet (``_step_frozen``)
+        self._local = self._frozen and local_updates
+        self._consensus: dict[torch.Tensor, torch.Tensor] = {}
         if isinstance(sparsifier, DGC):
             sparsifier.take_momentum(self.param_groups)
-            if self._frozen and isinstance(sparsifier.memory, MomentumMemory):
-                # its momentum correction is Adam's first moment, before selection
-                sparsifier.momentum = sparsifier.memory.momentum = \
-                    self.param_groups[0]["betas"][0]
+        if self._frozen and type(sparsifier.memory) is ResidualMemory:
+            # Error feedback on what Adam would apply: its first moment accumulated before
+            # selection, as DGC's momentum correction does. Residuals of g / d alone, with the
+            # momentum after the average, trailed dense Adam by 18% on the LM against 10%
+            # (docs/notes/adam-accuracy.md).
+            sparsifier.memory = MomentumMemory()
+        if self._frozen and isinstance(sparsifier.memory, MomentumMemory):
+            # its momentum correction is Adam's first moment, before selection
+            sparsifier.memory.momentum = self.param_groups[0]["betas"][0]
+            if isinstance(sparsifier, DGC):
+                sparsifier.momentum = sparsifier.memory.momentum
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
         self._passes_per_step = backward_passes_per_step
@@ -259,24 +273,68 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                         st["exp_avg_sq"].mul_(keep).addcmul_(p.grad, p.grad, value=1 - keep)
                         p.grad.div_(self._denominator(p, upto=t))  # as a sparse step's
                     d = self._denominator(p)
+                    # local_updates: the step moves what the ranks agree on
+                    x = self._consensus.setdefault(p, p.detach().clone()) if self._local else p
                     if wd and decoupled:
-                        p.mul_(1 - lr * wd)
+                        x.mul_(1 - lr * wd)
                     st["step"] += 1
                     if momentum_corrected:
-                        # DGC's memory did Adam's momentum before selection (sum u = b1 u +
+                        # the memory did Adam's momentum before selection (sum u = b1 u +
                         # g / d): the mean of what was sent, scaled as Adam's m is, is the step
                         # (a refresh's dense g / d steps the same way, without momentum)
-                        p.sub_(p.grad, alpha=lr * (1 - b1))
+                        x.sub_(p.grad, alpha=lr * (1 - b1))
                         if wd and not decoupled:  # L2 on the parameters, the same on all
-                            p.addcdiv_(p, d, value=-lr * wd)
+                            x.addcdiv_(x, d, value=-lr * wd)
                         p.grad.mul_(d)
+                        if self._local:  # and this rank's own momentum not sent yet
+                            p.copy_(x).sub_(self._unsent(p), alpha=lr * (1 - b1))
                         continue
                     g = p.grad.mul_(d)
                     if wd and not decoupled:
                         g = g.add(p, alpha=wd)
                     st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
                     p.addcdiv_(st["exp_avg"], d, value=-lr / (1 - b1 ** float(st["step"])))
+        if refresh and self._local:
+            self.flush()
         return loss
+
+    def _unsent(self, p: torch.Tensor) -> torch.Tensor:
+        """local_updates: this rank's error-feedback residual of ``p`` (what its momentum
+        accumulated that was not sent), shaped as ``p``; zeros before the first."""
+        r = self._sparsifier.memory.residuals.get(self._names[id(p)])
+        return torch.zeros_like(p) if r is None else r.view_as(p)
+
+    def flush(self) -> None:
+        """``local_updates=True``: averages every rank's updates not sent yet into the
+        parameters, so that all ranks hold the same ones again (one dense reduction of each
+        tensor, counted in ``metrics()`` under its name + ".flush"). Call it on every rank
+        before evaluating or saving a model that must be the same everywhere, e.g. at the end
+        of training; the dense steps that refresh Adam's second moment flush too. Without
+        ``local_updates`` nothing is kept back from the parameters and it does nothing.
+
+        Raises:
+            HvdSparseInternalError: a reduction failed (as ``step()``).
+        """
+        if not self._local or not self._consensus or not self.process_set.included():
+            return
+        handles = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self._consensus:
+                    r = self._unsent(p)  # zeros where none yet: every rank sends every tensor
+                    handles[p] = (r, allreduce_async_(r, name=self._names[id(p)] + ".flush",
+                                                      op=hvd.Average, scheme="dense",
+                                                      process_set=self.process_set))
+        with torch.no_grad():
+            for group in self.param_groups:
+                scale = float(group["lr"]) * (1 - group["betas"][0])
+                for p in group["params"]:
+                    if p in handles:
+                        r, h = handles.pop(p)
+                        synchronize(h)
+                        self._consensus[p].sub_(r, alpha=scale)
+                        r.zero_()
+                        p.copy_(self._consensus[p])
 
     def _step_update(self, closure: Any) -> Any:
         """sparsify="update": the wrapped optimizer steps on this rank's own gradients; what it
@@ -329,6 +387,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             d[SPARSIFIER_KEY] = self._sparsifier.state_dict()
         if self._dense_steps:
             d[STEPS_KEY] = self._steps_taken
+        if self._consensus:
+            d[CONSENSUS_KEY] = [self._consensus.get(p) for g in self.param_groups
+                                for p in g["params"]]
         return d
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -339,7 +400,14 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         sparsifier = state_dict.pop(SPARSIFIER_KEY, None)
         self._steps_taken = int(state_dict.pop(STEPS_KEY, self._steps_taken))
+        consensus = state_dict.pop(CONSENSUS_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
+        self._consensus.clear()
+        if consensus is not None and self._local:
+            params = [p for g in self.param_groups for p in g["params"]]
+            self._consensus.update((p, x.to(p.device, p.dtype).clone())
+                                   for p, x in zip(params, consensus, strict=True)
+                                   if x is not None)
         self._denoms.clear()  # from the loaded second moments at the next use
         if sparsifier is not None and self._sparsifier is not None:
             self._sparsifier.load_state_dict(sparsifier)
@@ -387,6 +455,7 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     sparse_as_dense: bool = False,
     sparsify: str = "gradient",
     dense_steps: int = 0,
+    local_updates: bool = False,
     compression: Any = None,
     num_groups: int = 0,
     groups: Any = None,
@@ -433,7 +502,8 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
             and sparsifies that with error feedback, and every rank applies Adam's momentum
             and step to the average, so all end with the same parameters. Steps 2W, 4W,
             8W, ... go dense again and refresh v (0/1 Adam's idea). With ``DGC``, its
-            momentum correction (at Adam's beta1) replaces Adam's first moment. Dense
+            momentum correction (at Adam's beta1) replaces Adam's first moment, and a
+            sparsifier with plain error feedback gets one too (a ``MomentumMemory``). Dense
             gradients only; the reduction averages whatever ``op`` is. Measured on a
             transformer LM it narrows the gap to dense Adam but does not close it
             (docs/notes/adam-accuracy.md).
@@ -441,6 +511,15 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
             sparsifier (a warm-up; its bytes show in ``metrics()`` as any reduction's; with
             "frozen" the refreshes too); the steps taken are saved in the state_dict.
             Default 0; "frozen" needs at least 1.
+        local_updates: "frozen" only. Each rank's parameters also hold its own updates that
+            error feedback has not sent yet (the value the ranks agree on, minus lr (1 -
+            beta1) times its residual), so its next gradient is taken where its own steps led
+            instead of where they were held back; the ranks' parameters then differ by those
+            residuals. ``flush()`` (every rank; one dense reduction) averages them in and
+            makes all ranks' parameters the same: call it before a final evaluation or
+            checkpoint. The refresh steps flush too. The agreed values ride in the
+            state_dict (``CONSENSUS_KEY``). Not under Horovod elastic. Measured on the
+            transformer LM: docs/CONVERGENCE.md.
         compression: not supported (hvd_sparse compresses itself: ``scheme``, ``sparsifier``);
             only ``None`` or ``hvd.Compression.none``.
         num_groups: not supported (each gradient goes as soon as it is ready); only 0.
@@ -457,7 +536,8 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
 
     Raises:
         ValueError: an unsupported ``op``, ``scheme``, ``sparsifier``, ``sparsify``, factor or
-            pass count, or one of the unsupported Horovod arguments above, named.
+            pass count, or one of the unsupported Horovod arguments above, named;
+            ``local_updates`` without "frozen" and error feedback, or under Horovod elastic.
 
     Example:
         >>> opt = hvd_sparse.DistributedOptimizer(
@@ -489,6 +569,16 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
         raise ValueError(f"dense_steps must be an int >= 0, got {dense_steps!r}")
     if sparsify == "frozen" and sparsifier is not None:  # without one: plain steps
         _check_frozen(optimizer, dense_steps)
+    if local_updates and (sparsify != "frozen" or sparsifier is None
+                          or type(sparsifier.memory) not in (ResidualMemory, MomentumMemory)):
+        raise ValueError("local_updates=True keeps this rank's unsent updates in its "
+                         "parameters: it needs sparsify='frozen' and a sparsifier with error "
+                         "feedback")
+    if local_updates and horovod_comm.elastic():
+        # a worker that joins after a reset has neither the agreed values nor a residual
+        raise ValueError("local_updates=True is not supported under Horovod elastic "
+                         "(HOROVOD_ELASTIC=1): a rank that joins has no agreed parameters to "
+                         "go on from; use sparsify='frozen' without it")
     if dense_steps and isinstance(sparsifier, DGC) and sparsify == "gradient" and any(
             g.get("momentum") for g in optimizer.param_groups):
         raise ValueError("dense_steps with DGC and an optimizer with momentum: DGC takes the "
@@ -502,7 +592,7 @@ def DistributedOptimizer(  # noqa: N802 - name fixed by Horovod's API
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, scheme, block_size, op,
                gradient_predivide_factor, backward_passes_per_step, sparsifier, process_set,
-               sparse_as_dense, sparsify, dense_steps)
+               sparse_as_dense, sparsify, dense_steps, local_updates)
 
 
 def _check_frozen(optimizer: torch.optim.Optimizer, dense_steps: int) -> None:

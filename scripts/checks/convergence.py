@@ -141,8 +141,10 @@ def main() -> int:
                     help="train every task this many times its epochs (same warm-up)")
     ap.add_argument("--lm-steps", type=int, default=LM_STEPS,
                     help="the language model's steps (fewer for a quick, reduced run)")
-    ap.add_argument("--sparsify", default="gradient", choices=("gradient", "update", "frozen"),
-                    help="what the sparsifiers sparsify (DistributedOptimizer's sparsify=)")
+    ap.add_argument("--sparsify", default="gradient",
+                    choices=("gradient", "update", "frozen", "frozen-local"),
+                    help="what the sparsifiers sparsify (DistributedOptimizer's sparsify=; "
+                         "frozen-local: frozen with local_updates=True)")
     ap.add_argument("--dense-steps", type=int, default=0,
                     help="sparsified methods: this many dense steps first (DistributedOptimizer's "
                          "dense_steps=; their bytes counted); frozen needs >= 1")

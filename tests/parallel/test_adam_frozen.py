@@ -1,12 +1,14 @@
 """sparsify="frozen", 2 ranks: 1-bit Adam's recipe with a sparsifier
 (hvd_sparse.DistributedOptimizer(adam, sparsifier=..., sparsify="frozen", dense_steps=W)).
 Held to a float64 reference written here from the recipe alone: plain torch Adam/AdamW on the
-ranks' averaged gradients for W steps, then, per rank, error feedback on g / d with an exact
-top-k (DGC: its momentum correction and masking), the average of what was sent, and Adam's
-momentum and step with d = sqrt(v_hat) + eps frozen; at step 2W a dense step that refreshes v
-weighted by the steps since the last. Every rank ends with the same parameters,
-the warm-up goes dense, and the optimizer's state_dict loads into plain torch and resumes the
-run exactly.
+ranks' averaged gradients for W steps, then, per rank, error feedback on Adam's momentum of
+g / d (u = b1 u + g / d, e += u) with an exact top-k and masking, and the average of what was
+sent as the step, with d = sqrt(v_hat) + eps frozen (without error feedback: top-k of g / d,
+Adam's momentum on the average); at step 2W a dense step that refreshes v weighted by the steps
+since the last. Every rank ends with the same parameters, the warm-up goes dense, and the
+optimizer's state_dict loads into plain torch and resumes the run exactly. With
+local_updates, each rank's parameters are the agreed ones minus lr (1 - b1) times its own
+residual (its gradient taken there), the refresh and flush() average the residuals in.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from ranktools import start
 from torch import nn
 
 import hvd_sparse
-from hvd_sparse.optimizer import FROZEN_FLOOR, STEPS_KEY
+from hvd_sparse.optimizer import CONSENSUS_KEY, FROZEN_FLOOR, STEPS_KEY
 
 LAUNCHES = [Launch(np=2, timeout=300)]
 OPTS = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
@@ -46,14 +48,16 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
-def make(opt_name: str, model: nn.Module, tag: str, sparsifier: str) -> torch.optim.Optimizer:
+def make(opt_name: str, model: nn.Module, tag: str, sparsifier: str,
+         local: bool = False) -> torch.optim.Optimizer:
     kw = {"min_numel": 0, "min_selected": 0}
     sp = (hvd_sparse.DGC(DENSITY, **kw) if sparsifier == "dgc"
-          else hvd_sparse.TopK(DENSITY, **kw))
+          else hvd_sparse.TopK(DENSITY, error_feedback=sparsifier != "noef", **kw))
     return hvd_sparse.DistributedOptimizer(
         OPTS[opt_name](model.parameters()),
         named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
-        sparsifier=sp, scheme="allgather", block_size=1, sparsify="frozen", dense_steps=WARM)
+        sparsifier=sp, scheme="allgather", block_size=1, sparsify="frozen", dense_steps=WARM,
+        local_updates=local)
 
 
 def run(opt: torch.optim.Optimizer, model: nn.Module, steps: range) -> None:
@@ -72,8 +76,13 @@ def topk(x: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def reference(opt_name: str, sparsifier: str) -> list[torch.Tensor]:
-    """The recipe in float64, every rank simulated here."""
+def reference(opt_name: str, sparsifier: str, local: bool = False
+              ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """The recipe in float64, every rank simulated here.
+
+    Returns:
+        (the agreed parameters, per rank its residuals scaled as a step: lr (1 - b1) e).
+    """
     shared = net().double()
     params = list(shared.parameters())
     adam = OPTS[opt_name](params)
@@ -92,10 +101,15 @@ def reference(opt_name: str, sparsifier: str) -> list[torch.Tensor]:
             out.append(d.clamp(min=FROZEN_FLOOR * float(d.mean())))
         return out
 
+    ef = sparsifier != "noef"
     for t in range(STEPS):
         grads = []
         for r in range(n):
             c = copy.deepcopy(shared)
+            if local and t >= WARM:  # where this rank's own unsent momentum took it
+                with torch.no_grad():
+                    for q, e in zip(c.parameters(), resid[r], strict=True):
+                        q.sub_(lr * (1 - b1) * e)
             x, y = batch(r, t)
             nn.functional.mse_loss(c(x.double()), y.double()).backward()
             grads.append([p.grad for p in c.parameters()])
@@ -119,14 +133,14 @@ def reference(opt_name: str, sparsifier: str) -> list[torch.Tensor]:
                 if t in REFRESH:  # the dense average, in units of d, nothing sparsified
                     sent = [g[i] / d for g in grads]
                 for r in range(n if t not in REFRESH else 0):
-                    if sparsifier == "dgc":  # u = b1 u + g/d; v += u; send top-k of v
+                    if ef:  # u = b1 u + g/d; e += u; send top-k of e
                         veloc[r][i] = b1 * veloc[r][i] + grads[r][i] / d
                         resid[r][i] += veloc[r][i]
                     else:
-                        resid[r][i] += grads[r][i] / d
+                        resid[r][i] = grads[r][i] / d
                     s = topk(resid[r][i], k)
                     resid[r][i] -= s
-                    if sparsifier == "dgc":
+                    if ef:
                         veloc[r][i][s != 0] = 0
                     sent.append(s)
                 avg = sum(sent) / n
@@ -134,12 +148,17 @@ def reference(opt_name: str, sparsifier: str) -> list[torch.Tensor]:
                     p.mul_(1 - lr * wd)
                 st = adam.state[p]
                 st["step"] += 1
-                if sparsifier == "dgc":
+                if ef:
                     p.sub_(lr * (1 - b1) * avg)
                 else:
                     st["exp_avg"].mul_(b1).add_(avg * d, alpha=1 - b1)
                     p.sub_(lr / (1 - b1 ** float(st["step"])) * st["exp_avg"] / d)
-    return [p.detach() for p in params]
+                if local and t in REFRESH:  # the refresh flushes the residuals
+                    p.sub_(lr * (1 - b1) * sum(e[i] for e in resid) / n)
+                    for e in resid:
+                        e[i].zero_()
+    return ([p.detach() for p in params],
+            [[lr * (1 - b1) * e for e in rank] for rank in resid])
 
 
 def identical_on_every_rank(model: nn.Module, tag: str) -> bool:
@@ -149,7 +168,7 @@ def identical_on_every_rank(model: nn.Module, tag: str) -> bool:
 
 
 @pytest.mark.parametrize("opt_name,sparsifier", [("adam", "topk"), ("adamw", "topk"),
-                                                 ("adam", "dgc")])
+                                                 ("adam", "dgc"), ("adam", "noef")])
 def test_frozen_matches_float64_reference(opt_name, sparsifier):
     tag = f"frozen.{opt_name}.{sparsifier}"
     model = net()
@@ -169,7 +188,7 @@ def test_frozen_matches_float64_reference(opt_name, sparsifier):
     assert m["scheme"] == "allgather" and m["selected"] == round(DENSITY * 512), m
     assert torch.equal(opt.state[model[0].weight]["exp_avg_sq"], v_refreshed), "v moved"
     assert identical_on_every_rank(model, tag), "ranks differ"
-    ref = reference(opt_name, sparsifier)
+    ref, _ = reference(opt_name, sparsifier)
     for (name, p), want in zip(model.named_parameters(), ref, strict=True):
         err = float((p.detach().double() - want).abs().max())
         assert err < 2e-5, f"{name}: max abs error {err:g} against the float64 reference"
@@ -181,8 +200,48 @@ def test_frozen_matches_float64_reference(opt_name, sparsifier):
         sum(nn.functional.mse_loss(dense(x), y) for x, y in
             (batch(r, t) for r in range(hvd.size()))).div(hvd.size()).backward()
         plain.step()
-    assert max(float((a - b).abs().max()) for a, b in
+    assert max(float((a - b).detach().abs().max()) for a, b in
                zip(model.parameters(), dense.parameters(), strict=True)) > 1e-4
+
+
+@pytest.mark.parametrize("sparsifier", ["topk", "dgc"])
+def test_local_updates_match_float64_reference(sparsifier):
+    tag = f"local.{sparsifier}"
+    model = net()
+    opt = make("adam", model, tag, sparsifier, local=True)
+    run(opt, model, range(STEPS))
+    agreed, own = reference("adam", sparsifier, local=True)
+    me = hvd.rank()
+    for (name, p), x, e in zip(model.named_parameters(), agreed, own[me], strict=True):
+        err = float((p.detach().double() - (x - e)).abs().max())
+        assert err < 2e-5, f"{name}: max abs error {err:g} against the float64 reference"
+    assert not identical_on_every_rank(model, tag + ".before"), "nothing kept back?"
+    opt.flush()
+    assert hvd_sparse.metrics()[f"{tag}.0.weight.flush"]["scheme"] == "dense"
+    assert identical_on_every_rank(model, tag), "ranks differ after flush()"
+    for (name, p), x, *es in zip(model.named_parameters(), agreed, *own, strict=True):
+        want = x - sum(es) / len(es)
+        err = float((p.detach().double() - want).abs().max())
+        assert err < 2e-5, f"{name}: after flush, max abs error {err:g}"
+    # a checkpoint mid-run (the agreed values in it) resumes to the same bits
+    straight = net()
+    o = make("adam", straight, tag + ".straight", sparsifier, local=True)
+    run(o, straight, range(STEPS))
+    half = net()
+    o = make("adam", half, tag + ".half", sparsifier, local=True)
+    run(o, half, range(WARM + 1))
+    buf = io.BytesIO()
+    torch.save({"model": half.state_dict(), "opt": o.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    assert ckpt["opt"][CONSENSUS_KEY][0] is not None
+    resumed = net()
+    resumed.load_state_dict(ckpt["model"])
+    o = make("adam", resumed, tag + ".half", sparsifier, local=True)
+    o.load_state_dict(ckpt["opt"])
+    run(o, resumed, range(WARM + 1, STEPS))
+    for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
+        assert torch.equal(a, b), float((a - b).abs().max())
 
 
 def test_frozen_state_dict_loads_into_plain_torch_and_resumes_exactly():
@@ -211,7 +270,7 @@ def test_frozen_state_dict_loads_into_plain_torch_and_resumes_exactly():
         assert torch.equal(a, b), float((a - b).abs().max())
 
 
-def test_frozen_is_checked():
+def test_frozen_is_checked(monkeypatch):
     ps = list(net().parameters())
     sp = hvd_sparse.TopK(0.1)
     with pytest.raises(ValueError, match="torch.optim.Adam or AdamW, got SGD"):
@@ -223,5 +282,16 @@ def test_frozen_is_checked():
     with pytest.raises(ValueError, match="amsgrad"):
         hvd_sparse.DistributedOptimizer(torch.optim.Adam(ps, amsgrad=True), sparsifier=sp,
                                         sparsify="frozen", dense_steps=5)
+    with pytest.raises(ValueError, match="local_updates=True .* needs sparsify='frozen'"):
+        hvd_sparse.DistributedOptimizer(torch.optim.Adam(ps), sparsifier=sp, local_updates=True)
+    with pytest.raises(ValueError, match="a sparsifier with error feedback"):
+        hvd_sparse.DistributedOptimizer(
+            torch.optim.Adam(ps), sparsifier=hvd_sparse.TopK(0.1, error_feedback=False),
+            sparsify="frozen", dense_steps=5, local_updates=True)
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    with pytest.raises(ValueError, match="not supported under Horovod elastic"):
+        hvd_sparse.DistributedOptimizer(torch.optim.Adam(ps), sparsifier=sp, sparsify="frozen",
+                                        dense_steps=5, local_updates=True)
+    monkeypatch.delenv("HOROVOD_ELASTIC")
     with pytest.raises(ValueError, match="dense_steps must be an int >= 0"):
         hvd_sparse.DistributedOptimizer(torch.optim.Adam(ps), sparsifier=sp, dense_steps=-1)

@@ -339,7 +339,8 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
     """Trains ``task_name`` with ``method`` (sparsifiers at ``density``) for ``epochs_x`` times
     its epochs; returns scores per epoch and bytes per step. ``sparsify``: what the
     sparsifiers sparsify (``hvd_sparse.DistributedOptimizer``'s argument: "gradient",
-    "update" or "frozen"); ``dense_steps``: its dense warm-up (sparsified methods only; the
+    "update" or "frozen"; "frozen-local": "frozen" with ``local_updates``, flushed before
+    the last score); ``dense_steps``: its dense warm-up (sparsified methods only; the
     bytes counted). ``resume_at``: after that many
     epochs, checkpoint model and optimizer (the sparsifier's residuals and momentum with it)
     through torch.save/torch.load and go on with a new model, optimizer and sparsifier loaded
@@ -353,14 +354,17 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
     steps = sum(1 for _ in task.batches(0))
     names = [f"{task_name}.{method}.{seed}.{n}" for n, _ in model.named_parameters()]
 
+    local = sparsify == "frozen-local"
+
     def ours(model: nn.Module) -> torch.optim.Optimizer:
         sp = sparsifier(base, warmup=2 * steps, density=density)
         return hvd_sparse.DistributedOptimizer(
             task.make_optimizer(list(model.parameters())),
             named_parameters=list(zip(names, model.parameters(), strict=True)), sparsifier=sp,
             scheme="dense" if sp is None else "allgather",
-            block_size=None if sp is None else 4, sparsify=sparsify,
-            dense_steps=0 if sp is None else dense_steps)
+            block_size=None if sp is None else int(os.environ.get("HVD_SPARSE_ACC_BLOCK", 4)),
+            sparsify="frozen" if local else sparsify,
+            dense_steps=0 if sp is None else dense_steps, local_updates=local and sp is not None)
 
     ddp_bytes, restored = None, None
     if base in POWERSGD:
@@ -380,6 +384,17 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
     else:
         net, opt = model, ours(model)
     scores, sent, union, numel = [], 0.0, 0.0, sum(p.numel() for p in model.parameters())
+    calls: dict[str, int] = {}  # per reduction name, the calls counted
+
+    def count_sent() -> float:
+        """Bytes of this run's reductions since the last count (a flush's too: name.flush)."""
+        new = 0.0
+        for k, r in hvd_sparse.metrics().items():
+            if k.startswith(f"{task_name}.{method}.{seed}.") and r["calls"] > calls.get(k, 0):
+                calls[k] = r["calls"]
+                new += r.get("bytes_sent", 0)
+        return new
+
     t0 = time.perf_counter()
     for epoch in range(task.epochs):
         net.train()
@@ -389,8 +404,11 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
             opt.step()
             if ddp_bytes is None:
                 m = hvd_sparse.metrics()
-                sent += sum(m[n]["bytes_sent"] for n in names)
+                sent += count_sent()
                 union += sum(m[n].get("union", 0) for n in names) if base != "dense" else 0
+        if local and epoch + 1 == task.epochs and ddp_bytes is None:
+            opt.flush()  # the ranks' own unsent updates averaged in: the same model on all
+            sent += count_sent()
         net.eval()
         scores.append(task.score(model))
         if epoch + 1 == resume_at and ddp_bytes is None:
@@ -424,7 +442,8 @@ def main() -> None:
     """Under horovodrun: HVD_SPARSE_ACC_RUNS="task:method:seed,..." (sparsifiers at
     HVD_SPARSE_ACC_DENSITY, default 1%, on what HVD_SPARSE_ACC_SPARSIFY says, default "gradient";
     HVD_SPARSE_ACC_EPOCHS_X times each task's epochs, default 1; the language model's steps
-    HVD_SPARSE_ACC_LM_STEPS; a dense warm-up of HVD_SPARSE_ACC_DENSE_STEPS steps) -> rank<r>.json
+    HVD_SPARSE_ACC_LM_STEPS; a dense warm-up of HVD_SPARSE_ACC_DENSE_STEPS steps; the
+    sparsified methods' codec block HVD_SPARSE_ACC_BLOCK, default 4) -> rank<r>.json
     lines in HVD_SPARSE_TEST_OUT (scripts/checks/convergence.py reads rank 0's)."""
     import json
     from pathlib import Path
