@@ -395,6 +395,7 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
                 new += r.get("bytes_sent", 0)
         return new
 
+    taken, flush_every = 0, int(os.environ.get("HVD_SPARSE_ACC_FLUSH_EVERY", 0))
     t0 = time.perf_counter()
     for epoch in range(task.epochs):
         net.train()
@@ -402,6 +403,9 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
             opt.zero_grad()
             task.loss(net(*inputs), target).backward()
             opt.step()
+            taken += 1
+            if local and flush_every and taken % flush_every == 0:
+                opt.flush()  # the user's choice of more dense steps for less staleness
             if ddp_bytes is None:
                 m = hvd_sparse.metrics()
                 sent += count_sent()
@@ -443,7 +447,8 @@ def main() -> None:
     HVD_SPARSE_ACC_DENSITY, default 1%, on what HVD_SPARSE_ACC_SPARSIFY says, default "gradient";
     HVD_SPARSE_ACC_EPOCHS_X times each task's epochs, default 1; the language model's steps
     HVD_SPARSE_ACC_LM_STEPS; a dense warm-up of HVD_SPARSE_ACC_DENSE_STEPS steps; the
-    sparsified methods' codec block HVD_SPARSE_ACC_BLOCK, default 4) -> rank<r>.json
+    sparsified methods' codec block HVD_SPARSE_ACC_BLOCK, default 4; "frozen-local": a flush
+    every HVD_SPARSE_ACC_FLUSH_EVERY steps, default none) -> rank<r>.json
     lines in HVD_SPARSE_TEST_OUT (scripts/checks/convergence.py reads rank 0's)."""
     import json
     from pathlib import Path
