@@ -204,13 +204,14 @@ def test_frozen_matches_float64_reference(opt_name, sparsifier):
                zip(model.parameters(), dense.parameters(), strict=True)) > 1e-4
 
 
-@pytest.mark.parametrize("sparsifier", ["topk", "dgc"])
-def test_local_updates_match_float64_reference(sparsifier):
-    tag = f"local.{sparsifier}"
+@pytest.mark.parametrize("opt_name,sparsifier", [("adam", "topk"), ("adamw", "topk"),
+                                                 ("adam", "dgc")])
+def test_local_updates_match_float64_reference(opt_name, sparsifier):
+    tag = f"local.{opt_name}.{sparsifier}"
     model = net()
-    opt = make("adam", model, tag, sparsifier, local=True)
+    opt = make(opt_name, model, tag, sparsifier, local=True)
     run(opt, model, range(STEPS))
-    agreed, own = reference("adam", sparsifier, local=True)
+    agreed, own = reference(opt_name, sparsifier, local=True)
     me = hvd.rank()
     for (name, p), x, e in zip(model.named_parameters(), agreed, own[me], strict=True):
         err = float((p.detach().double() - (x - e)).abs().max())
@@ -225,10 +226,10 @@ def test_local_updates_match_float64_reference(sparsifier):
         assert err < 2e-5, f"{name}: after flush, max abs error {err:g}"
     # a checkpoint mid-run (the agreed values in it) resumes to the same bits
     straight = net()
-    o = make("adam", straight, tag + ".straight", sparsifier, local=True)
+    o = make(opt_name, straight, tag + ".straight", sparsifier, local=True)
     run(o, straight, range(STEPS))
     half = net()
-    o = make("adam", half, tag + ".half", sparsifier, local=True)
+    o = make(opt_name, half, tag + ".half", sparsifier, local=True)
     run(o, half, range(WARM + 1))
     buf = io.BytesIO()
     torch.save({"model": half.state_dict(), "opt": o.state_dict()}, buf)
@@ -237,7 +238,7 @@ def test_local_updates_match_float64_reference(sparsifier):
     assert ckpt["opt"][CONSENSUS_KEY][0] is not None
     resumed = net()
     resumed.load_state_dict(ckpt["model"])
-    o = make("adam", resumed, tag + ".half", sparsifier, local=True)
+    o = make(opt_name, resumed, tag + ".half", sparsifier, local=True)
     o.load_state_dict(ckpt["opt"])
     run(o, resumed, range(WARM + 1, STEPS))
     for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
