@@ -273,8 +273,11 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                         st["exp_avg_sq"].mul_(keep).addcmul_(p.grad, p.grad, value=1 - keep)
                         p.grad.div_(self._denominator(p, upto=t))  # as a sparse step's
                     d = self._denominator(p)
-                    # local_updates: the step moves what the ranks agree on
-                    x = self._consensus.setdefault(p, p.detach().clone()) if self._local else p
+                    x = p
+                    if self._local:  # the step moves what the ranks agree on
+                        x = self._consensus.get(p)
+                        if x is None:  # the first step after the warm-up: p is agreed on
+                            x = self._consensus[p] = p.detach().clone()
                     if wd and decoupled:
                         x.mul_(1 - lr * wd)
                     st["step"] += 1

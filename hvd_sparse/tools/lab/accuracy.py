@@ -385,12 +385,14 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
         net, opt = model, ours(model)
     scores, sent, union, numel = [], 0.0, 0.0, sum(p.numel() for p in model.parameters())
     calls: dict[str, int] = {}  # per reduction name, the calls counted
+    prefix = f"{task_name}.{method}.{seed}."
 
-    def count_sent() -> float:
-        """Bytes of this run's reductions since the last count (a flush's too: name.flush)."""
+    def count_sent(records: dict[str, dict]) -> float:
+        """Bytes of this run's reductions in ``records`` (``hvd_sparse.metrics()``) since the
+        last count (a flush's too: name.flush)."""
         new = 0.0
-        for k, r in hvd_sparse.metrics().items():
-            if k.startswith(f"{task_name}.{method}.{seed}.") and r["calls"] > calls.get(k, 0):
+        for k, r in records.items():
+            if k.startswith(prefix) and r["calls"] > calls.get(k, 0):
                 calls[k] = r["calls"]
                 new += r.get("bytes_sent", 0)
         return new
@@ -408,11 +410,11 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
                 opt.flush()  # the user's choice of more dense steps for less staleness
             if ddp_bytes is None:
                 m = hvd_sparse.metrics()
-                sent += count_sent()
+                sent += count_sent(m)
                 union += sum(m[n].get("union", 0) for n in names) if base != "dense" else 0
         if local and epoch + 1 == task.epochs and ddp_bytes is None:
             opt.flush()  # the ranks' own unsent updates averaged in: the same model on all
-            sent += count_sent()
+            sent += count_sent(hvd_sparse.metrics())
         net.eval()
         scores.append(task.score(model))
         if epoch + 1 == resume_at and ddp_bytes is None:
