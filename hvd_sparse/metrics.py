@@ -2,23 +2,31 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # torch-free at run time: tools read metrics without torch
-    from .job import Stats
+
+class Reported(Protocol):
+    """What ``record`` takes: a dataclass of one reduction's stats (``hvd_sparse.job.Stats``;
+    named by this protocol, not imported: job imports the sparsifiers, which record here)."""
+
+    def reported(self) -> dict[str, Any]:
+        """The fields to show, by name."""
+        ...
+
 
 _lock = threading.Lock()
 _records: dict[str, dict[str, Any]] = {}
 
 
-def record(name: str, seconds: float, stats: Stats) -> None:
+def record(name: str, seconds: float, stats: Reported) -> None:
     """A finished reduction: its stats replace the previous call's (a sparsifier's fields stay)."""
     reported = stats.reported()
     with _lock:
         r = _records.setdefault(name, {"calls": 0})
-        for key in type(stats).__dataclass_fields__:
-            r.pop(key, None)
+        for field in dataclasses.fields(stats):
+            r.pop(field.name, None)
         r["calls"] += 1
         r.update(reported, seconds=seconds)
 
