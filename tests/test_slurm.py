@@ -312,9 +312,11 @@ def test_ddp_torchrun(slurm: Cluster) -> None:
     assert 29400 <= port <= 29499, out[-2000:]
 
 
+# One write(2) a line: print() writes the text and its newline apart, so two ranks' lines can
+# run together in the step's shared output.
 CPU_PROBE = """import json, os
-print("cpus " + json.dumps({"rank": int(os.environ["RANK"]),
-                            "cpus": sorted(os.sched_getaffinity(0))}), flush=True)
+os.write(1, ("cpus " + json.dumps({"rank": int(os.environ["RANK"]),
+                                   "cpus": sorted(os.sched_getaffinity(0))}) + "\\n").encode())
 """
 
 
@@ -329,7 +331,7 @@ def test_ddp_ranks_get_the_cpus_sbatch_asked_for(slurm: Cluster) -> None:
     probe = slurm.dir / "cpu_probe.py"
     probe.write_text(CPU_PROBE)
     out = slurm.submit("ddp.sbatch", "--nodes=1", script_args=(str(probe),), SLURM_EXACT="1")
-    ranks = [json.loads(m) for m in re.findall(r"^cpus (\{.*\})$", out, re.M)]
+    ranks = [json.loads(m) for m in re.findall(r"cpus (\{[^{}]*\})", out)]
     assert sorted(r["rank"] for r in ranks) == [0, 1], out[-3000:]
     asked = int(sbatch_options(SCRIPTS / "ddp.sbatch")["cpus-per-task"])
     assert asked == 2
