@@ -89,10 +89,14 @@ def test_residual_memory_math_is_exact():
         np.testing.assert_array_equal(sp.memory.residuals["w"].numpy(), e)
 
 
-def test_dgc_momentum_correction_and_masking():
+@pytest.mark.parametrize("masking", [True, False])
+def test_dgc_momentum_correction_and_masking(masking):
+    """u = m u + g, v = v + u, the selection of v sent; with masking u is zeroed where sent,
+    without it u is an exact momentum (what sparsify="frozen" uses for Adam's)."""
     rng = np.random.default_rng(4)
     m, n, density = 0.9, 20_000, 0.01
     sp = DGC(density, momentum=m, **ONE)
+    sp.memory.masking = masking
     u, v = np.zeros(n), np.zeros(n)
     for _ in range(5):
         g = rng.standard_normal(n)
@@ -100,11 +104,13 @@ def test_dgc_momentum_correction_and_masking():
         u = m * u + g
         v = v + u
         sel = out != 0
-        # DGC's selection is a top set of |v| with about k elements (sampled threshold).
-        assert 0.5 * density * n <= sel.sum() <= 1.3 * density * n, sel.sum()
+        # DGC's selection is a top set of |v| with about k elements: a threshold from the
+        # 10th of 1,000 samples lets through 0.35-1.3 k here (above 1.3 k: exact top-k)
+        assert 0.25 * density * n <= sel.sum() <= 1.3 * density * n, sel.sum()
         assert np.abs(v[sel]).min() >= np.abs(v[~sel]).max()
         np.testing.assert_allclose(out[sel], v[sel], rtol=1e-12)
-        u[sel] = 0.0
+        if masking:
+            u[sel] = 0.0
         v[sel] = 0.0
         np.testing.assert_allclose(sp.memory.residuals["w"].numpy(), v, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(sp.memory.velocities["w"].numpy(), u, rtol=1e-12, atol=1e-12)

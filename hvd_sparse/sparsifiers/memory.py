@@ -141,8 +141,14 @@ class MomentumMemory(ResidualMemory):
 
     Use it with an optimizer without momentum: the momentum lives here, before sparsification.
 
+    Without masking, u is an exact momentum and only v is error feedback: every gradient
+    reaches the parameters with its whole momentum tail (m, m^2, ...), late where not sent,
+    as without sparsification. With masking a coordinate sent every step moves by its
+    gradient alone: no momentum at all.
+
     Args:
         momentum: m, in [0, 1).
+        masking: zero u where sent (DGC's factor masking; default on).
 
     Raises:
         ValueError: ``momentum`` is not in [0, 1).
@@ -150,11 +156,11 @@ class MomentumMemory(ResidualMemory):
 
     STATE = ("residuals", "velocities")
 
-    def __init__(self, momentum: float = 0.9) -> None:
+    def __init__(self, momentum: float = 0.9, masking: bool = True) -> None:
         super().__init__()
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        self.momentum = momentum
+        self.momentum, self.masking = momentum, masking
         self.velocities: dict[str, torch.Tensor] = {}
 
     def compensate(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -176,8 +182,7 @@ class MomentumMemory(ResidualMemory):
 
     def update(self, name: str, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor,
                unit: int) -> None:
-        """Moves the selected units of v into ``out`` and zeroes u there too (factor
-        masking).
+        """Moves the selected units of v into ``out`` and, with masking, zeroes u there too.
 
         Args:
             name: the tensor's name.
@@ -187,7 +192,8 @@ class MomentumMemory(ResidualMemory):
             unit: elements per unit.
         """
         ops.extract_(x, out, idx, unit, True)
-        ops.zero_units_(self.velocities[name], idx, unit)
+        if self.masking:
+            ops.zero_units_(self.velocities[name], idx, unit)
 
     def reset(self, name: str) -> None:
         """Drops both buffers of ``name``.
