@@ -78,7 +78,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             # its momentum correction is Adam's first moment, before selection, and exact: not
             # masked where sent, so a coordinate sent every step keeps Adam's momentum (masked,
             # it stepped by lr (1 - b1) g / d alone; TopK on the LM trailed dense by +2.2%
-            # against +1.2%, docs/notes/adam-accuracy.md)
+            # against +1.4%, docs/notes/adam-accuracy.md)
             sparsifier.memory.momentum = self.param_groups[0]["betas"][0]
             sparsifier.memory.masking = False
             if isinstance(sparsifier, DGC):

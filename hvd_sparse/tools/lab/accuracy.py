@@ -285,13 +285,17 @@ TASKS: dict[str, Callable[[int, int, int], Task]] = {"mlp": mlp, "digits": digit
 
 
 def sparsifier(method: str, warmup: int, density: float) -> hvd_sparse.Sparsifier | None:
-    return {"dense": None, "topk": hvd_sparse.TopK(density),
-            "topkw": hvd_sparse.TopK(density, warmup=warmup),
-            "dgc": hvd_sparse.DGC(density, warmup=warmup), "dgc0": hvd_sparse.DGC(density),
+    # HVD_SPARSE_ACC_SMALL=sparse: no tensor goes whole for its size (each sends >= 1 element)
+    kw = ({"min_numel": 0, "min_selected": 1}
+          if os.environ.get("HVD_SPARSE_ACC_SMALL") == "sparse" else {})
+    return {"dense": None, "topk": hvd_sparse.TopK(density, **kw),
+            "topkw": hvd_sparse.TopK(density, warmup=warmup, **kw),
+            "dgc": hvd_sparse.DGC(density, warmup=warmup, **kw),
+            "dgc0": hvd_sparse.DGC(density, **kw),
             # density is per rank: "exdyna" is the paper's setting (the union at density),
             # "exdyna4" sends per rank what TopK and DGC do (a union of density x ranks)
-            "exdyna": hvd_sparse.ExDyna(density / hvd.size()),
-            "exdyna4": hvd_sparse.ExDyna(density)}[method]
+            "exdyna": hvd_sparse.ExDyna(density / hvd.size(), **kw),
+            "exdyna4": hvd_sparse.ExDyna(density, **kw)}[method]
 
 
 def torch_group() -> None:
@@ -364,7 +368,8 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
             scheme="dense" if sp is None else "allgather",
             block_size=None if sp is None else int(os.environ.get("HVD_SPARSE_ACC_BLOCK", 4)),
             sparsify="frozen" if local else sparsify,
-            dense_steps=0 if sp is None else dense_steps, local_updates=local and sp is not None)
+            dense_steps=0 if sp is None else dense_steps, local_updates=local and sp is not None,
+            refresh_cap=int(os.environ.get("HVD_SPARSE_ACC_REFRESH_CAP", 8)))
 
     ddp_bytes, restored = None, None
     if base in POWERSGD:
@@ -450,7 +455,9 @@ def main() -> None:
     HVD_SPARSE_ACC_EPOCHS_X times each task's epochs, default 1; the language model's steps
     HVD_SPARSE_ACC_LM_STEPS; a dense warm-up of HVD_SPARSE_ACC_DENSE_STEPS steps; the
     sparsified methods' codec block HVD_SPARSE_ACC_BLOCK, default 4; "frozen-local": a flush
-    every HVD_SPARSE_ACC_FLUSH_EVERY steps, default none) -> rank<r>.json
+    every HVD_SPARSE_ACC_FLUSH_EVERY steps, default none; HVD_SPARSE_ACC_SMALL=sparse: small
+    tensors sparsified too; HVD_SPARSE_ACC_REFRESH_CAP: "frozen"'s refresh_cap, default 8)
+    -> rank<r>.json
     lines in HVD_SPARSE_TEST_OUT (scripts/checks/convergence.py reads rank 0's)."""
     import json
     from pathlib import Path
