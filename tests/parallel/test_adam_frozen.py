@@ -4,12 +4,12 @@ Held to a float64 reference written here from the recipe alone: plain torch Adam
 ranks' averaged gradients for W steps, then, per rank, error feedback on Adam's momentum of
 g / d (u = b1 u + g / d, e += u; u not masked where sent) with an exact top-k, and the
 average of what was sent as the step, with d = sqrt(v_hat) + eps frozen (without error
-feedback: top-k of g / d, Adam's momentum on the average); at step 2W a dense step that
-refreshes v weighted by the steps since the last. Every rank ends with the same parameters,
-the warm-up goes dense, and the optimizer's state_dict loads into plain torch and resumes the
-run exactly. With
-local_updates, each rank's parameters are the agreed ones minus lr (1 - b1) times its own
-residual (its gradient taken there), the refresh and flush() average the residuals in.
+feedback: top-k of g / d, Adam's momentum on the average); at steps 2W and 3W (refresh_cap 3)
+dense steps that refresh v weighted by the steps since the last. Every rank ends with the same
+parameters, the warm-up goes dense, and the optimizer's state_dict loads into plain torch and
+resumes the run exactly. With local_updates, each rank's parameters are the agreed ones minus
+lr (1 - b1) times its own residual (its gradient taken there), the refreshes and flush()
+average the residuals in.
 """
 from __future__ import annotations
 
