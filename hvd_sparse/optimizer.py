@@ -113,7 +113,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if not self._frozen or t < 2 * w or t % w:
             return False
         j = t // w
-        return (j & (j - 1)) == 0 and (not cap or j <= cap) or bool(cap) and j % cap == 0
+        doubling = (j & (j - 1)) == 0 and (not cap or j <= cap)
+        return doubling or (cap > 0 and j % cap == 0)
 
     def _last_dense(self, t: int) -> int:
         """The last dense step at or before step ``t`` (from 0), for t >= W - 1."""

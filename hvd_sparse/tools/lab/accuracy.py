@@ -359,6 +359,9 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
     names = [f"{task_name}.{method}.{seed}.{n}" for n, _ in model.named_parameters()]
 
     local = sparsify == "frozen-local"
+    # the library's default unless HVD_SPARSE_ACC_REFRESH_CAP names one
+    cap = os.environ.get("HVD_SPARSE_ACC_REFRESH_CAP")
+    frozen_kw = {} if cap is None else {"refresh_cap": int(cap)}
 
     def ours(model: nn.Module) -> torch.optim.Optimizer:
         sp = sparsifier(base, warmup=2 * steps, density=density)
@@ -369,7 +372,7 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
             block_size=None if sp is None else int(os.environ.get("HVD_SPARSE_ACC_BLOCK", 4)),
             sparsify="frozen" if local else sparsify,
             dense_steps=0 if sp is None else dense_steps, local_updates=local and sp is not None,
-            refresh_cap=int(os.environ.get("HVD_SPARSE_ACC_REFRESH_CAP", 8)))
+            **frozen_kw)
 
     ddp_bytes, restored = None, None
     if base in POWERSGD:
@@ -439,7 +442,8 @@ def train(task_name: str, method: str, seed: int, density: float = DENSITY,
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"task": task_name, "method": method, "seed": seed, "density": density,
             "sparsify": sparsify, "dense_steps": dense_steps if base in SPARSIFIED else 0,
-            "wire": wire or "float32",
+            "wire": wire or "float32", "refresh_cap": cap,
+            "small_tensors": os.environ.get("HVD_SPARSE_ACC_SMALL", "whole"),
             "metric": task.metric, "resumed_at": resume_at, "restored": restored,
             "scores": scores, "score": scores[-1], "steps": total,
             "bytes_per_step": ddp_bytes if ddp_bytes is not None else sent / total,
@@ -456,7 +460,8 @@ def main() -> None:
     HVD_SPARSE_ACC_LM_STEPS; a dense warm-up of HVD_SPARSE_ACC_DENSE_STEPS steps; the
     sparsified methods' codec block HVD_SPARSE_ACC_BLOCK, default 4; "frozen-local": a flush
     every HVD_SPARSE_ACC_FLUSH_EVERY steps, default none; HVD_SPARSE_ACC_SMALL=sparse: small
-    tensors sparsified too; HVD_SPARSE_ACC_REFRESH_CAP: "frozen"'s refresh_cap, default 8)
+    tensors sparsified too; HVD_SPARSE_ACC_REFRESH_CAP: "frozen"'s refresh_cap, default the
+    library's)
     -> rank<r>.json
     lines in HVD_SPARSE_TEST_OUT (scripts/checks/convergence.py reads rank 0's)."""
     import json
